@@ -1,0 +1,18 @@
+"""dflash_jax: lossless DFlash speculative decoding in JAX.
+
+Public API::
+
+    from dflash_jax import load_target, load_drafter, load_pair, speculative_generate, generate
+"""
+
+from dflash_jax.config import ConfigError, DrafterConfig, ModelConfig
+from dflash_jax.checkpoints.safetensors_io import CheckpointError
+from dflash_jax.generation import GenerationOutput, compile_count, generate, speculative_generate
+from dflash_jax.loading import Drafter, Target, load_drafter, load_pair, load_target, random_drafter
+from dflash_jax.tokenizer import TokenizerMissingError
+
+__all__ = [
+    "CheckpointError", "ConfigError", "Drafter", "DrafterConfig", "GenerationOutput", "ModelConfig", "Target",
+    "TokenizerMissingError", "compile_count", "generate", "load_drafter", "load_pair", "load_target",
+    "random_drafter", "speculative_generate",
+]

@@ -1,0 +1,94 @@
+"""The two attention operations of the decode loop, as pure-jnp references.
+
+* :func:`cache_attention` — target attention over its KV cache (prefill and verify): query at absolute
+  position p sees cache entries at positions ``j <= p``. Entries past a row's committed length are stale
+  (rejected drafts) or padding; they always sit at positions greater than every current query and are
+  overwritten before any later query can see them, so the position test alone is the whole mask.
+* :func:`draft_attention` — drafter attention: block queries over the injected context cache (entries at
+  positions ``< ctx_len``) plus the block's own keys, non-causal (or causal + sliding window for
+  ``sliding_attention`` layers, as z-lab's reference does).
+
+Both are written as one joint softmax over key groups so the (large) context cache is never concatenated
+with anything. Scores and softmax are float32 whatever the input dtype. Pallas kernels (``pallas/``,
+``cuda/``) must match these functions; ``impl`` picks one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+NEG_INF = -1e30
+
+
+def _grouped_scores(q: Float[Array, "B T N H"], k: Float[Array, "B S K H"]) -> Float[Array, "B K G T S"]:
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, t, kh, n // kh, h)
+    return jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * (h ** -0.5)
+
+
+def _joint_softmax_attend(parts: list[tuple[jax.Array, jax.Array, jax.Array]], q_shape, dtype) -> jax.Array:
+    """parts: (scores [B K G T S_i], mask [B T S_i], values [B S_i K H]) → out [B T N H]."""
+    masked = [jnp.where(m[:, None, None], s, NEG_INF) for s, m, _ in parts]
+    m_max = masked[0].max(-1)
+    for s in masked[1:]:
+        m_max = jnp.maximum(m_max, s.max(-1))
+    denom = 0.0
+    out = 0.0
+    for s, (_, _, v) in zip(masked, parts):
+        p = jnp.exp(s - m_max[..., None])
+        denom = denom + p.sum(-1)
+        out = out + jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out / jnp.moveaxis(denom, 3, 1)[..., None]  # denom [B K G T] → [B T K G 1]
+    b, t, n, h = q_shape
+    return out.reshape(b, t, n, h).astype(dtype)
+
+
+def cache_attention(
+    q: Float[Array, "B T N H"],
+    k_cache: Float[Array, "B S K H"],
+    v_cache: Float[Array, "B S K H"],
+    q_positions: Int[Array, "B T"],
+    *,
+    impl: str = "xla",
+) -> Float[Array, "B T N H"]:
+    """Causal attention of queries at ``q_positions`` over a cache indexed by absolute position."""
+    del impl  # only the reference exists so far
+    s = k_cache.shape[1]
+    mask: Bool[Array, "B T S"] = jnp.arange(s)[None, None, :] <= q_positions[:, :, None]
+    scores = _grouped_scores(q, k_cache)
+    return _joint_softmax_attend([(scores, mask, v_cache)], q.shape, q.dtype)
+
+
+def draft_attention(
+    q: Float[Array, "B L N H"],
+    ctx_k: Float[Array, "B S K H"],
+    ctx_v: Float[Array, "B S K H"],
+    blk_k: Float[Array, "B L K H"],
+    blk_v: Float[Array, "B L K H"],
+    q_positions: Int[Array, "B L"],
+    ctx_len: Int[Array, "B"],
+    *,
+    causal: bool = False,
+    window: int | None = None,
+    impl: str = "xla",
+) -> Float[Array, "B L N H"]:
+    """Block queries over injected context K/V (positions < ctx_len) and the block's own K/V."""
+    del impl
+    s = ctx_k.shape[1]
+    ctx_pos = jnp.arange(s)[None, None, :]
+    qp = q_positions[:, :, None]
+    ctx_mask = jnp.broadcast_to(ctx_pos < ctx_len[:, None, None], (q.shape[0], q.shape[1], s))
+    blk_pos = q_positions[:, None, :]  # block keys sit at the block positions
+    blk_mask = jnp.ones((q.shape[0], q.shape[1], q.shape[1]), bool)
+    if causal:
+        blk_mask &= blk_pos <= qp
+    if window is not None:
+        ctx_mask &= qp - ctx_pos < window
+        blk_mask &= qp - blk_pos < window
+        if not causal:
+            blk_mask &= blk_pos - qp < window
+    parts = [(_grouped_scores(q, ctx_k), ctx_mask, ctx_v), (_grouped_scores(q, blk_k), blk_mask, blk_v)]
+    return _joint_softmax_attend(parts, q.shape, q.dtype)

@@ -1,0 +1,129 @@
+"""Hugging Face safetensors checkpoints ↔ NNX modules.
+
+Only safetensors (and GGUF, see :mod:`gguf_io`) are ever read: never pickle, never remote code.
+Our modules use HF names one-to-one, except that ``Dense.kernel`` is ``[in, out]`` (PyTorch ``weight`` is
+``[out, in]``) and the embedding table is ``embed_tokens.embedding`` (HF ``embed_tokens.weight``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+
+class CheckpointError(ValueError):
+    """Missing, corrupt or mismatched weight files."""
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The weight files of an HF directory: ``model.safetensors`` or the shards its index lists."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"corrupt safetensors index {index}: {e}") from None
+        files = [directory / f for f in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors weights in {directory} (only safetensors and GGUF are read)")
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"missing safetensors shard {f}")
+    return files
+
+
+def read_safetensors(files: Iterable[Path]) -> dict[str, np.ndarray]:
+    tensors: dict[str, np.ndarray] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="numpy") as st:
+                for name in st.keys():
+                    tensors[name] = st.get_tensor(name)
+        except Exception as e:  # safetensors raises several error types for truncated/corrupt files
+            raise CheckpointError(f"corrupt safetensors file {f}: {e}") from None
+    return tensors
+
+
+def hf_name(path: tuple, prefix: str) -> tuple[str, bool]:
+    """Module parameter path → (HF tensor name, needs transpose)."""
+    parts = [str(p) for p in path]
+    leaf = parts[-1]
+    if parts[-2:] == ["embed_tokens", "embedding"]:
+        return prefix + "embed_tokens.weight", False
+    base = ".".join(parts[:-1])
+    if parts[0] == "lm_head":
+        prefix = ""
+    if leaf == "kernel":
+        return prefix + base + ".weight", True
+    return prefix + base + "." + leaf, False
+
+
+def param_leaves(model: nnx.Module) -> list[tuple[tuple, nnx.Variable]]:
+    return [(tuple(path), var) for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))]
+
+
+def load_into(
+    model: nnx.Module,
+    tensors: Mapping[str, np.ndarray],
+    *,
+    prefix: str,
+    source: str,
+    dtype,
+    ignore: Callable[[str], bool] = lambda name: False,
+    place: Callable[[tuple, np.ndarray], jax.Array] | None = None,
+) -> None:
+    """Fill every parameter of ``model`` (possibly abstract, from ``nnx.eval_shape``) from ``tensors``.
+
+    Raises :class:`CheckpointError` naming missing tensors, unexpected tensors and shape mismatches.
+    """
+    place = place or (lambda path, arr: jnp.asarray(arr, dtype))
+    used: set[str] = set()
+    missing, mismatched = [], []
+    for path, var in param_leaves(model):
+        name, transpose = hf_name(path, prefix)
+        if name not in tensors:
+            missing.append(name)
+            continue
+        arr = tensors[name]
+        arr = arr.T if transpose else arr
+        if tuple(arr.shape) != tuple(var.shape):
+            mismatched.append(f"{name}: checkpoint {tuple(tensors[name].shape)} vs model "
+                              f"{tuple(var.shape[::-1]) if transpose else tuple(var.shape)}")
+            continue
+        used.add(name)
+        var.set_value(place(path, np.asarray(arr)))
+    unexpected = sorted(n for n in tensors if n not in used and n not in missing and not ignore(n)
+                        and not any(n == m.split(":")[0] for m in mismatched))
+    problems = []
+    if mismatched:
+        problems.append("shape mismatch (is this checkpoint for another model shape?): " + "; ".join(mismatched[:6]))
+    if missing:
+        problems.append(f"missing tensors: {missing[:8]}{' …' if len(missing) > 8 else ''}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {unexpected[:8]}{' …' if len(unexpected) > 8 else ''}")
+    if problems:
+        raise CheckpointError(f"{source}: " + " | ".join(problems))
+
+
+def state_to_hf(model: nnx.Module, *, prefix: str, dtype=np.float32) -> dict[str, np.ndarray]:
+    """Module parameters → HF-named numpy tensors (``[out, in]`` linear weights)."""
+    out = {}
+    for path, var in param_leaves(model):
+        name, transpose = hf_name(path, prefix)
+        arr = np.asarray(jax.device_get(var[...])).astype(dtype)
+        out[name] = np.ascontiguousarray(arr.T if transpose else arr)
+    return out
+
+
+def save_safetensors(tensors: Mapping[str, np.ndarray], path: Path) -> None:
+    save_file(dict(tensors), str(path), metadata={"format": "pt"})

@@ -1,0 +1,330 @@
+"""Model configurations parsed from Hugging Face / z-lab ``config.json`` files.
+
+Everything here is a frozen (hashable) dataclass so it can key compilation caches and be passed to
+``jax.jit`` as a static argument. Parsing validates what the models rely on and raises
+:class:`ConfigError` naming the offending field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+FAMILIES = ("llama", "qwen3")
+
+
+class ConfigError(ValueError):
+    """A config.json is missing, unreadable or describes something we cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding settings (HF ``rope_parameters`` or legacy ``rope_theta`` + ``rope_scaling``)."""
+
+    theta: float = 10000.0
+    kind: str = "default"  # default | linear | llama3 | yarn
+    factor: float = 1.0
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A decoder-only transformer of the LLaMA-3 / Qwen3 families (target models)."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family == "qwen3"
+
+    @property
+    def groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def validate(self) -> "ModelConfig":
+        if self.family not in FAMILIES:
+            raise ConfigError(f"model family {self.family!r} is not supported (expected one of {FAMILIES})")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"config field {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """A z-lab DFlash drafter: Qwen3-style layers over injected target features (SPEC §2, §4)."""
+
+    layers: ModelConfig  # the drafter's own transformer shape (vocab = the target's)
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int
+    layer_types: tuple[str, ...]
+    sliding_window: int | None = None
+    causal_sliding: bool = True  # z-lab: sliding_attention layers are causal unless `is_causal` says otherwise
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+
+    @property
+    def num_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    def layer_window(self, i: int) -> int | None:
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    def layer_causal(self, i: int) -> bool:
+        return self.layer_types[i] == "sliding_attention" and self.causal_sliding
+
+    def validate(self) -> "DrafterConfig":
+        self.layers.validate()
+        if self.block_size < 2:
+            raise ConfigError(f"drafter block_size must be >= 2, got {self.block_size}")
+        if len(self.layer_types) != self.layers.num_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for "
+                              f"{self.layers.num_layers} drafter layers")
+        for t in self.layer_types:
+            if t not in ("full_attention", "sliding_attention"):
+                raise ConfigError(f"unknown drafter layer type {t!r}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ConfigError("drafter has sliding_attention layers but no sliding_window")
+        if not self.target_layer_ids:
+            raise ConfigError("drafter target_layer_ids is empty")
+        if not 0 <= self.mask_token_id < self.layers.vocab_size:
+            raise ConfigError(f"mask_token_id {self.mask_token_id} is outside the vocabulary "
+                              f"(size {self.layers.vocab_size})")
+        return self
+
+    def check_target(self, target: ModelConfig) -> None:
+        """Raise if this drafter cannot run on ``target`` (SPEC §2: shared hidden size and vocabulary)."""
+        if self.layers.hidden_size != target.hidden_size:
+            raise ConfigError(f"drafter hidden_size {self.layers.hidden_size} != target hidden_size "
+                              f"{target.hidden_size}")
+        if self.layers.vocab_size != target.vocab_size:
+            raise ConfigError(f"drafter vocab_size {self.layers.vocab_size} != target vocab_size "
+                              f"{target.vocab_size}")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < target.num_layers]
+        if bad:
+            raise ConfigError(f"drafter target_layer_ids {list(self.target_layer_ids)} include {bad}, "
+                              f"out of range for a target with {target.num_layers} layers")
+        if not 0 <= self.mask_token_id < target.vocab_size:
+            raise ConfigError(f"mask_token_id {self.mask_token_id} is outside the target vocabulary "
+                              f"(size {target.vocab_size})")
+
+
+def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
+    """z-lab's default feature layers: evenly spread over [1, L-3] (SPEC §2)."""
+    if n == 1:
+        return (num_target_layers // 2,)
+    return tuple(int(round(1 + i * (num_target_layers - 4) / (n - 1))) for i in range(n))
+
+
+# --------------------------------------------------------------------------------------------------
+# Parsing
+# --------------------------------------------------------------------------------------------------
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"missing config file: {path}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"corrupt config file {path}: {e}") from None
+
+
+def _get(cfg: Mapping[str, Any], key: str, where: str) -> Any:
+    if key not in cfg or cfg[key] is None:
+        raise ConfigError(f"{where}: required field {key!r} is missing")
+    return cfg[key]
+
+
+def parse_rope(cfg: Mapping[str, Any]) -> RopeConfig:
+    """Accept transformers-5 ``rope_parameters`` and legacy ``rope_theta`` / ``rope_scaling``."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, Mapping) and "full_attention" in params and isinstance(params["full_attention"], Mapping):
+        params = params["full_attention"]  # per-layer-type form: our models use full attention
+    scaling = dict(params) if isinstance(params, Mapping) else dict(cfg.get("rope_scaling") or {})
+    theta = float(scaling.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    if kind not in ("default", "linear", "llama3", "yarn"):
+        raise ConfigError(f"rope type {kind!r} is not supported (default, linear, llama3, yarn)")
+    opt = lambda k, d=None: scaling.get(k, d) if scaling.get(k) is not None else d  # noqa: E731
+    orig = opt("original_max_position_embeddings")
+    return RopeConfig(
+        theta=theta,
+        kind=kind,
+        factor=float(opt("factor", 1.0)),
+        low_freq_factor=float(opt("low_freq_factor", 1.0)),
+        high_freq_factor=float(opt("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(orig) if orig is not None else None,
+        beta_fast=float(opt("beta_fast", 32.0)),
+        beta_slow=float(opt("beta_slow", 1.0)),
+        attention_factor=float(opt("attention_factor")) if opt("attention_factor") is not None else None,
+        mscale=float(opt("mscale")) if opt("mscale") is not None else None,
+        mscale_all_dim=float(opt("mscale_all_dim")) if opt("mscale_all_dim") is not None else None,
+        truncate=bool(opt("truncate", True)),
+    )
+
+
+def _family(cfg: Mapping[str, Any], where: str) -> str:
+    mt = str(cfg.get("model_type", "")).lower()
+    if mt in ("qwen3",):
+        return "qwen3"
+    if mt in ("llama",):
+        return "llama"
+    raise ConfigError(f"{where}: model_type {cfg.get('model_type')!r} is not supported "
+                      f"(expected 'llama' or 'qwen3')")
+
+
+def model_config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> ModelConfig:
+    family = _family(cfg, where)
+    if cfg.get("use_sliding_window"):
+        raise ConfigError(f"{where}: use_sliding_window=true targets are not supported")
+    hidden = int(_get(cfg, "hidden_size", where))
+    heads = int(_get(cfg, "num_attention_heads", where))
+    head_dim = cfg.get("head_dim") or hidden // heads
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []))
+    return ModelConfig(
+        family=family,
+        vocab_size=int(_get(cfg, "vocab_size", where)),
+        hidden_size=hidden,
+        intermediate_size=int(_get(cfg, "intermediate_size", where)),
+        num_layers=int(_get(cfg, "num_hidden_layers", where)),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope=parse_rope(cfg),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    ).validate()
+
+
+def drafter_config_from_hf(cfg: Mapping[str, Any], where: str = "drafter config.json") -> DrafterConfig:
+    """Parse a z-lab DFlash drafter config; DFlash keys may sit in ``dflash_config`` or at top level."""
+    dcfg = dict(cfg.get("dflash_config") or {})
+    value = lambda k, d=None: dcfg.get(k, cfg.get(k, d))  # noqa: E731
+    # The drafter's layers are Qwen3 layers whatever the target family (q_norm / k_norm always present).
+    layers = dataclasses.replace(model_config_from_hf({**cfg, "model_type": "qwen3", "use_sliding_window": False},
+                                                      where), family="qwen3")
+    if cfg.get("head_dim") is None:
+        raise ConfigError(f"{where}: drafter configs must give head_dim explicitly")
+    num_target_layers = value("num_target_layers")
+    ids = value("target_layer_ids")
+    if ids is None:
+        if num_target_layers is None:
+            raise ConfigError(f"{where}: neither target_layer_ids nor num_target_layers is given")
+        ids = default_target_layer_ids(int(num_target_layers), layers.num_layers)
+    mask = value("mask_token_id")
+    if mask is None:
+        raise ConfigError(f"{where}: mask_token_id is missing (dflash_config.mask_token_id)")
+    layer_types = tuple(cfg.get("layer_types") or ["full_attention"] * layers.num_layers)
+    is_causal = value("is_causal")
+    softcap = value("final_logit_softcapping")
+    return DrafterConfig(
+        layers=layers,
+        block_size=int(value("block_size", 16)),
+        mask_token_id=int(mask),
+        target_layer_ids=tuple(int(i) for i in ids),
+        num_target_layers=int(num_target_layers) if num_target_layers is not None else max(ids) + 1,
+        layer_types=layer_types,
+        sliding_window=int(cfg["sliding_window"]) if cfg.get("sliding_window") else None,
+        causal_sliding=True if is_causal is None else bool(is_causal),
+        input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+        output_multiplier=float(value("output_multiplier", 1.0)),
+        final_logit_softcapping=float(softcap) if softcap else None,
+    ).validate()
+
+
+def drafter_config_to_hf(c: DrafterConfig) -> dict[str, Any]:
+    """The z-lab config.json for a drafter (used by export and by tests)."""
+    m = c.layers
+    out: dict[str, Any] = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "attention_bias": m.attention_bias,
+        "attention_dropout": 0.0,
+        "block_size": c.block_size,
+        "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids)},
+        "dtype": "float32",
+        "head_dim": m.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.intermediate_size,
+        "layer_types": list(c.layer_types),
+        "max_position_embeddings": m.max_position_embeddings,
+        "num_attention_heads": m.num_heads,
+        "num_hidden_layers": m.num_layers,
+        "num_key_value_heads": m.num_kv_heads,
+        "num_target_layers": c.num_target_layers,
+        "rms_norm_eps": m.rms_norm_eps,
+        "rope_scaling": None,
+        "rope_theta": m.rope.theta,
+        "sliding_window": c.sliding_window,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "vocab_size": m.vocab_size,
+    }
+    if m.rope.kind != "default":
+        out["rope_scaling"] = {k: v for k, v in {
+            "rope_type": m.rope.kind, "factor": m.rope.factor, "low_freq_factor": m.rope.low_freq_factor,
+            "high_freq_factor": m.rope.high_freq_factor,
+            "original_max_position_embeddings": m.rope.original_max_position_embeddings}.items() if v is not None}
+    return out
+
+
+def rope_attention_factor(r: RopeConfig) -> float:
+    """YaRN's cos/sin magnitude scaling (1.0 for every other kind)."""
+    if r.kind != "yarn":
+        return 1.0
+    if r.attention_factor is not None:
+        return r.attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if r.mscale and r.mscale_all_dim:
+        return mscale(r.factor, r.mscale) / mscale(r.factor, r.mscale_all_dim)
+    return mscale(r.factor)

@@ -1,0 +1,158 @@
+"""The decode loop: prefill, then ``lax.while_loop`` over draft → verify → accept → commit cycles.
+
+Everything is static-shaped: a block is always ``L`` tokens, ragged acceptance is handled with per-row
+lengths and masks, and rows that finished keep riding along without committing. Nothing inside the loop
+talks to the host. Plain autoregressive decoding is the same loop with ``L = 1`` and no drafter, so the
+baseline and the speculative path share every line of target code.
+
+Cache positions: a row's target cache slot ``j`` holds absolute position ``j``. A verify writes K/V for
+``anchor_pos … anchor_pos+L-1`` before attending, so entries of rejected drafts are always overwritten
+before any query can see them (see :mod:`dflash_jax.attention`). The drafter's context cache is filled the
+same way from the verify's captured features; entries at or past the next anchor are masked by ``ctx_len``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Int
+
+from dflash_jax.decode.state import DecodeState, LoopSpec
+from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.target import TargetModel
+
+
+def _write_tokens(buf: Int[Array, "B O"], new: Int[Array, "B L"], start: Int[Array, "B"]) -> jax.Array:
+    return jax.vmap(lambda row, u, s: jax.lax.dynamic_update_slice(row, u, (s,)))(buf, new, start)
+
+
+def commit(state: DecodeState, proposed: Int[Array, "B L"], count: Int[Array, "B"],
+           record: bool = True) -> DecodeState:
+    """Commit the first ``count`` tokens of ``proposed`` per active row, cut at stop tokens and budgets.
+
+    ``proposed`` is the target's own choice at every block position (greedy: its argmax), so accepted drafts
+    and the bonus token are simply ``proposed[:, :a+1]``.
+    """
+    b, l = proposed.shape
+    active = ~state.done
+    in_count = jnp.arange(l)[None, :] < count[:, None]
+    is_stop = (proposed[..., None] == state.stop_ids[None, None, :]).any(-1) & in_count
+    hit_stop = is_stop.any(-1)
+    n = jnp.where(hit_stop, jnp.argmax(is_stop, axis=-1) + 1, count)
+    n = jnp.minimum(n, state.max_new - state.num_new)
+    n = jnp.where(active, n, 0)
+    num_new = state.num_new + n
+    last = jnp.take_along_axis(proposed, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0]
+    acc_lens, num_cycles = state.acc_lens, state.num_cycles
+    if record:
+        rows = jnp.arange(b)
+        slot = jnp.minimum(num_cycles, acc_lens.shape[1] - 1)
+        acc_lens = acc_lens.at[rows, slot].set(jnp.where(active, count, acc_lens[rows, slot]))
+        num_cycles = num_cycles + active.astype(num_cycles.dtype)
+    return DecodeState(
+        tokens=_write_tokens(state.tokens, proposed, state.num_new),  # past num_new: scratch
+        num_new=num_new,
+        max_new=state.max_new,
+        anchor=jnp.where(n > 0, last, state.anchor),
+        anchor_pos=state.anchor_pos + n,
+        done=state.done | (active & hit_stop) | (num_new >= state.max_new),
+        acc_lens=acc_lens,
+        num_cycles=num_cycles,
+        stop_ids=state.stop_ids,
+        target_cache=state.target_cache,
+        draft_cache=state.draft_cache,
+    )
+
+
+def prefill(
+    target: TargetModel,
+    drafter: DFlashDrafter | None,
+    prompt: Int[Array, "B P"],
+    prompt_len: Int[Array, "B"],
+    max_new: Int[Array, "B"],
+    stop_ids: Int[Array, "Z"],
+    spec: LoopSpec,
+    capacity: int,
+) -> DecodeState:
+    """Target over the (right-padded) prompts; first token; drafter context for all prompt positions."""
+    b, p = prompt.shape
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    hidden, feats, tcache = target(prompt, positions, target.new_cache(b, capacity), capture=spec.capture,
+                                   prefill=True, impl=spec.impl)
+    last_h = jnp.take_along_axis(hidden, (prompt_len - 1)[:, None, None], axis=1)  # [B, 1, D]
+    first = jnp.argmax(target.logits(last_h), axis=-1).astype(jnp.int32)  # [B, 1]
+    dcache = None
+    if drafter is not None:
+        dcache = drafter.materialize(drafter.new_cache(b, capacity), feats, positions)
+    state = DecodeState(
+        tokens=jnp.zeros((b, spec.new_capacity + spec.block_size), jnp.int32),
+        num_new=jnp.zeros((b,), jnp.int32),
+        max_new=max_new,
+        anchor=first[:, 0],
+        anchor_pos=prompt_len - 1,  # as if the last prompt token were the anchor; commit advances it
+        done=jnp.zeros((b,), bool),
+        acc_lens=jnp.zeros((b, spec.new_capacity), jnp.int32),
+        num_cycles=jnp.zeros((b,), jnp.int32),
+        stop_ids=stop_ids,
+        target_cache=tcache,
+        draft_cache=dcache,
+    )
+    # The first token is committed like any other (it may be a stop token, or the whole budget).
+    return commit(state, first, jnp.ones((b,), jnp.int32), record=False)
+
+
+def cycle(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, spec: LoopSpec,
+          mask_token_id: int) -> DecodeState:
+    """One draft → verify → accept → commit step for every row (finished rows commit nothing)."""
+    l = spec.block_size
+    b = state.anchor.shape[0]
+    positions = state.anchor_pos[:, None] + jnp.arange(l, dtype=jnp.int32)[None, :]
+    block = state.anchor[:, None]
+    dcache = state.draft_cache
+    if drafter is not None and l > 1:
+        masks = jnp.full((b, l - 1), mask_token_id, jnp.int32)
+        draft_in = jnp.concatenate([block, masks], axis=1)
+        h = drafter(target.embed(draft_in), positions, dcache, state.anchor_pos, impl=spec.impl)
+        drafts = jnp.argmax(drafter.draft_logits(h[:, 1:], target), axis=-1).astype(jnp.int32)
+        block = jnp.concatenate([block, drafts], axis=1)
+    hidden, feats, tcache = target(block, positions, state.target_cache, capture=spec.capture, impl=spec.impl)
+    choice = jnp.argmax(target.logits(hidden), axis=-1).astype(jnp.int32)  # [B, L]
+    # a = number of leading drafts equal to the target's choice one position earlier.
+    matches = (block[:, 1:] == choice[:, :-1]).astype(jnp.int32)
+    accepted = jnp.cumprod(matches, axis=1).sum(axis=1)
+    if drafter is not None and l > 1:
+        dcache = drafter.materialize(dcache, feats, positions)
+    state = dataclasses.replace(state, target_cache=tcache, draft_cache=dcache)
+    return commit(state, choice, accepted + 1)
+
+
+def decode(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, spec: LoopSpec,
+           mask_token_id: int) -> DecodeState:
+    return jax.lax.while_loop(
+        lambda s: ~jnp.all(s.done),
+        lambda s: cycle(target, drafter, s, spec, mask_token_id),
+        state,
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Pure entry points (graph definitions static, parameters as pytrees) for jit / AOT compilation.
+# --------------------------------------------------------------------------------------------------
+
+def _merge(graphdefs, params):
+    target = nnx.merge(graphdefs[0], params[0])
+    drafter = nnx.merge(graphdefs[1], params[1]) if graphdefs[1] is not None else None
+    return target, drafter
+
+
+def prefill_fn(graphdefs, params, prompt, prompt_len, max_new, stop_ids, *, spec: LoopSpec, capacity: int):
+    target, drafter = _merge(graphdefs, params)
+    return prefill(target, drafter, prompt, prompt_len, max_new, stop_ids, spec, capacity)
+
+
+def decode_fn(graphdefs, params, state, *, spec: LoopSpec, mask_token_id: int):
+    target, drafter = _merge(graphdefs, params)
+    return decode(target, drafter, state, spec, mask_token_id)

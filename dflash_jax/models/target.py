@@ -1,0 +1,155 @@
+"""Target models: LLaMA-3 and Qwen3 decoder-only transformers in Flax NNX.
+
+The KV cache lives outside the module (:class:`KVCache`, a pytree of per-layer arrays indexed by absolute
+position) and is returned updated, so the decode loop can carry and donate it. A forward can capture the
+outputs of any set of decoder layers: those are the DFlash context features (SPEC §2.1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from dflash_jax import attention
+from dflash_jax.config import ModelConfig
+from dflash_jax.models.layers import MLP, Dense, Embed, RMSNorm, Rope, apply_rope
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Per-layer keys and values, each ``[B, S, K, H]``, slot ``j`` holding absolute position ``j``."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @staticmethod
+    def zeros(num_layers: int, batch: int, capacity: int, kv_heads: int, head_dim: int, dtype) -> "KVCache":
+        shape = (batch, capacity, kv_heads, head_dim)
+        return KVCache(tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+                       tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1]
+
+
+def write_rows(cache: Float[Array, "B S K H"], new: Float[Array, "B T K H"], start: Int[Array, "B"]) -> jax.Array:
+    """Write ``new`` into each row's cache at its own offset (in place under donation)."""
+    return jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u.astype(c.dtype), (s, 0, 0)))(cache, new, start)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = Dense(d, n * h, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Dense(d, k * h, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Dense(d, k * h, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Dense(n * h, d, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
+        self.n, self.k, self.h = n, k, h
+
+    def project_qkv(self, x: Float[Array, "B T D"], cos, sin):
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.n, self.h)
+        k = self.k_proj(x).reshape(b, t, self.k, self.h)
+        v = self.v_proj(x).reshape(b, t, self.k, self.h)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def __call__(self, x, positions, cos, sin, k_cache, v_cache, *, prefill: bool, impl: str):
+        q, k, v = self.project_qkv(x, cos, sin)
+        if prefill:
+            # Empty cache: attend over the prompt's own keys (slot j = position j), then store them.
+            out = attention.cache_attention(q, k, v, positions, impl=impl)
+            k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, 0, 0))
+            v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, 0, 0))
+        else:
+            k_cache = write_rows(k_cache, k, positions[:, 0])
+            v_cache = write_rows(v_cache, v, positions[:, 0])
+            out = attention.cache_attention(q, k_cache, v_cache, positions, impl=impl)
+        b, t = x.shape[:2]
+        return self.o_proj(out.reshape(b, t, self.n * self.h)), k_cache, v_cache
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, cos, sin, k_cache, v_cache, *, prefill: bool, impl: str):
+        a, k_cache, v_cache = self.self_attn(self.input_layernorm(x), positions, cos, sin, k_cache, v_cache,
+                                             prefill=prefill, impl=impl)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
+
+
+class TargetModel(nnx.Module):
+    """A LLaMA-3 / Qwen3 causal LM. Weights follow HF names (``layers.i.self_attn.q_proj`` …)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.config = cfg
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Dense(cfg.hidden_size, cfg.vocab_size, bias=False,
+                                                                   dtype=dtype, rngs=rngs)
+        self.rope = Rope(cfg)
+
+    @property
+    def dtype(self):
+        return self.embed_tokens.embedding[...].dtype
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        c = self.config
+        return KVCache.zeros(c.num_layers, batch, capacity, c.num_kv_heads, c.head_dim, self.dtype)
+
+    def embed(self, ids: Int[Array, "*b"]) -> jax.Array:
+        return self.embed_tokens(ids)
+
+    def logits(self, h: Float[Array, "*b D"]) -> Float[Array, "*b V"]:
+        """Float32 logits from final-normed hidden states (tied or separate lm_head)."""
+        w = self.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head.kernel[...]
+        return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+
+    def __call__(
+        self,
+        tokens: Int[Array, "B T"],
+        positions: Int[Array, "B T"],
+        cache: KVCache,
+        *,
+        capture: tuple[int, ...] = (),
+        prefill: bool = False,
+        impl: str = "xla",
+    ) -> tuple[Float[Array, "B T D"], Float[Array, "B T F"] | None, KVCache]:
+        """Run ``tokens`` at ``positions`` (consecutive per row), writing their K/V into ``cache``.
+
+        ``prefill=True`` means the cache is empty and positions are ``0..T-1``. Returns the final-normed
+        hidden states, the concatenated outputs of the ``capture`` layers (HF ``hidden_states[l+1]``; for the
+        last layer HF reports it after the final norm, and so do we) and the updated cache.
+        """
+        cos, sin = self.rope(positions)
+        x = self.embed(tokens)
+        ks, vs, captured = list(cache.k), list(cache.v), {}
+        n = self.config.num_layers
+        for i, layer in enumerate(self.layers):
+            x, ks[i], vs[i] = layer(x, positions, cos, sin, ks[i], vs[i], prefill=prefill, impl=impl)
+            if i in capture and i != n - 1:
+                captured[i] = x
+        h = self.norm(x)
+        if n - 1 in capture:
+            captured[n - 1] = h
+        feats = jnp.concatenate([captured[i] for i in capture], axis=-1) if capture else None
+        return h, feats, KVCache(tuple(ks), tuple(vs))
