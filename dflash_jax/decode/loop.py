@@ -104,29 +104,45 @@ def prefill(
     return commit(state, first, jnp.ones((b,), jnp.int32), record=False)
 
 
-def cycle(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, spec: LoopSpec,
-          mask_token_id: int) -> DecodeState:
-    """One draft → verify → accept → commit step for every row (finished rows commit nothing)."""
+def block_positions(state: DecodeState, block_size: int) -> Int[Array, "B L"]:
+    return state.anchor_pos[:, None] + jnp.arange(block_size, dtype=jnp.int32)[None, :]
+
+
+def propose(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, spec: LoopSpec,
+            mask_token_id: int) -> Int[Array, "B L"]:
+    """The block to verify: ``[anchor, d_1 … d_{L-1}]``, drafts from one drafter forward (SPEC §2)."""
     l = spec.block_size
-    b = state.anchor.shape[0]
-    positions = state.anchor_pos[:, None] + jnp.arange(l, dtype=jnp.int32)[None, :]
-    block = state.anchor[:, None]
-    dcache = state.draft_cache
-    if drafter is not None and l > 1:
-        masks = jnp.full((b, l - 1), mask_token_id, jnp.int32)
-        draft_in = jnp.concatenate([block, masks], axis=1)
-        h = drafter(target.embed(draft_in), positions, dcache, state.anchor_pos, impl=spec.impl)
-        drafts = jnp.argmax(drafter.draft_logits(h[:, 1:], target), axis=-1).astype(jnp.int32)
-        block = jnp.concatenate([block, drafts], axis=1)
+    anchor = state.anchor[:, None]
+    if drafter is None or l == 1:
+        return anchor
+    masks = jnp.full((anchor.shape[0], l - 1), mask_token_id, jnp.int32)
+    h = drafter(target.embed(jnp.concatenate([anchor, masks], axis=1)), block_positions(state, l),
+                state.draft_cache, state.anchor_pos, impl=spec.impl)
+    drafts = jnp.argmax(drafter.draft_logits(h[:, 1:], target), axis=-1).astype(jnp.int32)
+    return jnp.concatenate([anchor, drafts], axis=1)
+
+
+def verify(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, block: Int[Array, "B L"],
+           spec: LoopSpec) -> DecodeState:
+    """Target forward over the block, greedy acceptance + bonus, commit, drafter context update (SPEC §3)."""
+    positions = block_positions(state, block.shape[1])
     hidden, feats, tcache = target(block, positions, state.target_cache, capture=spec.capture, impl=spec.impl)
     choice = jnp.argmax(target.logits(hidden), axis=-1).astype(jnp.int32)  # [B, L]
     # a = number of leading drafts equal to the target's choice one position earlier.
     matches = (block[:, 1:] == choice[:, :-1]).astype(jnp.int32)
     accepted = jnp.cumprod(matches, axis=1).sum(axis=1)
-    if drafter is not None and l > 1:
+    dcache = state.draft_cache
+    if drafter is not None and block.shape[1] > 1:
+        # All L rows are written; those past the new anchor are masked by ctx_len and overwritten later.
         dcache = drafter.materialize(dcache, feats, positions)
     state = dataclasses.replace(state, target_cache=tcache, draft_cache=dcache)
     return commit(state, choice, accepted + 1)
+
+
+def cycle(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, spec: LoopSpec,
+          mask_token_id: int) -> DecodeState:
+    """One draft → verify → accept → commit step for every row (finished rows commit nothing)."""
+    return verify(target, drafter, state, propose(target, drafter, state, spec, mask_token_id), spec)
 
 
 def decode(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, spec: LoopSpec,

@@ -1,0 +1,99 @@
+"""Lossless: speculative_generate == generate token for token (float32), across block sizes, batches,
+prompt lengths, stop tokens and budgets; and no recompilation within a bucket."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import oracle_drafter, random_prompts, tiny_target
+from dflash_jax import compile_count, generate, random_drafter, speculative_generate
+
+
+def assert_same(spec, ref):
+    assert spec.token_ids == ref.token_ids
+    assert spec.finish_reasons == ref.finish_reasons
+    for acc, toks in zip(spec.acceptance_lengths, spec.token_ids):
+        assert all(1 <= a for a in acc)
+        # Every cycle commits its acceptance length except where a stop token or the budget cuts it.
+        assert sum(acc) >= len(toks) - 1
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_random_drafter_lossless(family, block_size, batch):
+    target = tiny_target(family, seed=1)
+    drafter = random_drafter(target, block_size=16, num_layers=1, seed=2)
+    prompts = random_prompts(batch, [5, 17, 9, 30], target.config.vocab_size, seed=block_size)
+    ref = generate(target, prompts, max_new_tokens=40, stop_token_ids=[])
+    out = speculative_generate(target, drafter, prompts, max_new_tokens=40, block_size=block_size,
+                               stop_token_ids=[])
+    assert_same(out, ref)
+    assert all(len(t) == 40 for t in out.token_ids)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+@pytest.mark.parametrize("corrupt", [0.0, 0.1, 0.4])
+def test_oracle_drafter_lossless_every_acceptance_length(block_size, corrupt):
+    """Drafts that are right most of the time: acceptance lengths spread over 1..L, output unchanged."""
+    target = tiny_target("qwen3", seed=3)
+    prompts = random_prompts(4, [3, 12, 7, 21], target.config.vocab_size, seed=4)
+    ref = generate(target, prompts, max_new_tokens=60, stop_token_ids=[])
+    drafter = oracle_drafter(target, prompts, ref.token_ids, block_size=block_size, corrupt=corrupt)
+    out = speculative_generate(target, drafter, prompts, max_new_tokens=60, stop_token_ids=[])
+    assert_same(out, ref)
+    lengths = {a for row in out.acceptance_lengths for a in row}
+    if corrupt == 0.0:
+        assert max(lengths) == block_size and out.tau > block_size * 0.7
+    else:
+        assert len(lengths) >= min(block_size, 3)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_stop_tokens_and_budgets(block_size):
+    """Stop tokens anywhere inside an accepted block end that row there (stop token included)."""
+    target = tiny_target("llama", seed=5)
+    prompts = random_prompts(4, [4, 11, 6, 19], target.config.vocab_size, seed=6)
+    free = generate(target, prompts, max_new_tokens=50, stop_token_ids=[])
+    # Stop on tokens that really occur mid-way through some rows' continuations.
+    stops = sorted({free.token_ids[0][7], free.token_ids[2][20]})
+    ref = generate(target, prompts, max_new_tokens=50, stop_token_ids=stops)
+    assert any(r == "stop" for r in ref.finish_reasons)
+    for row, free_row in zip(ref.token_ids, free.token_ids):
+        cut = next((i + 1 for i, t in enumerate(free_row) if t in stops), len(free_row))
+        assert row == free_row[:cut]
+    drafter = oracle_drafter(target, prompts, free.token_ids, block_size=block_size, corrupt=0.2)
+    out = speculative_generate(target, drafter, prompts, max_new_tokens=50, stop_token_ids=stops)
+    assert_same(out, ref)
+    # A budget shorter than one block.
+    short = speculative_generate(target, drafter, prompts, max_new_tokens=3, stop_token_ids=stops)
+    assert short.token_ids == generate(target, prompts, max_new_tokens=3, stop_token_ids=stops).token_ids
+
+
+def test_first_token_is_a_stop_token():
+    target = tiny_target("qwen3", seed=7)
+    prompts = random_prompts(2, [6, 9], target.config.vocab_size, seed=8)
+    first = generate(target, prompts, max_new_tokens=5, stop_token_ids=[]).token_ids[0][0]
+    drafter = random_drafter(target, block_size=4, num_layers=1)
+    out = speculative_generate(target, drafter, prompts, max_new_tokens=20, stop_token_ids=[first])
+    assert out.token_ids[0] == [first] and out.finish_reasons[0] == "stop"
+    assert out.acceptance_lengths[0] == []
+    assert out.token_ids == generate(target, prompts, max_new_tokens=20, stop_token_ids=[first]).token_ids
+
+
+def test_no_recompilation_within_a_bucket():
+    target = tiny_target("qwen3", seed=9)
+    drafter = random_drafter(target, block_size=8, num_layers=1)
+    kw = dict(max_new_tokens=30, block_size=8)
+    speculative_generate(target, drafter, random_prompts(3, [5, 9, 12], 64, seed=1), stop_token_ids=[1], **kw)
+    generate(target, random_prompts(3, [5, 9, 12], 64, seed=1), max_new_tokens=30, stop_token_ids=[1])
+    before = compile_count()
+    # Different prompts, prompt lengths in the same bucket, different stop ids and a smaller budget.
+    speculative_generate(target, drafter, random_prompts(3, [7, 14, 3], 64, seed=2), stop_token_ids=[4, 5],
+                         **{**kw, "max_new_tokens": 20})
+    generate(target, random_prompts(3, [7, 14, 3], 64, seed=2), max_new_tokens=20, stop_token_ids=[])
+    assert compile_count() == before
+    # A new block size is a new program.
+    speculative_generate(target, drafter, random_prompts(3, [7, 14, 3], 64, seed=2), max_new_tokens=20,
+                         block_size=4)
+    assert compile_count() == before + 2
