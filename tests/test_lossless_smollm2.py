@@ -1,0 +1,47 @@
+"""Lossless on the real SmolLM2-135M-Instruct weights with a random drafter (block sizes 2/4/8/16)."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_jax import generate, random_drafter, speculative_generate
+from dflash_jax.loading import SMOLLM2_MASK_TOKEN_ID
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Write a haiku about the sea.",
+    "What is 17 times 3? Explain briefly.",
+    "Name a primary colour.",
+    "Give me two tips for writing clean Python code, with a short example of each one.",
+]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def drafter(smollm2):
+    return random_drafter(smollm2, block_size=16, num_layers=1, mask_token_id=SMOLLM2_MASK_TOKEN_ID, seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    return {stops: generate(smollm2, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=None if stops else [])
+            for stops in (True, False)}
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_batch4_with_stop_tokens(smollm2, drafter, reference, block_size):
+    out = speculative_generate(smollm2, drafter, PROMPTS, max_new_tokens=MAX_NEW, block_size=block_size)
+    ref = reference[True]
+    assert len({len(p) for p in out.prompt_token_ids}) == 4  # different prompt lengths in one batch
+    assert out.token_ids == ref.token_ids
+    assert out.texts == ref.texts
+    assert "stop" in ref.finish_reasons  # the short answer ends with <|im_end|> inside the budget
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_batch1_without_stop_tokens(smollm2, drafter, reference, block_size):
+    out = speculative_generate(smollm2, drafter, PROMPTS[3:], max_new_tokens=MAX_NEW, block_size=block_size,
+                               stop_token_ids=[])
+    assert out.token_ids == reference[False].token_ids[3:]
+    assert len(out.token_ids[0]) == MAX_NEW
