@@ -111,6 +111,7 @@ def main() -> int:
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-8b", action="store_true")
+    ap.add_argument("--commit", help="the commit benchmarked (when the tree has no .git)")
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
 
@@ -118,8 +119,8 @@ def main() -> int:
     bw = copy_bandwidth()
     info = dict(device=str(dev.device_kind), platform=dev.platform, jax=jax.__version__,
                 copy_bandwidth_GBps=bw / 1e9, date=time.strftime("%Y-%m-%d"), host=platform.node(),
-                commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                      text=True).stdout.strip() or "unknown")
+                commit=args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                     text=True).stdout.strip() or "unknown")
     print(json.dumps(info), flush=True)
     rows = []
     if args.gguf:
