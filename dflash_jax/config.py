@@ -283,6 +283,7 @@ def drafter_config_to_hf(c: DrafterConfig) -> dict[str, Any]:
     m = c.layers
     out: dict[str, Any] = {
         "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},  # what z-lab's own loader expects
         "model_type": "qwen3",
         "attention_bias": m.attention_bias,
         "attention_dropout": 0.0,
@@ -292,6 +293,7 @@ def drafter_config_to_hf(c: DrafterConfig) -> dict[str, Any]:
         "head_dim": m.head_dim,
         "hidden_act": "silu",
         "hidden_size": m.hidden_size,
+        "initializer_range": 0.02,
         "intermediate_size": m.intermediate_size,
         "layer_types": list(c.layer_types),
         "max_position_embeddings": m.max_position_embeddings,
@@ -304,6 +306,7 @@ def drafter_config_to_hf(c: DrafterConfig) -> dict[str, Any]:
         "rope_theta": m.rope.theta,
         "sliding_window": c.sliding_window,
         "tie_word_embeddings": False,
+        "use_cache": True,
         "use_sliding_window": False,
         "vocab_size": m.vocab_size,
     }

@@ -71,8 +71,9 @@ class Attention(nnx.Module):
         if prefill:
             # Empty cache: attend over the prompt's own keys (slot j = position j), then store them.
             out = attention.cache_attention(q, k, v, positions, impl=impl)
-            k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, 0, 0))
-            v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, 0, 0))
+            if k_cache is not None:  # None: a cache-free forward (training features)
+                k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, 0, 0))
+                v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, 0, 0))
         else:
             k_cache = write_rows(k_cache, k, positions[:, 0])
             v_cache = write_rows(v_cache, v, positions[:, 0])
@@ -128,7 +129,7 @@ class TargetModel(nnx.Module):
         self,
         tokens: Int[Array, "B T"],
         positions: Int[Array, "B T"],
-        cache: KVCache,
+        cache: KVCache | None,
         *,
         capture: tuple[int, ...] = (),
         prefill: bool = False,
@@ -136,14 +137,18 @@ class TargetModel(nnx.Module):
     ) -> tuple[Float[Array, "B T D"], Float[Array, "B T F"] | None, KVCache]:
         """Run ``tokens`` at ``positions`` (consecutive per row), writing their K/V into ``cache``.
 
-        ``prefill=True`` means the cache is empty and positions are ``0..T-1``. Returns the final-normed
+        ``prefill=True`` means the cache is empty and positions are ``0..T-1``; then ``cache`` may be ``None``
+        (no K/V are kept). Returns the final-normed
         hidden states, the concatenated outputs of the ``capture`` layers (HF ``hidden_states[l+1]``; for the
         last layer HF reports it after the final norm, and so do we) and the updated cache.
         """
         cos, sin = self.rope(positions)
         x = self.embed(tokens)
-        ks, vs, captured = list(cache.k), list(cache.v), {}
         n = self.config.num_layers
+        if cache is None and not prefill:
+            raise ValueError("a cache is required unless prefill=True")
+        ks, vs = (list(cache.k), list(cache.v)) if cache is not None else ([None] * n, [None] * n)
+        captured = {}
         for i, layer in enumerate(self.layers):
             x, ks[i], vs[i] = layer(x, positions, cos, sin, ks[i], vs[i], prefill=prefill, impl=impl)
             if i in capture and i != n - 1:
@@ -152,4 +157,4 @@ class TargetModel(nnx.Module):
         if n - 1 in capture:
             captured[n - 1] = h
         feats = jnp.concatenate([captured[i] for i in capture], axis=-1) if capture else None
-        return h, feats, KVCache(tuple(ks), tuple(vs))
+        return h, feats, KVCache(tuple(ks), tuple(vs)) if cache is not None else None

