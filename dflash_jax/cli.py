@@ -1,4 +1,4 @@
-"""Command line: ``dflash-jax demo`` (more subcommands arrive with the batch and training issues)."""
+"""Command line: ``dflash-jax demo`` and ``dflash-jax train``."""
 
 from __future__ import annotations
 
@@ -42,6 +42,19 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from dflash_jax.train.pipeline import STAGES, run
+
+    stages = tuple(args.stages.split(",")) if args.stages else STAGES
+    result = run(args.config, stages, out_dir=args.out_dir, progress=not args.no_progress)
+    ev = result.get("eval") or {}
+    for name, r in ev.items():
+        if isinstance(r, dict):
+            print(f"{name}: tau {r['tau']:.2f} over {r['prompts']} prompts, speculative vs AR {r['speedup']:.2f}x")
+    print(f"outputs in {result['out_dir']}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dflash-jax", description="DFlash speculative decoding in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--block-size", type=int, default=None)
     demo.add_argument("--prompt", action="append", help="a prompt (repeatable); default: three built-in prompts")
     demo.set_defaults(func=_demo)
+    train = sub.add_parser("train", help="train a DFlash drafter: data → train → export → eval (resumable)")
+    train.add_argument("--config", required=True, help="configs/<pair>.yaml with a 'training' section")
+    train.add_argument("--stages", help="comma-separated subset of prompts,data,train,export,eval")
+    train.add_argument("--out-dir", help="override training.out_dir")
+    train.add_argument("--no-progress", action="store_true")
+    train.set_defaults(func=_train)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)

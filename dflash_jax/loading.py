@@ -155,16 +155,20 @@ def load_drafter(source: str | Path, target: Target | TargetModel | None = None,
 
 
 def random_drafter(target: Target | TargetModel, *, num_layers: int = 2, block_size: int = 16,
-                   mask_token_id: int | None = None, num_features: int = 5, seed: int = 0,
-                   dtype: Any = None) -> Drafter:
-    """An untrained drafter of the right shape for ``target`` (for tests and overhead measurements)."""
+                   mask_token_id: int | None = None, num_features: int = 5,
+                   target_layer_ids: tuple[int, ...] | None = None, seed: int = 0, dtype: Any = None) -> Drafter:
+    """An untrained drafter of the right shape for ``target`` (training starts here; tests use it as is).
+
+    Feature layers: ``target_layer_ids`` or z-lab's default spread of ``num_features`` layers.
+    """
     tc = as_target(target).config
     n = min(num_features, tc.num_layers)
+    ids = tuple(target_layer_ids) if target_layer_ids is not None else default_target_layer_ids(tc.num_layers, n)
     layers = dataclasses.replace(tc, family="qwen3", num_layers=num_layers, tie_word_embeddings=False)
     cfg = DrafterConfig(
         layers=layers, block_size=block_size,
         mask_token_id=tc.vocab_size - 1 if mask_token_id is None else mask_token_id,
-        target_layer_ids=default_target_layer_ids(tc.num_layers, n), num_target_layers=tc.num_layers,
+        target_layer_ids=ids, num_target_layers=tc.num_layers,
         layer_types=("full_attention",) * num_layers,
     ).validate()
     cfg.check_target(tc)

@@ -85,7 +85,7 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int, max_position_embeddings: int)
     if rope.kind == "linear":
         return inv / rope.factor
     if rope.kind == "llama3":
-        old = rope.original_max_position_embeddings or 8192
+        old = rope.original_max_position_embeddings or max_position_embeddings  # as transformers 5
         low_wl, high_wl = old / rope.low_freq_factor, old / rope.high_freq_factor
         wavelen = 2 * math.pi / inv
         out = np.where(wavelen > low_wl, inv / rope.factor, inv)

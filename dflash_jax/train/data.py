@@ -86,9 +86,43 @@ def humaneval_prompts() -> list[str]:
         return [json.loads(line)["prompt"] for line in f if line.strip()]
 
 
-def mtbench_first_turns() -> list[str]:
+def mtbench_turns() -> list[list[str]]:
     with mtbench_path().open(encoding="utf-8") as f:
-        return [json.loads(line)["turns"][0] for line in f if line.strip()]
+        return [json.loads(line)["turns"] for line in f if line.strip()]
+
+
+def mtbench_first_turns() -> list[str]:
+    return [turns[0] for turns in mtbench_turns()]
+
+
+def held_out_texts() -> list[str]:
+    """Every evaluation prompt, raw and as posed to the model: never allowed into training data."""
+    code = humaneval_prompts()
+    return code + [humaneval_chat_prompt(c) for c in code] + [t for turns in mtbench_turns() for t in turns]
+
+
+def read_prompt_file(path: Path) -> list[str | list[int]]:
+    """JSONL rows with ``prompt`` (text) or ``token_ids``; raises DataError naming the bad line."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"prompts file {path} does not exist")
+    out: list[str | list[int]] = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{n}: invalid JSON ({e})") from None
+        if isinstance(row, dict) and isinstance(row.get("prompt"), str) and row["prompt"]:
+            out.append(row["prompt"])
+        elif isinstance(row, dict) and isinstance(row.get("token_ids"), list) and row["token_ids"]:
+            out.append([int(t) for t in row["token_ids"]])
+        else:
+            raise DataError(f"{path}:{n}: expected an object with a non-empty 'prompt' or 'token_ids'")
+    if not out:
+        raise DataError(f"prompts file {path} has no prompts")
+    return out
 
 
 def humaneval_chat_prompt(code: str) -> str:

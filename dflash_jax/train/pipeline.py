@@ -1,0 +1,306 @@
+"""``dflash-jax train --config configs/<pair>.yaml``: prompts → self-distillation data → training → τ
+evaluation → z-lab export. Every stage writes into ``out_dir`` and skips work already done, so an
+interrupted run is continued by running the same command again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+from tqdm.auto import tqdm
+
+from dflash_jax.config import ConfigError
+from dflash_jax.loading import Drafter, Target, load_drafter, load_target, random_drafter
+from dflash_jax.train import data as data_mod
+from dflash_jax.train.trainer import Trainer, TrainSettings, plot_history
+
+log = logging.getLogger("dflash_jax")
+
+STAGES = ("prompts", "data", "train", "eval", "export")
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterSpec:
+    num_layers: int = 2
+    block_size: int = 16
+    mask_token_id: int | None = None
+    num_features: int = 5
+    target_layer_ids: tuple[int, ...] | None = None
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    num_prompts: int = 20000
+    min_chars: int = 16
+    max_chars: int = 2000
+    max_prompt_tokens: int = 256
+    max_new_tokens: int = 512
+    generate_batch_size: int = 128
+    prompts_file: str | None = None  # jsonl of {"prompt": …}; default: ShareGPT first turns
+    chunk_batches: int = 8  # data is written in parts of this many generation batches (resumable)
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+    sets: tuple[str, ...] = ("humaneval", "mtbench")
+    max_new_tokens: int = 256
+    batch_size: int = 32
+    limit: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    name: str
+    target: str
+    out_dir: str
+    dtype: str = "float32"
+    chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
+    drafter: DrafterSpec = DrafterSpec()
+    data: DataSpec = DataSpec()
+    train: TrainSettings = TrainSettings()
+    eval: EvalSpec = EvalSpec()
+    export_dtype: str = "bfloat16"
+
+
+def _section(cls, raw: Any, where: str):
+    if raw is None:
+        return cls()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {unknown} (allowed: {sorted(names)})")
+    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
+    return cls(**kw)
+
+
+def load_run_config(path: str | Path, out_dir: str | None = None) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    tr = raw.get("training")
+    if not isinstance(tr, dict):
+        raise ConfigError(f"{path}: no 'training' section (needed by `dflash-jax train`)")
+    for key in ("target",):
+        if key not in raw:
+            raise ConfigError(f"{path}: missing key {key!r}")
+    cfg = RunConfig(
+        name=str(raw.get("name", path.stem)),
+        target=str(raw["target"]),
+        out_dir=out_dir or str(tr.get("out_dir", f"runs/{path.stem}")),
+        dtype=str(raw.get("dtype", "float32")),
+        chat_template_kwargs=dict(raw.get("chat_template_kwargs") or {}),
+        drafter=_section(DrafterSpec, tr.get("drafter"), "training.drafter"),
+        data=_section(DataSpec, tr.get("data"), "training.data"),
+        train=_section(TrainSettings, tr.get("optim"), "training.optim"),
+        eval=_section(EvalSpec, tr.get("eval"), "training.eval"),
+        export_dtype=str(tr.get("export_dtype", "bfloat16")),
+    )
+    if cfg.drafter.block_size < 2:
+        raise ConfigError(f"{path}: training.drafter.block_size must be >= 2, got {cfg.drafter.block_size}")
+    return cfg
+
+
+class Pipeline:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.out = Path(cfg.out_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self._target: Target | None = None
+
+    @property
+    def target(self) -> Target:
+        if self._target is None:
+            self._target = load_target(self.cfg.target, self.cfg.dtype,
+                                       chat_template_kwargs=self.cfg.chat_template_kwargs)
+        return self._target
+
+    # ---- stage: prompts ---------------------------------------------------------------------------
+    def prompts(self) -> Path:
+        path = self.out / "prompts.jsonl"
+        if path.is_file():
+            return path
+        d = self.cfg.data
+        if d.prompts_file:
+            prompts = data_mod.read_prompt_file(Path(d.prompts_file))[: d.num_prompts]
+        else:
+            prompts = data_mod.sharegpt_prompts(min_chars=d.min_chars, max_chars=d.max_chars,
+                                                limit=d.num_prompts, exclude=data_mod.held_out_texts())
+        rows = [{"prompt": p} if isinstance(p, str) else {"token_ids": p} for p in prompts]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.rename(path)
+        log.info("%d prompts → %s", len(rows), path)
+        return path
+
+    def _token_ids(self, prompts: list) -> list[list[int]]:
+        """Text prompts through the serving chat template; token-id prompts as they are."""
+        tok = self.target.tokenizer
+        if tok is None and any(isinstance(p, str) for p in prompts):
+            raise data_mod.DataError("the target has no tokenizer: text prompts cannot be templated")
+        return [tok.encode(p) if isinstance(p, str) else list(p)
+                for p in tqdm(prompts, desc="tokenize", unit="prompt", mininterval=2)]
+
+    # ---- stage: data ------------------------------------------------------------------------------
+    def data(self) -> Path:
+        from dflash_jax import generate
+
+        final = self.out / "data.npz"
+        if final.is_file():
+            return final
+        d = self.cfg.data
+        ids = self._token_ids(data_mod.read_prompt_file(self.prompts()))
+        keep = [i for i, p in enumerate(ids) if len(p) <= d.max_prompt_tokens]
+        if not keep:
+            raise data_mod.DataError(f"every prompt is longer than max_prompt_tokens={d.max_prompt_tokens}")
+        order = sorted(keep, key=lambda i: len(ids[i]))  # similar lengths together: fewer shape buckets
+        batches = [order[i: i + d.generate_batch_size] for i in range(0, len(order), d.generate_batch_size)]
+        parts_dir = self.out / "data_parts"
+        parts_dir.mkdir(exist_ok=True)
+        chunks = [batches[i: i + d.chunk_batches] for i in range(0, len(batches), d.chunk_batches)]
+        bar = tqdm(total=len(order), desc="self-distill", unit="prompt", dynamic_ncols=True)
+        t0, new_tokens = time.perf_counter(), 0
+        for c, chunk in enumerate(chunks):
+            part = parts_dir / f"part_{c:05d}.npz"
+            n_rows = sum(len(b) for b in chunk)
+            if part.is_file():
+                bar.update(n_rows)
+                continue
+            prompts, responses = [], []
+            for b in chunk:
+                out = generate(self.target, [ids[i] for i in b], max_new_tokens=d.max_new_tokens)
+                prompts += [ids[i] for i in b]
+                responses += out.token_ids
+                new_tokens += out.stats["new_tokens"]
+                bar.update(len(b))
+                bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):,.0f}")
+            max_len = d.max_prompt_tokens + d.max_new_tokens
+            tmp = part.with_name(part.stem + ".tmp.npz")
+            data_mod.save_dataset(tmp, prompts, responses, max_len)
+            tmp.rename(part)
+        bar.close()
+        summary = self._merge_parts(sorted(parts_dir.glob("part_*.npz")), final)
+        summary["generation_s"] = time.perf_counter() - t0
+        (self.out / "data_summary.json").write_text(json.dumps(summary, indent=1))
+        return final
+
+    @staticmethod
+    def _merge_parts(parts: list[Path], final: Path) -> dict:
+        loaded = [dict(np.load(p)) for p in parts]
+        width = max(x["tokens"].shape[1] for x in loaded)
+        tokens = np.concatenate([np.pad(x["tokens"], ((0, 0), (0, width - x["tokens"].shape[1]))) for x in loaded])
+        lengths = np.concatenate([x["lengths"] for x in loaded])
+        plens = np.concatenate([x["prompt_lengths"] for x in loaded])
+        if len(lengths) == 0:
+            raise data_mod.DataError("self-distillation produced no usable rows")
+        tmp = final.with_name("data.tmp.npz")
+        np.savez_compressed(tmp, tokens=tokens, lengths=lengths, prompt_lengths=plens)
+        tmp.rename(final)
+        return {"rows": int(len(lengths)), "response_tokens": int((lengths - plens).sum()),
+                "prompt_tokens": int(plens.sum()), "max_len": int(width)}
+
+    # ---- drafter ----------------------------------------------------------------------------------
+    def new_drafter(self) -> Drafter:
+        s = self.cfg.drafter
+        return random_drafter(self.target, num_layers=s.num_layers, block_size=s.block_size,
+                              mask_token_id=s.mask_token_id, num_features=s.num_features,
+                              target_layer_ids=s.target_layer_ids, seed=s.seed, dtype="float32")
+
+    # ---- stage: train -----------------------------------------------------------------------------
+    def train(self, *, progress: bool = True) -> Drafter:
+        data = data_mod.load_dataset(self.data())
+        drafter = self.new_drafter()
+        trainer = Trainer(self.target, drafter, self.cfg.train, self.out)
+        t0 = time.perf_counter()
+        history = trainer.fit(data, resume=True, progress=progress)
+        if history:
+            plot_history(history, self.out / "loss_curve.png", title=f"{self.cfg.name} drafter")
+        meta = {"train_s_this_run": time.perf_counter() - t0, "steps": history[-1]["step"] if history else 0,
+                "rows": int(len(data["lengths"])), "settings": dataclasses.asdict(self.cfg.train),
+                "drafter": dataclasses.asdict(self.cfg.drafter)}
+        (self.out / "train_summary.json").write_text(json.dumps(meta, indent=1))
+        self.export(drafter)
+        return drafter
+
+    # ---- stage: export ----------------------------------------------------------------------------
+    def export(self, drafter: Drafter | None = None) -> Path:
+        from dflash_jax.checkpoints.export import export_drafter
+
+        if drafter is None:
+            drafter = self._restore_trained()
+        return export_drafter(drafter.model, self.out / "drafter", dtype=self.cfg.export_dtype)
+
+    def _restore_trained(self) -> Drafter:
+        exported = self.out / "drafter"
+        if (exported / "config.json").is_file():
+            return load_drafter(exported, self.target, dtype="float32")
+        return self.train()
+
+    # ---- stage: eval ------------------------------------------------------------------------------
+    def evaluate(self, drafter: Drafter | None = None) -> dict:
+        from dflash_jax import generate, speculative_generate
+
+        drafter = drafter or load_drafter(self.out / "drafter", self.target)
+        e = self.cfg.eval
+        results: dict[str, Any] = {"block_size": drafter.config.block_size, "max_new_tokens": e.max_new_tokens}
+        for name in e.sets:
+            if name in ("humaneval", "mtbench"):
+                prompts = data_mod.evaluation_prompts()[name]
+            else:  # a JSONL prompts file
+                prompts = data_mod.read_prompt_file(Path(name))
+            prompts = prompts[: e.limit] if e.limit else prompts
+            ids = self._token_ids(prompts)
+            order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+            acc, spec_s, ar_s, tokens, same = [], 0.0, 0.0, 0, 0
+            for i in tqdm(range(0, len(order), e.batch_size), desc=f"eval {name}", unit="batch"):
+                b = [ids[j] for j in order[i: i + e.batch_size]]
+                out = speculative_generate(self.target, drafter, b, max_new_tokens=e.max_new_tokens)
+                ref = generate(self.target, b, max_new_tokens=e.max_new_tokens)
+                acc += [a for row in out.acceptance_lengths for a in row]
+                spec_s += out.stats["prefill_s"] + out.stats["decode_s"]
+                ar_s += ref.stats["prefill_s"] + ref.stats["decode_s"]
+                tokens += out.stats["new_tokens"]
+                same += sum(x == y for x, y in zip(out.token_ids, ref.token_ids))
+            results[name] = {"prompts": len(prompts), "tau": float(np.mean(acc)), "cycles": len(acc),
+                             "new_tokens": tokens, "spec_s": spec_s, "ar_s": ar_s,
+                             "speedup": ar_s / max(spec_s, 1e-9), "identical_rows": same,
+                             "acceptance_histogram": np.bincount(acc, minlength=drafter.config.block_size + 1)
+                             .tolist()}
+            log.warning("%s: tau %.2f over %d prompts (speculative %.1fs vs AR %.1fs)", name,
+                        results[name]["tau"], len(prompts), spec_s, ar_s)
+        (self.out / "eval.json").write_text(json.dumps(results, indent=1))
+        return results
+
+
+def run(config: str | Path, stages: tuple[str, ...] = STAGES, out_dir: str | None = None,
+        progress: bool = True) -> dict:
+    unknown = [s for s in stages if s not in STAGES]
+    if unknown:
+        raise ConfigError(f"unknown stages {unknown} (known: {STAGES})")
+    p = Pipeline(load_run_config(config, out_dir))
+    result: dict[str, Any] = {"out_dir": str(p.out)}
+    drafter = None
+    if "prompts" in stages:
+        result["prompts"] = str(p.prompts())
+    if "data" in stages:
+        result["data"] = str(p.data())
+    if "train" in stages:
+        drafter = p.train(progress=progress)
+    if "export" in stages:
+        result["export"] = str(p.export(drafter))
+    if "eval" in stages:
+        result["eval"] = p.evaluate()
+    return result

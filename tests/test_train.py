@@ -1,0 +1,278 @@
+"""Drafter training: anchors, visibility, labels/weights, train-vs-inference alignment, learning, export,
+exact resume (in process and after a real SIGKILL), bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+from flax import nnx
+
+from conftest import ZLAB, random_prompts, tiny_target
+from dflash_jax import ConfigError, generate, load_drafter, random_drafter, speculative_generate
+from dflash_jax.checkpoints.export import export_drafter
+from dflash_jax.train import data as data_mod
+from dflash_jax.train.objective import (_multi_block_attention, block_inputs, drafter_forward_blocks, loss_weights,
+                                        sample_anchors, target_features)
+from dflash_jax.train.pipeline import load_run_config
+from dflash_jax.train.trainer import Trainer, TrainSettings
+
+
+def test_anchor_sampling():
+    rng = np.random.default_rng(0)
+    lengths, plens = np.array([20, 9, 6, 5]), np.array([4, 3, 5, 4])
+    anchors, valid = sample_anchors(rng, lengths, plens, max_anchors=8)
+    # eligible p: prompt_len <= p <= len-2  →  row0: 4..18 (15), row1: 3..7 (5), row2: 5..4 (none), row3: none
+    assert valid.sum(1).tolist() == [8, 5, 0, 0]
+    for a, v, n, p in zip(anchors, valid, lengths, plens):
+        chosen = a[v]
+        assert len(set(chosen.tolist())) == len(chosen)
+        assert all(p <= x <= n - 2 for x in chosen)
+    # Uniform over eligible positions.
+    counts = np.zeros(20)
+    for s in range(400):
+        a, v = sample_anchors(np.random.default_rng(s), np.array([20]), np.array([4]), 3)
+        counts[a[v]] += 1
+    assert counts[:4].sum() == 0 and counts[19] == 0 and counts[4:19].min() > 40
+
+
+def test_visibility_hand_computed():
+    """Uniform queries and one-hot values reveal exactly which keys each block query attends to."""
+    t, l = 8, 3
+    anchors = jnp.array([[2, 5]])  # two blocks: positions 2,3,4 and 5,6,7
+    h = t + 2 * l  # head dim = number of keys, so values can be one-hot key ids
+    q = jnp.zeros((1, 2, l, 1, h))
+    ctx_v = jnp.eye(t + 2 * l)[:t][None, :, None, :]  # context key j → one-hot j
+    blk_v = jnp.eye(t + 2 * l)[t:].reshape(2, l, 1, t + 2 * l)[None]  # block a slot m → one-hot t+a*l+m
+    out = _multi_block_attention(q, jnp.zeros((1, t, 1, h)), ctx_v.astype(jnp.float32), jnp.zeros((1, 2, l, 1, h)),
+                                 blk_v.astype(jnp.float32), anchors)
+    seen = np.asarray(out[0, :, :, 0] > 0)  # [A, L, keys]
+    expected = np.zeros((2, l, t + 2 * l), bool)
+    expected[0, :, [0, 1]] = True  # block at p=2 sees context 0,1 …
+    expected[0, :, t: t + l] = True  # … and its own three slots, never block 1
+    expected[1, :, 0:5] = True  # block at p=5 sees context 0..4 (strictly before 5)
+    expected[1, :, t + l:] = True
+    np.testing.assert_array_equal(seen, expected)
+    # Weights are uniform over the visible keys.
+    np.testing.assert_allclose(np.asarray(out[0, 0, 0, 0]).max(), 1 / 5, rtol=1e-6)
+
+
+def test_labels_and_weights():
+    tokens = jnp.arange(100, 112)[None]  # token at position i is 100+i
+    anchors, valid = jnp.array([[3, 9]]), jnp.array([[True, True]])
+    ids, pos, labels, ok = block_inputs(tokens, jnp.array([11]), anchors, valid, 4, mask_token_id=7)
+    assert ids.tolist() == [[[103, 7, 7, 7], [109, 7, 7, 7]]]
+    assert pos.tolist() == [[[3, 4, 5, 6], [9, 10, 11, 12]]]
+    assert labels[0, 0].tolist() == [104, 105, 106]  # slot k predicts token p+k (same position)
+    assert ok.tolist() == [[[True, True, True], [True, False, False]]]  # positions ≥ length have no loss
+    np.testing.assert_allclose(loss_weights(16, 7.0)[:3], np.exp(-np.arange(3) / 7.0))
+    assert loss_weights(4, 4.0).shape == (3,)
+
+
+def test_training_forward_equals_inference_forward():
+    """The batched training pass gives, for each anchor, exactly the inference drafter's hidden states."""
+    t = tiny_target("qwen3", seed=1)
+    d = random_drafter(t, block_size=8, num_layers=2, seed=0)
+    tm, dm = t.model, d.model
+    seq = jnp.asarray(random_prompts(1, [30], 64, seed=3))
+    feats = target_features(tm, seq, dm.config.target_layer_ids)
+    anchors = jnp.array([[5, 12, 20]])
+    ids, pos, _, _ = block_inputs(seq, jnp.array([30]), anchors, jnp.ones((1, 3), bool), 8, dm.config.mask_token_id)
+    h = drafter_forward_blocks(dm, tm, feats, ids, pos, anchors)
+    for j, p in enumerate([5, 12, 20]):
+        cache = dm.materialize(dm.new_cache(1, 64), feats[:, :p], jnp.arange(p)[None])
+        hi = dm(tm.embed(ids[:, j]), pos[:, j], cache, jnp.array([p]))
+        np.testing.assert_allclose(np.asarray(hi), np.asarray(h[:, j]), atol=1e-5)
+
+
+def self_distilled(target, n=48, new=40, seed=0):
+    prompts = random_prompts(n, [4, 8, 12], target.config.vocab_size, seed=seed)
+    resp = generate(target, prompts, max_new_tokens=new, stop_token_ids=[]).token_ids
+    rows = [p + r for p, r in zip(prompts, resp)]
+    tokens = np.zeros((n, max(map(len, rows))), np.int32)
+    for i, r in enumerate(rows):
+        tokens[i, : len(r)] = r
+    return prompts, {"tokens": tokens, "lengths": np.array([len(r) for r in rows], np.int32),
+                     "prompt_lengths": np.array([len(p) for p in prompts], np.int32)}
+
+
+def test_training_raises_acceptance(tmp_path):
+    """A few hundred CPU steps: τ at inference clearly above the untrained drafter's (catches misalignment)."""
+    target = tiny_target("qwen3", seed=1)
+    prompts, data = self_distilled(target)
+    drafter = random_drafter(target, block_size=8, num_layers=2, seed=0)
+    probe = prompts[:16]
+    before = speculative_generate(target, drafter, probe, max_new_tokens=40, stop_token_ids=[]).tau
+    s = TrainSettings(batch_size=8, max_anchors=32, max_steps=300, lr=3e-3, save_every=300, log_every=50)
+    history = Trainer(target, drafter, s, tmp_path).fit(data, progress=False)
+    assert history[-1]["loss"] < history[0]["loss"]
+    out = speculative_generate(target, drafter, probe, max_new_tokens=40, stop_token_ids=[])
+    assert out.token_ids == generate(target, probe, max_new_tokens=40, stop_token_ids=[]).token_ids
+    assert before < 1.1 and out.tau > 1.6, (before, out.tau)
+
+
+def test_export_round_trip(tmp_path):
+    target = tiny_target("llama", seed=2)
+    drafter = random_drafter(target, block_size=4, num_layers=2, seed=4)
+    export_drafter(drafter.model, tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 4
+    assert cfg["dflash_config"]["target_layer_ids"] == list(drafter.config.target_layer_ids)
+    assert cfg["num_target_layers"] == 4 and cfg["layer_types"] == ["full_attention"] * 2
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "d" / "model.safetensors"), "numpy") as f:
+        keys = set(f.keys())
+    assert "fc.weight" in keys and "layers.1.self_attn.q_norm.weight" in keys
+    assert not any("embed" in k or "lm_head" in k for k in keys)
+    loaded = load_drafter(tmp_path / "d", target)
+    prompts = random_prompts(3, [5, 9, 4], 64, seed=5)
+    a = speculative_generate(target, drafter, prompts, max_new_tokens=20, stop_token_ids=[])
+    b = speculative_generate(target, loaded, prompts, max_new_tokens=20, stop_token_ids=[])
+    assert a.token_ids == b.token_ids and a.acceptance_lengths == b.acceptance_lengths
+    for x, y in zip(jax.tree.leaves(nnx.state(drafter.model)), jax.tree.leaves(nnx.state(loaded.model))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # The z-lab fixture drafter survives export → load unchanged.
+    z = load_drafter(ZLAB / "drafter")
+    export_drafter(z.model, tmp_path / "z")
+    with safe_open(str(ZLAB / "drafter" / "model.safetensors"), "numpy") as f1, \
+            safe_open(str(tmp_path / "z" / "model.safetensors"), "numpy") as f2:
+        assert set(f1.keys()) == set(f2.keys())
+        for k in f1.keys():
+            np.testing.assert_array_equal(f1.get_tensor(k), f2.get_tensor(k))
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    target = tiny_target("qwen3", seed=1)
+    _, data = self_distilled(target, n=16, new=24)
+    s = TrainSettings(batch_size=4, max_anchors=8, max_steps=30, save_every=5, log_every=5)
+
+    def params(d):
+        return [np.asarray(x) for x in jax.tree.leaves(nnx.state(d.model))]
+
+    full = random_drafter(target, block_size=4, num_layers=1, seed=0)
+    h_full = Trainer(target, full, s, tmp_path / "full").fit(data, progress=False)
+    part = random_drafter(target, block_size=4, num_layers=1, seed=0)
+    Trainer(target, part, s, tmp_path / "part").fit(data, stop_after=12, progress=False)
+    fresh = random_drafter(target, block_size=4, num_layers=1, seed=9)  # a new process: weights from the ckpt
+    h_res = Trainer(target, fresh, s, tmp_path / "part").fit(data, progress=False)
+    for a, b in zip(params(full), params(fresh)):
+        np.testing.assert_array_equal(a, b)
+    by_step = {r["step"]: r["loss"] for r in h_res}
+    assert all(by_step[r["step"]] == r["loss"] for r in h_full)  # the loss curve continues identically
+
+
+RESUME_SCRIPT = """
+import sys, numpy as np
+sys.path.insert(0, {tests!r})
+from conftest import tiny_target
+from dflash_jax import random_drafter
+from dflash_jax.train.trainer import Trainer, TrainSettings
+target = tiny_target("qwen3", seed=1)
+data = dict(np.load({data!r}))
+d = random_drafter(target, block_size=4, num_layers=1, seed=0)
+s = TrainSettings(batch_size=4, max_anchors=8, max_steps=60, save_every=4, log_every=2)
+Trainer(target, d, s, {out!r}).fit(data, progress=False)
+np.savez({result!r}, *[np.asarray(x) for x in __import__("jax").tree.leaves(__import__("flax").nnx.state(d.model))])
+"""
+
+
+def test_sigkill_then_resume(tmp_path):
+    """A real process killed with SIGKILL mid-run, then restarted: same final weights as an unbroken run."""
+    target = tiny_target("qwen3", seed=1)
+    _, data = self_distilled(target, n=16, new=24)
+    np.savez(tmp_path / "data.npz", **data)
+
+    def script(out, result):
+        path = tmp_path / f"run_{out}.py"
+        path.write_text(RESUME_SCRIPT.format(tests=str(Path(__file__).parent), data=str(tmp_path / "data.npz"),
+                                             out=str(tmp_path / out), result=str(tmp_path / result)))
+        return [sys.executable, str(path)]
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    subprocess.run(script("ref", "ref.npz"), check=True, env=env, timeout=600)
+    proc = subprocess.Popen(script("killed", "killed.npz"), env=env)
+    ckpts = tmp_path / "killed" / "checkpoints"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        steps = [int(p.name) for p in ckpts.glob("*") if p.name.isdigit()] if ckpts.exists() else []
+        if steps and max(steps) >= 12:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "killed.npz").exists()
+    subprocess.run(script("killed", "killed.npz"), check=True, env=env, timeout=600)
+    ref, res = np.load(tmp_path / "ref.npz"), np.load(tmp_path / "killed.npz")
+    for k in ref.files:
+        np.testing.assert_array_equal(ref[k], res[k])
+    history = [json.loads(x) for x in (tmp_path / "killed" / "history.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in history] == sorted(r["step"] for r in history)  # no duplicated steps
+    assert history[-1]["step"] == 60
+
+
+def test_pipeline_on_token_id_prompts(tmp_path):
+    """prompts → data → train → export → eval through the same code the CLI runs (tiny z-lab target)."""
+    from dflash_jax.train.pipeline import run
+
+    rng = np.random.default_rng(0)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"token_ids": rng.integers(0, 255, int(rng.integers(3, 9))).tolist()})
+                               + "\n" for _ in range(40)))
+    cfg = {"name": "tiny", "target": str(ZLAB / "target"),
+           "training": {"out_dir": str(tmp_path / "run"),
+                        "drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": 255, "num_features": 2},
+                        "data": {"prompts_file": str(prompts), "num_prompts": 32, "max_new_tokens": 24,
+                                 "generate_batch_size": 8, "chunk_batches": 2},
+                        "optim": {"batch_size": 4, "max_anchors": 8, "max_steps": 20, "save_every": 10},
+                        "eval": {"sets": [str(prompts)], "max_new_tokens": 16, "batch_size": 8, "limit": 8},
+                        "export_dtype": "float32"}}
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    result = run(tmp_path / "cfg.yaml", progress=False)
+    out = tmp_path / "run"
+    assert len(list((out / "data_parts").glob("part_*.npz"))) == 2  # 32 prompts / (8 × 2) per part
+    assert json.loads((out / "data_summary.json").read_text())["rows"] == 32
+    assert (out / "loss_curve.png").stat().st_size > 1000
+    assert (out / "drafter" / "model.safetensors").is_file()
+    ev = result["eval"][str(prompts)]
+    assert ev["prompts"] == 8 and ev["identical_rows"] == 8 and ev["tau"] >= 1.0
+    # Running again redoes nothing (every stage is already complete) and yields the same drafter.
+    before = (out / "drafter" / "model.safetensors").read_bytes()
+    run(tmp_path / "cfg.yaml", stages=("prompts", "data", "export"), progress=False)
+    assert (out / "drafter" / "model.safetensors").read_bytes() == before
+
+
+def test_bad_training_input(tmp_path):
+    with pytest.raises(data_mod.DataError, match="does not exist"):
+        data_mod.load_dataset(tmp_path / "nope.npz")
+    np.savez(tmp_path / "empty.npz", tokens=np.zeros((0, 4), np.int32), lengths=np.zeros(0, np.int32),
+             prompt_lengths=np.zeros(0, np.int32))
+    with pytest.raises(data_mod.DataError, match="has no rows"):
+        data_mod.load_dataset(tmp_path / "empty.npz")
+    with pytest.raises(data_mod.DataError, match="no ShareGPT prompts left"):
+        data_mod.sharegpt_prompts(min_chars=10**6)
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\n{"nothing": 1}\n')
+    with pytest.raises(data_mod.DataError, match="bad.jsonl:2"):
+        data_mod.read_prompt_file(tmp_path / "bad.jsonl")
+    cfg = {"target": "x", "training": {"drafter": {"block_size": 1}}}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError, match="block_size must be >= 2"):
+        load_run_config(tmp_path / "c.yaml")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"target": "x", "training": {"optim": {"lr0": 1}}}))
+    with pytest.raises(ConfigError, match="unknown keys"):
+        load_run_config(tmp_path / "c.yaml")
+    # A drafter checkpoint made for another target shape cannot be trained or loaded against this target.
+    other = tiny_target("qwen3", hidden_size=48, vocab_size=256, num_layers=6)
+    with pytest.raises(ConfigError, match="hidden_size"):
+        Trainer(other, load_drafter(ZLAB / "drafter"), TrainSettings(), tmp_path / "x")
