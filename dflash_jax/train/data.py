@@ -131,23 +131,31 @@ def humaneval_chat_prompt(code: str) -> str:
 
 
 def sharegpt_prompts(*, min_chars: int = 16, max_chars: int = 2000, limit: int | None = None,
-                     exclude: Sequence[str] = ()) -> list[str]:
-    """First user turns of ShareGPT, normalised-deduplicated, length-filtered, minus ``exclude``."""
+                     exclude: Sequence[str] = (), later_turns_min_chars: int | None = None) -> list[str]:
+    """ShareGPT user turns, normalised-deduplicated, length-filtered, minus ``exclude``.
+
+    First user turns always; with ``later_turns_min_chars`` also the later user turns at least that long
+    (short later turns are follow-ups such as "continue" that make no sense on their own). First turns come
+    first in the result, so ``limit`` prefers them.
+    """
     excluded = {normalise(e) for e in exclude}
     seen: set[str] = set()
-    out = []
+    first, later = [], []
     for conv in iter_json_array(sharegpt_path()):
-        turns = conv.get("conversations") or []
-        if not turns or turns[0].get("from") != "human":
-            continue
-        text = str(turns[0].get("value", "")).strip()
-        key = normalise(text)
-        if not (min_chars <= len(text) <= max_chars) or key in seen or key in excluded:
-            continue
-        seen.add(key)
-        out.append(text)
-        if limit is not None and len(out) >= limit:
-            break
+        turns = [t for t in (conv.get("conversations") or []) if t.get("from") == "human"]
+        starts_with_user = bool(conv.get("conversations")) and conv["conversations"][0].get("from") == "human"
+        for j, turn in enumerate(turns):
+            is_first = j == 0 and starts_with_user
+            if not is_first and later_turns_min_chars is None:
+                break
+            text = str(turn.get("value", "")).strip()
+            key = normalise(text)
+            lo = min_chars if is_first else max(min_chars, later_turns_min_chars or 0)
+            if not (lo <= len(text) <= max_chars) or key in seen or key in excluded:
+                continue
+            seen.add(key)
+            (first if is_first else later).append(text)
+    out = (first + later)[:limit] if limit is not None else first + later
     if not out:
         raise DataError("no ShareGPT prompts left after filtering (check min/max length and limit)")
     return out

@@ -41,6 +41,7 @@ class DataSpec:
     num_prompts: int = 20000
     min_chars: int = 16
     max_chars: int = 2000
+    later_turns_min_chars: int | None = None  # also use later user turns this long (default: first turns only)
     max_prompt_tokens: int = 256
     max_new_tokens: int = 512
     generate_batch_size: int = 128
@@ -138,7 +139,8 @@ class Pipeline:
             prompts = data_mod.read_prompt_file(Path(d.prompts_file))[: d.num_prompts]
         else:
             prompts = data_mod.sharegpt_prompts(min_chars=d.min_chars, max_chars=d.max_chars,
-                                                limit=d.num_prompts, exclude=data_mod.held_out_texts())
+                                                limit=d.num_prompts, exclude=data_mod.held_out_texts(),
+                                                later_turns_min_chars=d.later_turns_min_chars)
         rows = [{"prompt": p} if isinstance(p, str) else {"token_ids": p} for p in prompts]
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))

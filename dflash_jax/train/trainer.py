@@ -47,6 +47,7 @@ class TrainSettings:
     save_every: int = 200
     log_every: int = 10
     length_bucket: int = 128  # sequence lengths are padded to a multiple of this per batch
+    time_budget_s: float | None = None  # cap the planned steps so training fits this wall-clock budget
 
     def total_steps(self, num_rows: int) -> int:
         if self.max_steps is not None:
@@ -54,9 +55,12 @@ class TrainSettings:
         return max(1, int(math.ceil(self.epochs * num_rows / self.batch_size)))
 
 
-def make_optimizer(s: TrainSettings, schedule) -> optax.GradientTransformation:
+def make_optimizer(s: TrainSettings) -> optax.GradientTransformation:
+    """Clip + AdamW whose learning rate is an input (set each step from the schedule on the host), so the
+    compiled step does not depend on the planned number of steps."""
     return optax.chain(optax.clip_by_global_norm(s.grad_clip),
-                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=s.weight_decay))
+                       optax.inject_hyperparams(optax.adamw)(learning_rate=s.lr, b1=0.9, b2=0.95,
+                                                             weight_decay=s.weight_decay))
 
 
 def batch_for_step(data: dict[str, np.ndarray], step: int, s: TrainSettings, block_size: int) -> dict:
@@ -99,9 +103,8 @@ class Trainer:
         self._step_fn = None
 
     # ---- the jitted step ------------------------------------------------------------------------
-    def _build(self, total_steps: int):
-        self.schedule = cosine_with_warmup(self.s.lr, total_steps, self.s.warmup_frac)
-        tx = make_optimizer(self.s, self.schedule)
+    def _build(self):
+        tx = make_optimizer(self.s)
         d_graph, t_graph, weights, cdt = self.d_graph, self.t_graph, self.weights, self.compute_dtype
 
         def loss_fn(params, t_state, batch):
@@ -109,13 +112,47 @@ class Trainer:
             target = nnx.merge(t_graph, t_state)
             return dflash_loss(drafter, target, batch, weights=weights)
 
-        def step(params, opt_state, t_state, batch):
+        def step(params, opt_state, t_state, batch, lr):
             grads, metrics = jax.grad(loss_fn, has_aux=True)(params, t_state, batch)
+            opt_state[1].hyperparams["learning_rate"] = lr
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, metrics
 
         self.tx = tx
-        self._step_fn = jax.jit(step, donate_argnums=(0, 1))
+        jitted = jax.jit(step, donate_argnums=(0, 1))
+        # bf16 compute: the frozen float32 target's matmuls may use bf16 passes too (features only).
+        precision = "bfloat16" if cdt == jnp.bfloat16 else None
+
+        def run(*args):
+            with jax.default_matmul_precision(precision):
+                return jitted(*args)
+
+        self._step_fn = run
+
+    def _plan(self, data, epochs_total: int) -> int:
+        """Total steps: from epochs / max_steps, capped by ``time_budget_s`` using measured step times.
+
+        Saved in ``plan.json`` the first time, so a resumed run keeps the same schedule.
+        """
+        path = self.out_dir / "plan.json"
+        if path.is_file():
+            return int(json.loads(path.read_text())["total_steps"])
+        total, step_s = epochs_total, None
+        if self.s.time_budget_s:
+            params = jax.tree.map(jnp.copy, self.params)
+            opt_state = self.tx.init(params)
+            times = []
+            for i in range(6):  # the first call compiles; time the rest
+                batch = batch_for_step(data, i, self.s, self.block_size)
+                t = time.perf_counter()
+                params, opt_state, m = self._step_fn(params, opt_state, self.t_state, batch, jnp.float32(0.0))
+                jax.block_until_ready(m)
+                times.append(time.perf_counter() - t)
+            step_s = float(np.median(times[2:]))
+            # Sequences differ in length: pad the estimate by 15% for longer buckets and checkpoints.
+            total = max(1, min(total, int(self.s.time_budget_s / (1.15 * step_s))))
+        path.write_text(json.dumps({"total_steps": total, "epoch_steps": epochs_total, "step_s": step_s}))
+        return total
 
     # ---- checkpoints ------------------------------------------------------------------------------
     def _manager(self) -> ocp.CheckpointManager:
@@ -141,9 +178,15 @@ class Trainer:
 
         ``stop_after``: leave the loop after that many steps of *this* call (an interruption, for tests).
         """
-        total = self.s.total_steps(len(data["lengths"]))
         if self._step_fn is None:
-            self._build(total)
+            self._build()
+        if not resume:  # start over: forget the plan and checkpoints of an earlier run in this directory
+            import shutil
+
+            (self.out_dir / "plan.json").unlink(missing_ok=True)
+            shutil.rmtree(self.out_dir / "checkpoints", ignore_errors=True)
+        total = self._plan(data, self.s.total_steps(len(data["lengths"])))
+        self.schedule = cosine_with_warmup(self.s.lr, total, self.s.warmup_frac)
         opt_state = self.tx.init(self.params)
         params, start = self.params, 0
         mngr = self._manager()
@@ -162,7 +205,8 @@ class Trainer:
         with self._history_path().open("a") as hist:
             for step in range(start, end):
                 batch = batch_for_step(data, step, self.s, self.block_size)
-                params, opt_state, metrics = self._step_fn(params, opt_state, self.t_state, batch)
+                lr = jnp.float32(self.schedule(step))
+                params, opt_state, metrics = self._step_fn(params, opt_state, self.t_state, batch, lr)
                 tokens_seen += int(batch["valid"].sum()) * (self.block_size - 1)
                 done = step + 1
                 if done % self.s.log_every == 0 or done == end:
