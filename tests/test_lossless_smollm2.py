@@ -45,3 +45,17 @@ def test_batch1_without_stop_tokens(smollm2, drafter, reference, block_size):
                                stop_token_ids=[])
     assert out.token_ids == reference[False].token_ids[3:]
     assert len(out.token_ids[0]) == MAX_NEW
+
+
+def test_shipped_drafter_is_lossless_with_real_acceptance(smollm2):
+    """The embedded trained drafter accepts several tokens per cycle and changes nothing."""
+    from dflash_jax import load_drafter
+    from dflash_jax.loading import _ASSETS
+
+    drafter = load_drafter(_ASSETS / "smollm2-135m-dflash", smollm2)
+    assert drafter.trained and drafter.config.block_size == 16
+    prompts = ["Write a Python function that checks whether a number is prime.", PROMPTS[3]]
+    out = speculative_generate(smollm2, drafter, prompts, max_new_tokens=48)
+    ref = generate(smollm2, prompts, max_new_tokens=48)
+    assert out.token_ids == ref.token_ids
+    assert out.tau > 1.3 and max(a for row in out.acceptance_lengths for a in row) >= 4

@@ -34,6 +34,7 @@ class DrafterSpec:
     num_features: int = 5
     target_layer_ids: tuple[int, ...] | None = None
     seed: int = 0
+    init_from: str | None = None  # a z-lab-format drafter directory to start from (warm start)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +218,13 @@ class Pipeline:
     # ---- drafter ----------------------------------------------------------------------------------
     def new_drafter(self) -> Drafter:
         s = self.cfg.drafter
+        if s.init_from:
+            d = load_drafter(s.init_from, self.target, dtype="float32")
+            if (d.config.block_size, d.config.layers.num_layers) != (s.block_size, s.num_layers):
+                raise ConfigError(f"init_from drafter {s.init_from} has block size {d.config.block_size} and "
+                                  f"{d.config.layers.num_layers} layers; the config asks for {s.block_size} and "
+                                  f"{s.num_layers}")
+            return d
         return random_drafter(self.target, num_layers=s.num_layers, block_size=s.block_size,
                               mask_token_id=s.mask_token_id, num_features=s.num_features,
                               target_layer_ids=s.target_layer_ids, seed=s.seed, dtype="float32")
