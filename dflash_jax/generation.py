@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from dflash_jax.decode import loop
+from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.decode.state import LoopSpec
 from dflash_jax.loading import Drafter, Target, as_drafter, as_target
 from dflash_jax.tokenizer import TokenizerMissingError
@@ -105,9 +106,32 @@ def _tokenize(target: Target, prompts: Sequence[Prompt], chat: bool) -> list[lis
     return out
 
 
-def _check_sampling_free_args(max_new_tokens: int) -> None:
+def _check_max_new(max_new_tokens: int) -> None:
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+
+
+def _per_row(value, n: int, name: str, dtype) -> np.ndarray:
+    arr = np.asarray(value, dtype=np.float64)
+    if arr.ndim == 0:
+        arr = np.full((n,), arr)
+    if arr.shape != (n,):
+        raise ValueError(f"{name} must be a number or one value per prompt ({n}), got shape {arr.shape}")
+    return arr.astype(dtype)
+
+
+def sampling_params(n: int, temperature, top_k, top_p) -> SamplingParams:
+    """Validated per-row sampling settings (HF meanings: temperature 0 = greedy, top_k 0 / top_p 1 = off)."""
+    t = _per_row(temperature, n, "temperature", np.float32)
+    k = _per_row(top_k, n, "top_k", np.float64)
+    p = _per_row(top_p, n, "top_p", np.float32)
+    if (t < 0).any() or not np.isfinite(t).all():
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {t[(t < 0) | ~np.isfinite(t)][0]}")
+    if (k < 0).any() or (k != np.round(k)).any():
+        raise ValueError(f"top_k must be a non-negative integer (0 = off), got {k[(k < 0) | (k != np.round(k))][0]}")
+    if ((p <= 0) | (p > 1) | ~np.isfinite(p)).any():
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p[(p <= 0) | (p > 1) | ~np.isfinite(p)][0]}")
+    return SamplingParams(jnp.asarray(t), jnp.asarray(k.astype(np.int32)), jnp.asarray(p))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -115,9 +139,12 @@ def _check_sampling_free_args(max_new_tokens: int) -> None:
 # --------------------------------------------------------------------------------------------------
 
 def _run(target: Target, drafter: Drafter | None, prompts, *, max_new_tokens: int, block_size: int,
-         stop_token_ids, chat: bool, attention_impl: str) -> GenerationOutput:
-    _check_sampling_free_args(max_new_tokens)
+         stop_token_ids, chat: bool, attention_impl: str, temperature=0.0, top_k=0, top_p=1.0, seed: int = 0,
+         draft_sampling: bool = False) -> GenerationOutput:
+    _check_max_new(max_new_tokens)
     cfg = target.config
+    n_prompts = len(prompts) if isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)) else 0
+    sp = sampling_params(max(n_prompts, 1), temperature, top_k, top_p)
     ids = _tokenize(target, prompts, chat)
     lens = [len(p) for p in ids]
     longest = max(lens)
@@ -137,7 +164,12 @@ def _run(target: Target, drafter: Drafter | None, prompts, *, max_new_tokens: in
 
     impl = "xla" if attention_impl == "auto" else attention_impl
     capture = drafter.config.target_layer_ids if drafter is not None else ()
-    spec = LoopSpec(block_size=block_size, new_capacity=new_cap, capture=tuple(capture), impl=impl)
+    sampled = bool((np.asarray(sp.temperature) > 0).any())
+    spec = LoopSpec(block_size=block_size, new_capacity=new_cap, capture=tuple(capture), impl=impl,
+                    sampling=sampled, draft_sampling=sampled and draft_sampling,
+                    top_k=sampled and bool((np.asarray(sp.top_k) > 0).any()),
+                    top_p=sampled and bool((np.asarray(sp.top_p) < 1).any()))
+    rng = jax.random.split(jax.random.key(seed), b) if sampled else None
     tgd, tparams = nnx.split(target.model)
     if drafter is not None:
         dgd, dparams = nnx.split(drafter.model)
@@ -147,7 +179,7 @@ def _run(target: Target, drafter: Drafter | None, prompts, *, max_new_tokens: in
     graphdefs, params = (tgd, dgd), (tparams, dparams)
 
     pre_args = (params, jnp.asarray(prompt), jnp.asarray(lens, jnp.int32),
-                jnp.full((b,), max_new_tokens, jnp.int32), jnp.asarray(stop_arr))
+                jnp.full((b,), max_new_tokens, jnp.int32), jnp.asarray(stop_arr), rng, sp if sampled else None)
     t0 = time.perf_counter()
     pre_exe = _executable(loop.prefill_fn, {"spec": spec, "capacity": capacity}, graphdefs, pre_args)
     t1 = time.perf_counter()
@@ -192,12 +224,21 @@ def speculative_generate(
     stop_token_ids: Sequence[int] | None = None,
     chat_template: bool = True,
     attention_impl: str = "auto",
+    temperature: float | Sequence[float] = 0.0,
+    top_k: int | Sequence[int] = 0,
+    top_p: float | Sequence[float] = 1.0,
+    seed: int = 0,
+    draft_sampling: bool = False,
 ) -> GenerationOutput:
-    """Lossless DFlash speculative decoding (greedy): the same tokens as :func:`generate`, fewer target calls.
+    """Lossless DFlash speculative decoding: greedy output identical to :func:`generate`, sampled output with
+    exactly the target's distribution — with fewer target calls.
 
     ``prompts``: strings (tokenized with the target's chat template), chat message lists, or token-id lists.
     ``block_size`` (default: the drafter's trained size) may be any value in ``2 … trained size``.
     ``stop_token_ids`` defaults to the target's end-of-turn ids; pass ``[]`` to disable stopping.
+    ``temperature`` / ``top_k`` / ``top_p``: HF meanings, a value for all prompts or one per prompt
+    (temperature 0 = greedy). ``seed`` makes sampled runs reproducible. ``draft_sampling``: draw drafts
+    from the drafter's own distribution (accept with min(1, p/q)) instead of taking its argmax.
     """
     target, drafter = as_target(target), as_drafter(drafter)
     drafter.config.check_target(target.config)
@@ -207,7 +248,8 @@ def speculative_generate(
         raise ValueError(f"block_size must be in [2, {trained}] for this drafter (trained block size "
                          f"{trained}), got {block_size}")
     return _run(target, drafter, prompts, max_new_tokens=max_new_tokens, block_size=block_size,
-                stop_token_ids=stop_token_ids, chat=chat_template, attention_impl=attention_impl)
+                stop_token_ids=stop_token_ids, chat=chat_template, attention_impl=attention_impl,
+                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, draft_sampling=draft_sampling)
 
 
 def generate(
@@ -218,7 +260,13 @@ def generate(
     stop_token_ids: Sequence[int] | None = None,
     chat_template: bool = True,
     attention_impl: str = "auto",
+    temperature: float | Sequence[float] = 0.0,
+    top_k: int | Sequence[int] = 0,
+    top_p: float | Sequence[float] = 1.0,
+    seed: int = 0,
 ) -> GenerationOutput:
-    """Plain greedy autoregressive decoding with the same target code (the speed and correctness baseline)."""
+    """Plain autoregressive decoding with the same target code (the speed and correctness baseline);
+    greedy by default, sampling with the same options as :func:`speculative_generate`."""
     return _run(as_target(target), None, prompts, max_new_tokens=max_new_tokens, block_size=1,
-                stop_token_ids=stop_token_ids, chat=chat_template, attention_impl=attention_impl)
+                stop_token_ids=stop_token_ids, chat=chat_template, attention_impl=attention_impl,
+                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Int
 
+from dflash_jax.decode import sampling
 from dflash_jax.decode.state import DecodeState, LoopSpec
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.target import TargetModel
@@ -33,8 +34,8 @@ def commit(state: DecodeState, proposed: Int[Array, "B L"], count: Int[Array, "B
            record: bool = True) -> DecodeState:
     """Commit the first ``count`` tokens of ``proposed`` per active row, cut at stop tokens and budgets.
 
-    ``proposed`` is the target's own choice at every block position (greedy: its argmax), so accepted drafts
-    and the bonus token are simply ``proposed[:, :a+1]``.
+    ``proposed`` holds the accepted drafts followed by the bonus / replacement token (see
+    :func:`sampling.committed_tokens`).
     """
     b, l = proposed.shape
     active = ~state.done
@@ -52,18 +53,15 @@ def commit(state: DecodeState, proposed: Int[Array, "B L"], count: Int[Array, "B
         slot = jnp.minimum(num_cycles, acc_lens.shape[1] - 1)
         acc_lens = acc_lens.at[rows, slot].set(jnp.where(active, count, acc_lens[rows, slot]))
         num_cycles = num_cycles + active.astype(num_cycles.dtype)
-    return DecodeState(
+    return dataclasses.replace(
+        state,
         tokens=_write_tokens(state.tokens, proposed, state.num_new),  # past num_new: scratch
         num_new=num_new,
-        max_new=state.max_new,
         anchor=jnp.where(n > 0, last, state.anchor),
         anchor_pos=state.anchor_pos + n,
         done=state.done | (active & hit_stop) | (num_new >= state.max_new),
         acc_lens=acc_lens,
         num_cycles=num_cycles,
-        stop_ids=state.stop_ids,
-        target_cache=state.target_cache,
-        draft_cache=state.draft_cache,
     )
 
 
@@ -76,14 +74,25 @@ def prefill(
     stop_ids: Int[Array, "Z"],
     spec: LoopSpec,
     capacity: int,
+    rng: jax.Array | None = None,
+    sampling_params: sampling.SamplingParams | None = None,
 ) -> DecodeState:
-    """Target over the (right-padded) prompts; first token; drafter context for all prompt positions."""
+    """Target over the (right-padded) prompts; first token; drafter context for all prompt positions.
+
+    ``rng``: one PRNG key per row (needed when ``spec.sampling``); ``sampling_params``: per-row settings.
+    """
     b, p = prompt.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     hidden, feats, tcache = target(prompt, positions, target.new_cache(b, capacity), capture=spec.capture,
                                    prefill=True, impl=spec.impl)
     last_h = jnp.take_along_axis(hidden, (prompt_len - 1)[:, None, None], axis=1)  # [B, 1, D]
-    first = jnp.argmax(target.logits(last_h), axis=-1).astype(jnp.int32)  # [B, 1]
+    logits = target.logits(last_h)
+    if spec.sampling:
+        rng, k_first = _split_rows(rng)
+        probs = sampling.filtered_probs(logits[:, 0], sampling_params, use_top_k=spec.top_k, use_top_p=spec.top_p)
+        first = jax.vmap(sampling.sample)(k_first, probs)[:, None]
+    else:
+        first = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, 1]
     dcache = None
     if drafter is not None:
         dcache = drafter.materialize(drafter.new_cache(b, capacity), feats, positions)
@@ -99,6 +108,8 @@ def prefill(
         stop_ids=stop_ids,
         target_cache=tcache,
         draft_cache=dcache,
+        rng=rng if spec.sampling else None,
+        sampling=sampling_params if spec.sampling else None,
     )
     # The first token is committed like any other (it may be a stop token, or the whole budget).
     return commit(state, first, jnp.ones((b,), jnp.int32), record=False)
@@ -108,41 +119,64 @@ def block_positions(state: DecodeState, block_size: int) -> Int[Array, "B L"]:
     return state.anchor_pos[:, None] + jnp.arange(block_size, dtype=jnp.int32)[None, :]
 
 
+def _split_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-row keys → (next keys, keys to use now)."""
+    both = jax.vmap(lambda k: jax.random.split(k))(keys)
+    return both[:, 0], both[:, 1]
+
+
 def propose(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, spec: LoopSpec,
-            mask_token_id: int) -> Int[Array, "B L"]:
-    """The block to verify: ``[anchor, d_1 … d_{L-1}]``, drafts from one drafter forward (SPEC §2)."""
+            mask_token_id: int) -> tuple[Int[Array, "B L"], jax.Array | None, DecodeState]:
+    """The block to verify, ``[anchor, d_1 … d_{L-1}]``, from one drafter forward (SPEC §2).
+
+    Returns the block, the drafts' distribution ``q`` [B, L-1, V] when drafts are sampled (else None), and
+    the state (its PRNG keys advanced when sampling).
+    """
     l = spec.block_size
     anchor = state.anchor[:, None]
     if drafter is None or l == 1:
-        return anchor
+        return anchor, None, state
     masks = jnp.full((anchor.shape[0], l - 1), mask_token_id, jnp.int32)
     h = drafter(target.embed(jnp.concatenate([anchor, masks], axis=1)), block_positions(state, l),
                 state.draft_cache, state.anchor_pos, impl=spec.impl)
-    drafts = jnp.argmax(drafter.draft_logits(h[:, 1:], target), axis=-1).astype(jnp.int32)
-    return jnp.concatenate([anchor, drafts], axis=1)
+    logits = drafter.draft_logits(h[:, 1:], target)
+    if spec.sampling and spec.draft_sampling:
+        rng, k_draft = _split_rows(state.rng)
+        q = sampling.filtered_probs(logits, state.sampling, use_top_k=spec.top_k, use_top_p=spec.top_p)
+        drafts = jax.vmap(sampling.sample)(k_draft, q)
+        state = dataclasses.replace(state, rng=rng)
+    else:
+        q, drafts = None, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jnp.concatenate([anchor, drafts], axis=1), q, state
 
 
 def verify(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, block: Int[Array, "B L"],
-           spec: LoopSpec) -> DecodeState:
-    """Target forward over the block, greedy acceptance + bonus, commit, drafter context update (SPEC §3)."""
+           spec: LoopSpec, q: jax.Array | None = None) -> DecodeState:
+    """Target forward over the block, acceptance (greedy or rejection sampling) + bonus, commit, drafter
+    context update (SPEC §3, §5)."""
     positions = block_positions(state, block.shape[1])
     hidden, feats, tcache = target(block, positions, state.target_cache, capture=spec.capture, impl=spec.impl)
-    choice = jnp.argmax(target.logits(hidden), axis=-1).astype(jnp.int32)  # [B, L]
-    # a = number of leading drafts equal to the target's choice one position earlier.
-    matches = (block[:, 1:] == choice[:, :-1]).astype(jnp.int32)
-    accepted = jnp.cumprod(matches, axis=1).sum(axis=1)
+    logits = target.logits(hidden)  # [B, L, V] float32
+    if spec.sampling:
+        rng, k_accept = _split_rows(state.rng)
+        p = sampling.filtered_probs(logits, state.sampling, use_top_k=spec.top_k, use_top_p=spec.top_p)
+        accepted, last = sampling.accept_sampled(k_accept, block, p, q)
+        state = dataclasses.replace(state, rng=rng)
+    else:
+        accepted, last = sampling.accept_greedy(block, logits)
     dcache = state.draft_cache
     if drafter is not None and block.shape[1] > 1:
         # All L rows are written; those past the new anchor are masked by ctx_len and overwritten later.
         dcache = drafter.materialize(dcache, feats, positions)
     state = dataclasses.replace(state, target_cache=tcache, draft_cache=dcache)
-    return commit(state, choice, accepted + 1)
+    return commit(state, sampling.committed_tokens(block, accepted, last), accepted + 1)
 
 
 def cycle(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, spec: LoopSpec,
           mask_token_id: int) -> DecodeState:
     """One draft → verify → accept → commit step for every row (finished rows commit nothing)."""
-    return verify(target, drafter, state, propose(target, drafter, state, spec, mask_token_id), spec)
+    block, q, state = propose(target, drafter, state, spec, mask_token_id)
+    return verify(target, drafter, state, block, spec, q)
 
 
 def decode(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, spec: LoopSpec,
@@ -164,9 +198,10 @@ def _merge(graphdefs, params):
     return target, drafter
 
 
-def prefill_fn(graphdefs, params, prompt, prompt_len, max_new, stop_ids, *, spec: LoopSpec, capacity: int):
+def prefill_fn(graphdefs, params, prompt, prompt_len, max_new, stop_ids, rng, sampling_params, *, spec: LoopSpec,
+               capacity: int):
     target, drafter = _merge(graphdefs, params)
-    return prefill(target, drafter, prompt, prompt_len, max_new, stop_ids, spec, capacity)
+    return prefill(target, drafter, prompt, prompt_len, max_new, stop_ids, spec, capacity, rng, sampling_params)
 
 
 def decode_fn(graphdefs, params, state, *, spec: LoopSpec, mask_token_id: int):

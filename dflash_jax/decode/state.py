@@ -7,6 +7,7 @@ import dataclasses
 import jax
 from jaxtyping import Array, Bool, Int
 
+from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.models.target import KVCache
 
 
@@ -18,6 +19,10 @@ class LoopSpec:
     new_capacity: int  # bucketed upper bound of max_new_tokens: sizes the token and acceptance buffers
     capture: tuple[int, ...]  # target layers whose outputs feed the drafter (() without a drafter)
     impl: str = "xla"  # attention implementation, see dflash_jax.attention
+    sampling: bool = False  # some row has temperature > 0 (else the exact greedy path)
+    draft_sampling: bool = False  # drafts drawn from the drafter's distribution (else its argmax)
+    top_k: bool = False  # some row uses top-k
+    top_p: bool = False  # some row uses top-p
 
 
 @jax.tree_util.register_dataclass
@@ -41,3 +46,5 @@ class DecodeState:
     stop_ids: Int[Array, "Z"]  # padded with -1
     target_cache: KVCache
     draft_cache: KVCache | None
+    rng: jax.Array | None = None  # one PRNG key per row (sampling only)
+    sampling: SamplingParams | None = None
