@@ -55,6 +55,27 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    import json
+
+    from dflash_jax.batch import run_batch
+    from dflash_jax.loading import load_drafter, load_pair, load_target
+
+    if args.target:
+        target = load_target(args.target, args.dtype or "float32")
+        drafter = load_drafter(args.drafter, target) if args.drafter else None
+    else:
+        target, drafter = load_pair(args.config, dtype=args.dtype or "float32")
+    if args.autoregressive:
+        drafter = None
+    summary = run_batch(target, drafter, args.input, args.output, max_new_tokens=args.max_new_tokens,
+                        batch_size=args.batch_size, block_size=args.block_size, temperature=args.temperature,
+                        top_k=args.top_k, top_p=args.top_p, seed=args.seed, limit=args.limit, resume=args.resume,
+                        skip_bad=args.skip_bad, progress=not args.no_progress)
+    print(json.dumps({k: v for k, v in summary.items() if k != "acceptance_histogram"}, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dflash-jax", description="DFlash speculative decoding in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,6 +92,26 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--out-dir", help="override training.out_dir")
     train.add_argument("--no-progress", action="store_true")
     train.set_defaults(func=_train)
+    gen = sub.add_parser("generate", help="batch offline generation: JSONL/text prompts in, JSONL out (resumable)")
+    gen.add_argument("--config", default="smollm2-135m", help="pair name or YAML (default: the embedded pair)")
+    gen.add_argument("--target", help="target checkpoint (instead of --config)")
+    gen.add_argument("--drafter", help="drafter checkpoint (with --target)")
+    gen.add_argument("--autoregressive", action="store_true", help="no drafter: plain decoding")
+    gen.add_argument("--input", required=True, help="JSONL (id + prompt|messages|token_ids) or text, one per line")
+    gen.add_argument("--output", required=True, help="JSONL records, appended per finished batch")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"])
+    gen.add_argument("--max-new-tokens", type=int, default=256)
+    gen.add_argument("--batch-size", type=int, default=32)
+    gen.add_argument("--block-size", type=int)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--limit", type=int, help="only the first N prompts of the input")
+    gen.add_argument("--resume", action="store_true", help="continue an existing output, skipping finished ids")
+    gen.add_argument("--skip-bad", action="store_true", help="write bad rows to <output>.errors.jsonl and go on")
+    gen.add_argument("--no-progress", action="store_true")
+    gen.set_defaults(func=_generate)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)

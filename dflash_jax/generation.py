@@ -138,29 +138,64 @@ def sampling_params(n: int, temperature, top_k, top_p) -> SamplingParams:
 # Runner
 # --------------------------------------------------------------------------------------------------
 
-def _run(target: Target, drafter: Drafter | None, prompts, *, max_new_tokens: int, block_size: int,
-         stop_token_ids, chat: bool, attention_impl: str, temperature=0.0, top_k=0, top_p=1.0, seed: int = 0,
-         draft_sampling: bool = False) -> GenerationOutput:
-    _check_max_new(max_new_tokens)
+@dataclasses.dataclass
+class Job:
+    """One batch prepared on the host: shapes bucketed, programs compiled (or fetched from the cache).
+
+    :func:`launch` dispatches it without waiting (JAX async dispatch), so the host can prepare the next batch
+    while the device decodes this one; :func:`collect` fetches the results.
+    """
+
+    target: Target
+    drafter: Drafter | None
+    ids: list[list[int]]  # real rows only
+    stops: tuple[int, ...]
+    graphdefs: tuple
+    params: tuple
+    pre_args: tuple
+    spec: LoopSpec
+    capacity: int
+    mask_id: int
+    pre_exe: Any = None
+    compile_s: float = 0.0
+
+
+def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, max_new_tokens, block_size: int,
+            stop_token_ids=None, attention_impl: str = "auto", temperature=0.0, top_k=0, top_p=1.0, seed: int = 0,
+            draft_sampling: bool = False, pad_batch_to: int | None = None) -> Job:
+    """Validate and bucket one batch of token-id prompts. ``max_new_tokens``: one value or one per row.
+
+    ``pad_batch_to`` adds finished dummy rows so that every batch of a run has the same compiled shape.
+    """
     cfg = target.config
-    n_prompts = len(prompts) if isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)) else 0
-    sp = sampling_params(max(n_prompts, 1), temperature, top_k, top_p)
-    ids = _tokenize(target, prompts, chat)
+    n = len(ids)
+    max_new = _per_row(max_new_tokens, n, "max_new_tokens", np.int64)
+    for m in np.unique(max_new):
+        _check_max_new(int(m))
+    sp = sampling_params(n, temperature, top_k, top_p)
     lens = [len(p) for p in ids]
-    longest = max(lens)
-    if longest + max_new_tokens > cfg.max_position_embeddings:
-        raise ValueError(f"prompt of {longest} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
+    worst = int(np.max(np.asarray(lens) + max_new))
+    if worst > cfg.max_position_embeddings:
+        i = int(np.argmax(np.asarray(lens) + max_new))
+        raise ValueError(f"prompt of {lens[i]} tokens + max_new_tokens {int(max_new[i])} exceeds the model's "
                          f"maximum length {cfg.max_position_embeddings}")
     stops = target.stop_token_ids if stop_token_ids is None else tuple(int(s) for s in stop_token_ids)
 
-    b, p = len(ids), _bucket(longest)
-    new_cap = _bucket(max_new_tokens)
+    b = max(n, pad_batch_to or 0)
+    pad = b - n
+    p = _bucket(max(lens))
+    new_cap = _bucket(int(max_new.max()))
     capacity = -(-(p + new_cap + block_size) // 16) * 16
     prompt = np.zeros((b, p), np.int32)
     for i, row in enumerate(ids):
         prompt[i, : len(row)] = row
+    lens_arr = np.asarray(lens + [1] * pad, np.int32)  # dummy rows: one token, one new token, discarded
+    max_arr = np.concatenate([max_new, np.ones(pad, np.int64)]).astype(np.int32)
     stop_arr = np.full((_bucket(max(len(stops), 1), 8),), -1, np.int32)
     stop_arr[: len(stops)] = stops
+    if pad:
+        sp = SamplingParams(*(jnp.concatenate([x, jnp.repeat(x[-1:], pad)]) for x in
+                              (sp.temperature, sp.top_k, sp.top_p)))
 
     impl = "xla" if attention_impl == "auto" else attention_impl
     capture = drafter.config.target_layer_ids if drafter is not None else ()
@@ -177,41 +212,68 @@ def _run(target: Target, drafter: Drafter | None, prompts, *, max_new_tokens: in
     else:
         dgd, dparams, mask_id = None, None, 0
     graphdefs, params = (tgd, dgd), (tparams, dparams)
-
-    pre_args = (params, jnp.asarray(prompt), jnp.asarray(lens, jnp.int32),
-                jnp.full((b,), max_new_tokens, jnp.int32), jnp.asarray(stop_arr), rng, sp if sampled else None)
+    pre_args = (params, jnp.asarray(prompt), jnp.asarray(lens_arr), jnp.asarray(max_arr), jnp.asarray(stop_arr),
+                rng, sp if sampled else None)
+    job = Job(target, drafter, ids, stops, graphdefs, params, pre_args, spec, capacity, mask_id)
     t0 = time.perf_counter()
-    pre_exe = _executable(loop.prefill_fn, {"spec": spec, "capacity": capacity}, graphdefs, pre_args)
-    t1 = time.perf_counter()
-    state = jax.block_until_ready(pre_exe(*pre_args))
-    t2 = time.perf_counter()
-    dec_exe = _executable(loop.decode_fn, {"spec": spec, "mask_token_id": mask_id}, graphdefs,
-                          (params, state), donate=(1,))
-    t3 = time.perf_counter()
-    state = jax.block_until_ready(dec_exe(params, state))
-    t4 = time.perf_counter()
+    job.pre_exe = _executable(loop.prefill_fn, {"spec": spec, "capacity": capacity}, graphdefs, pre_args)
+    job.compile_s = time.perf_counter() - t0
+    return job
 
-    tokens, num_new, acc, cycles, done = jax.device_get(
-        (state.tokens, state.num_new, state.acc_lens, state.num_cycles, state.done))
-    token_ids = [tokens[i, : num_new[i]].tolist() for i in range(b)]
-    acc_lens = [acc[i, : cycles[i]].tolist() for i in range(b)]
-    stop_set = set(stops)
+
+def _decode_exe(job: Job, state):
+    t0 = time.perf_counter()
+    exe = _executable(loop.decode_fn, {"spec": job.spec, "mask_token_id": job.mask_id}, job.graphdefs,
+                      (job.params, state), donate=(1,))
+    job.compile_s += time.perf_counter() - t0
+    return exe
+
+
+def launch(job: Job):
+    """Dispatch prefill + decode; returns the (not yet computed) final DecodeState."""
+    state = job.pre_exe(*job.pre_args)
+    return _decode_exe(job, state)(job.params, state)
+
+
+def collect(job: Job, state, stats: dict | None = None) -> GenerationOutput:
+    """Fetch a finished batch's results (blocks until the device is done with it)."""
+    n = len(job.ids)
+    tokens, num_new, acc, cycles = jax.device_get((state.tokens, state.num_new, state.acc_lens, state.num_cycles))
+    token_ids = [tokens[i, : num_new[i]].tolist() for i in range(n)]
+    acc_lens = [acc[i, : cycles[i]].tolist() for i in range(n)]
+    stop_set = set(job.stops)
     finish = ["stop" if t and t[-1] in stop_set else "length" for t in token_ids]
-    texts = [target.tokenizer.decode(t) if target.tokenizer else None for t in token_ids]
+    tok = job.target.tokenizer
+    texts = [tok.decode(t) if tok else None for t in token_ids]
     all_acc = [a for row in acc_lens for a in row]
-    total_new = int(num_new.sum())
-    prefill_s, decode_s = t2 - t1, t4 - t3
-    stats = {
-        "prefill_s": prefill_s,
-        "decode_s": decode_s,
-        "compile_s": (t1 - t0) + (t3 - t2),
-        "new_tokens": total_new,
-        "tokens_per_s": total_new / max(prefill_s + decode_s, 1e-9),
-        "decode_tokens_per_s": (total_new - b) / max(decode_s, 1e-9),
-        "cycles": int(cycles.max(initial=0)),
-    }
+    stats = dict(stats or {})
+    stats.setdefault("compile_s", job.compile_s)
+    stats["new_tokens"] = int(num_new[:n].sum())
+    stats["cycles"] = int(cycles[:n].max(initial=0))
     return GenerationOutput(token_ids, texts, acc_lens, float(np.mean(all_acc)) if all_acc else 0.0, stats,
-                            ids, finish)
+                            job.ids, finish)
+
+
+def _run(target: Target, drafter: Drafter | None, prompts, *, chat: bool, **kw) -> GenerationOutput:
+    """Tokenize, prepare, then run prefill and decode with a sync between them (for the timing stats)."""
+    n = len(prompts) if isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)) else 0
+    sampling_params(max(n, 1), kw.get("temperature", 0.0), kw.get("top_k", 0), kw.get("top_p", 1.0))
+    _check_max_new(kw["max_new_tokens"])
+    ids = _tokenize(target, prompts, chat)
+    job = prepare(target, drafter, ids, **kw)
+    t1 = time.perf_counter()
+    state = jax.block_until_ready(job.pre_exe(*job.pre_args))
+    t2 = time.perf_counter()
+    exe = _decode_exe(job, state)
+    t3 = time.perf_counter()
+    state = jax.block_until_ready(exe(job.params, state))
+    t4 = time.perf_counter()
+    prefill_s, decode_s = t2 - t1, t4 - t3
+    out = collect(job, state, {"prefill_s": prefill_s, "decode_s": decode_s, "compile_s": job.compile_s})
+    total, b = out.stats["new_tokens"], len(ids)
+    out.stats["tokens_per_s"] = total / max(prefill_s + decode_s, 1e-9)
+    out.stats["decode_tokens_per_s"] = (total - b) / max(decode_s, 1e-9)
+    return out
 
 
 def speculative_generate(

@@ -181,17 +181,29 @@ def random_drafter(target: Target | TargetModel, *, num_layers: int = 2, block_s
 SMOLLM2_MASK_TOKEN_ID = 16
 
 
-def load_pair(name_or_path: str = EMBEDDED_PAIR, dtype: Any = "float32") -> tuple[Target, Drafter]:
-    """A ready (target, drafter) pair. ``"smollm2-135m"`` is embedded: no download.
+def load_pair(name_or_path: str = EMBEDDED_PAIR, dtype: Any = None) -> tuple[Target, Drafter]:
+    """A ready (target, drafter) pair: a name from ``configs/`` (e.g. ``"smollm2-135m"``, ``"qwen3-8b"``) or
+    the path of a pair YAML (schema in :mod:`dflash_jax.pairs`). ``dtype`` overrides the config's.
 
-    Its drafter is the trained one shipped in ``dflash_jax/assets`` when present; otherwise a randomly
-    initialised drafter, labelled ``trained=False`` (expect an acceptance length of about 1).
+    ``"smollm2-135m"`` is embedded (no download). Its drafter is the trained one shipped in
+    ``dflash_jax/assets``; were it missing, a randomly initialised drafter labelled ``trained=False``.
     """
-    if name_or_path != EMBEDDED_PAIR:
-        raise ConfigError(f"unknown pair {name_or_path!r} (available: {EMBEDDED_PAIR!r})")
-    target = load_target(EMBEDDED_PAIR, dtype)
-    shipped = _ASSETS / "smollm2-135m-dflash"
-    if (shipped / "config.json").is_file():
-        return target, load_drafter(shipped, target)
-    log.warning("no trained drafter is shipped for %s yet: using a RANDOM (untrained) drafter", EMBEDDED_PAIR)
-    return target, random_drafter(target, mask_token_id=SMOLLM2_MASK_TOKEN_ID, num_layers=2)
+    from dflash_jax.pairs import load_pair_config
+
+    if name_or_path == EMBEDDED_PAIR and not (_ASSETS.parent.parent / "configs").is_dir():
+        cfg = None  # installed without the configs folder: the embedded pair still works
+    else:
+        cfg = load_pair_config(name_or_path)
+    dtype = dtype or (cfg.dtype if cfg else "float32")
+    target = load_target(cfg.target if cfg else EMBEDDED_PAIR, dtype,
+                         chat_template_kwargs=cfg.chat_template_kwargs if cfg else None)
+    drafter_src = cfg.drafter if cfg else "embedded"
+    if drafter_src == "embedded":
+        shipped = _ASSETS / "smollm2-135m-dflash"
+        if (shipped / "config.json").is_file():
+            return target, load_drafter(shipped, target)
+        log.warning("no trained drafter is shipped for %s: using a RANDOM (untrained) drafter", EMBEDDED_PAIR)
+        return target, random_drafter(target, mask_token_id=SMOLLM2_MASK_TOKEN_ID, num_layers=2)
+    if drafter_src is None:
+        raise ConfigError(f"pair {cfg.name!r} has no drafter")
+    return target, load_drafter(drafter_src, target)

@@ -1,0 +1,341 @@
+"""``dflash-jax generate``: batch offline generation over a prompt file, overlapped and crash-safe.
+
+* Input: JSONL, one object per line with ``id`` and one of ``prompt`` (text; chat template applied),
+  ``messages`` (a chat list) or ``token_ids``; or a plain text file, one prompt per line (id = line number).
+  Every row is validated before any work; bad rows are reported with their line numbers.
+* Output: JSONL, one record per prompt, appended and flushed (fsync) after every finished batch. ``resume``
+  skips ids already in the output (a torn last line from a kill is cut off first), so a run killed at any
+  moment and resumed yields every input id exactly once.
+* Overlap: prompts are sorted by length into batches of one shape bucket; batch ``i+1`` is tokenized,
+  bucketed and dispatched (JAX async dispatch) before the results of batch ``i`` are fetched and written,
+  so the device always has the next batch queued. A watcher thread timestamps when each batch is ready;
+  the summary reports the device's idle fraction between batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from dflash_jax import generation
+from dflash_jax.loading import Drafter, Target
+
+log = logging.getLogger("dflash_jax")
+
+
+class BadInputError(ValueError):
+    """The input file has rows that cannot be run (the message lists them with line numbers)."""
+
+
+@dataclasses.dataclass
+class Row:
+    id: str
+    line: int
+    prompt: Any  # str | list[dict] | list[int]
+    ids: list[int] | None = None
+
+
+def read_rows(path: str | Path) -> tuple[list[Row], list[dict]]:
+    """Parse the input; returns (good rows, bad rows as {"line", "id", "error"}). Duplicate ids are fatal."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"input file {path} does not exist")
+    rows, bad = [], []
+    jsonl = path.suffix in (".jsonl", ".json")
+    for n, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not raw.strip():
+            continue
+        if not jsonl:
+            rows.append(Row(str(n), n, raw))
+            continue
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as e:
+            bad.append({"line": n, "id": None, "error": f"invalid JSON: {e.msg}"})
+            continue
+        if not isinstance(obj, dict):
+            bad.append({"line": n, "id": None, "error": "expected a JSON object"})
+            continue
+        rid = obj.get("id")
+        if rid is None or (isinstance(rid, str) and not rid.strip()):
+            bad.append({"line": n, "id": None, "error": "missing 'id'"})
+            continue
+        rid = str(rid)
+        fields = [k for k in ("prompt", "messages", "token_ids") if k in obj]
+        if len(fields) != 1:
+            bad.append({"line": n, "id": rid, "error": "needs exactly one of 'prompt', 'messages', 'token_ids'"})
+            continue
+        value = obj[fields[0]]
+        problem = _check_value(fields[0], value)
+        if problem:
+            bad.append({"line": n, "id": rid, "error": problem})
+            continue
+        rows.append(Row(rid, n, value))
+    seen: dict[str, int] = {}
+    dups = []
+    for r in rows:
+        if r.id in seen:
+            dups.append(f"id {r.id!r} on lines {seen[r.id]} and {r.line}")
+        seen.setdefault(r.id, r.line)
+    if dups:
+        raise BadInputError(f"{path}: duplicate ids ({len(dups)}): " + "; ".join(dups[:10]))
+    return rows, bad
+
+
+def _check_value(field: str, value) -> str | None:
+    if field == "prompt":
+        return None if isinstance(value, str) and value.strip() else "'prompt' must be a non-empty string"
+    if field == "messages":
+        ok = (isinstance(value, list) and value and all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                                        and "role" in m for m in value))
+        return None if ok else "'messages' must be a non-empty list of {role, content}"
+    ok = isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return None if ok else "'token_ids' must be a non-empty list of integers"
+
+
+def finished_ids(output: Path) -> set[str]:
+    """Ids already in ``output``; a torn last line (killed mid-write) is cut off so appending stays valid."""
+    if not output.is_file():
+        return set()
+    data = output.read_bytes()
+    end = data.rfind(b"\n") + 1
+    if end < len(data):
+        with output.open("r+b") as f:
+            f.truncate(end)
+        log.warning("%s: removed a partial last record left by an interrupted run", output)
+    done = set()
+    for line in data[:end].decode("utf-8").splitlines():
+        if line.strip():
+            done.add(str(json.loads(line)["id"]))
+    return done
+
+
+@dataclasses.dataclass
+class _Batch:
+    rows: list[Row]
+    job: generation.Job
+    state: Any
+    launched: float
+    ready: float | None = None
+
+
+class _ReadyWatcher(threading.Thread):
+    """Blocks on each launched batch in order and records when the device finished it."""
+
+    def __init__(self):
+        super().__init__(daemon=True)
+        self.queue: list[_Batch] = []
+        self.cv = threading.Condition()
+        self.stopped = False
+
+    def add(self, batch: _Batch) -> None:
+        with self.cv:
+            self.queue.append(batch)
+            self.cv.notify()
+
+    def run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.queue and not self.stopped:
+                    self.cv.wait()
+                if not self.queue:
+                    return
+                batch = self.queue.pop(0)
+            jax.block_until_ready(batch.state.num_new)
+            with self.cv:
+                batch.ready = time.perf_counter()
+                self.cv.notify_all()
+
+    def wait_ready(self, batch: _Batch) -> None:
+        with self.cv:
+            while batch.ready is None:
+                self.cv.wait()
+
+    def stop(self) -> None:
+        with self.cv:
+            self.stopped = True
+            self.cv.notify_all()
+
+
+def run_batch(
+    target: Target,
+    drafter: Drafter | None,
+    input_path: str | Path,
+    output_path: str | Path,
+    *,
+    max_new_tokens: int = 256,
+    batch_size: int = 32,
+    block_size: int | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    limit: int | None = None,
+    resume: bool = False,
+    skip_bad: bool = False,
+    progress: bool = True,
+    summary_path: str | Path | None = None,
+    histogram_path: str | Path | None = None,
+) -> dict:
+    """Generate for every prompt of ``input_path`` into ``output_path``; returns the summary dict."""
+    output = Path(output_path)
+    generation.sampling_params(1, temperature, top_k, top_p)  # validate before any work
+    generation._check_max_new(max_new_tokens)
+    if batch_size <= 0:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    if drafter is not None:
+        trained = drafter.config.block_size
+        block_size = trained if block_size is None else int(block_size)
+        if not 2 <= block_size <= trained:
+            raise ValueError(f"block_size must be in [2, {trained}] for this drafter, got {block_size}")
+    rows, bad = read_rows(input_path)
+    if limit is not None:  # the first `limit` prompt rows of the file, good or bad
+        cutoff = _nth_line(rows, bad, limit)
+        rows, bad = [r for r in rows if r.line <= cutoff], [b for b in bad if b["line"] <= cutoff]
+    # Over-long / untokenizable prompts are found now, before any generation.
+    for r in rows:
+        try:
+            r.ids = _tokenize_row(target, r)
+            if len(r.ids) + max_new_tokens > target.config.max_position_embeddings:
+                raise ValueError(f"prompt of {len(r.ids)} tokens + max_new_tokens {max_new_tokens} exceeds the "
+                                 f"model's maximum length {target.config.max_position_embeddings}")
+        except ValueError as e:
+            bad.append({"line": r.line, "id": r.id, "error": str(e)})
+    bad_lines = {b["line"] for b in bad}
+    rows = [r for r in rows if r.line not in bad_lines]
+    errors_path = output.with_name(output.name + ".errors.jsonl")
+    if bad:
+        bad.sort(key=lambda b: b["line"])
+        listing = "; ".join(f"line {b['line']}: {b['error']}" for b in bad[:20])
+        if not skip_bad:
+            raise BadInputError(f"{len(bad)} bad input row(s) — nothing was generated (use --skip-bad to "
+                                f"continue without them): {listing}")
+        errors_path.write_text("".join(json.dumps(b) + "\n" for b in bad))
+        log.warning("%d bad row(s) written to %s", len(bad), errors_path)
+    if output.exists() and not resume:
+        raise FileExistsError(f"{output} exists: pass --resume to continue it, or choose another output path")
+    done = finished_ids(output) if resume else set()
+    todo = [r for r in rows if r.id not in done]
+    todo.sort(key=lambda r: len(r.ids))  # one shape bucket per batch, shortest first
+    batches = [todo[i: i + batch_size] for i in range(0, len(todo), batch_size)]
+
+    kw = dict(max_new_tokens=max_new_tokens, block_size=block_size if drafter is not None else 1,
+              temperature=temperature, top_k=top_k, top_p=top_p, draft_sampling=False)
+    watcher = _ReadyWatcher()
+    watcher.start()
+    acc_hist: np.ndarray = np.zeros(max(block_size or 1, 1) + 1, np.int64)
+    totals = {"prompts": 0, "tokens": 0, "cycles": 0}
+    launched: list[_Batch] = []
+    bar = tqdm(total=len(todo), disable=not progress, desc="generate", unit="prompt", dynamic_ncols=True)
+    t_start = time.perf_counter()
+
+    def launch(i: int) -> None:
+        rows_i = batches[i]
+        job = generation.prepare(target, drafter, [r.ids for r in rows_i], seed=seed + i,
+                                 pad_batch_to=batch_size, **kw)
+        b = _Batch(rows_i, job, generation.launch(job), time.perf_counter())
+        launched.append(b)
+        watcher.add(b)
+
+    output.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with output.open("a", encoding="utf-8") as out:
+            if batches:
+                launch(0)
+            for i in range(len(batches)):
+                if i + 1 < len(batches):
+                    launch(i + 1)  # queued behind batch i on the device
+                b = launched[i]
+                res = generation.collect(b.job, b.state)
+                watcher.wait_ready(b)
+                lines = []
+                for r, toks, text, acc, fin in zip(b.rows, res.token_ids, res.texts, res.acceptance_lengths,
+                                                   res.finish_reasons):
+                    acc_hist += np.bincount(acc, minlength=len(acc_hist))[: len(acc_hist)] if acc else 0
+                    lines.append(json.dumps({
+                        "id": r.id, "text": text, "token_ids": toks, "num_tokens": len(toks),
+                        "finish_reason": fin,
+                        "acceptance": {"cycles": len(acc), "tau": float(np.mean(acc)) if acc else None},
+                        "batch": i}) + "\n")
+                out.write("".join(lines))
+                out.flush()
+                os.fsync(out.fileno())
+                totals["prompts"] += len(b.rows)
+                totals["tokens"] += res.stats["new_tokens"]
+                totals["cycles"] += sum(len(a) for a in res.acceptance_lengths)
+                wall = time.perf_counter() - t_start
+                bar.update(len(b.rows))
+                bar.set_postfix(tok_s=f"{totals['tokens'] / wall:,.0f}",
+                                tau=f"{totals['tokens'] / max(totals['cycles'], 1):.2f}")
+    finally:
+        watcher.stop()
+        bar.close()
+    wall = time.perf_counter() - t_start
+    idle = 0.0
+    for prev, nxt in zip(launched, launched[1:]):
+        idle += max(0.0, nxt.launched - prev.ready)
+    span = (launched[-1].ready - launched[0].launched) if launched else 0.0
+    cycles_hist = acc_hist.tolist()
+    n_cycles = int(acc_hist.sum())
+    summary = {
+        "input": str(input_path), "output": str(output), "prompts": totals["prompts"],
+        "skipped_done": len(done), "bad_rows": len(bad), "new_tokens": totals["tokens"],
+        "wall_s": wall, "tokens_per_s": totals["tokens"] / max(wall, 1e-9),
+        "prompts_per_s": totals["prompts"] / max(wall, 1e-9),
+        "tau": float((np.arange(len(acc_hist)) * acc_hist).sum() / n_cycles) if n_cycles else None,
+        "acceptance_histogram": cycles_hist, "batches": len(batches), "batch_size": batch_size,
+        "block_size": block_size if drafter is not None else 1,
+        "device_idle_fraction": idle / span if span > 0 else 0.0,
+        "compile_s": sum(b.job.compile_s for b in launched),
+    }
+    summary_path = Path(summary_path) if summary_path else output.with_name(output.name + ".summary.json")
+    summary_path.write_text(json.dumps(summary, indent=1) + "\n")
+    if n_cycles:
+        plot_acceptance(acc_hist, histogram_path or output.with_name(output.name + ".acceptance.png"),
+                        title=f"{target.name}: acceptance lengths (τ {summary['tau']:.2f})")
+    return summary
+
+
+def _nth_line(rows: list[Row], bad: list[dict], limit: int) -> int:
+    """The input line number of the ``limit``-th prompt row (good or bad)."""
+    lines = sorted([r.line for r in rows] + [b["line"] for b in bad])
+    return lines[min(limit, len(lines)) - 1] if lines and limit > 0 else 0
+
+
+def _tokenize_row(target: Target, row: Row) -> list[int]:
+    if isinstance(row.prompt, list) and row.prompt and isinstance(row.prompt[0], int):
+        bad = [t for t in row.prompt if not 0 <= t < target.config.vocab_size]
+        if bad:
+            raise ValueError(f"token ids outside the vocabulary: {bad[:5]}")
+        return list(row.prompt)
+    if target.tokenizer is None:
+        raise ValueError("text prompt, but the target was loaded without a tokenizer")
+    return target.tokenizer.encode(row.prompt)
+
+
+def plot_acceptance(hist: Sequence[int], path: str | Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hist = np.asarray(hist)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(np.arange(1, len(hist)), hist[1:] / max(hist.sum(), 1), color="tab:blue")
+    ax.set_xlabel("tokens committed per cycle (accepted drafts + 1)")
+    ax.set_ylabel("fraction of cycles")
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)

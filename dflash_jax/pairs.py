@@ -1,0 +1,98 @@
+"""Ready (target, drafter) pairs described by YAML files in ``configs/`` — schema and validation.
+
+```yaml
+name: qwen3-8b
+target: Qwen/Qwen3-8B                 # hub id, local HF dir, .gguf file, or "smollm2-135m" (embedded)
+drafter: z-lab/Qwen3-8B-DFlash-b16    # hub id or local dir; "embedded" = the drafter shipped in the package
+dtype: bfloat16                       # float32 | bfloat16
+block_size: 16                        # default block size at serving time (≤ the drafter's trained size)
+chat_template_kwargs: {enable_thinking: false}
+mesh: {tp: 1, dp: 1}                  # suggested mesh for this pair
+training: {...}                       # optional: `dflash-jax train` settings (see train/pipeline.py)
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dflash_jax.config import ConfigError
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+_KEYS = {"name", "target", "drafter", "dtype", "block_size", "chat_template_kwargs", "mesh", "training",
+         "description"}
+
+
+@dataclasses.dataclass(frozen=True)
+class PairConfig:
+    name: str
+    target: str
+    drafter: str | None
+    dtype: str = "bfloat16"
+    block_size: int | None = None
+    chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
+    mesh: dict = dataclasses.field(default_factory=lambda: {"tp": 1, "dp": 1})
+    description: str = ""
+    path: str = ""
+
+
+def find_pair_file(name_or_path: str | Path) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise ConfigError(f"pair config {path} does not exist")
+        return path
+    for candidate in (CONFIG_DIR / f"{name_or_path}.yaml", Path.cwd() / "configs" / f"{name_or_path}.yaml"):
+        if candidate.is_file():
+            return candidate
+    known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.is_dir() else []
+    raise ConfigError(f"unknown pair {str(name_or_path)!r}: not a YAML file and not one of {known}")
+
+
+def parse_pair(raw: Any, where: str) -> PairConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping at the top level")
+    unknown = sorted(set(raw) - _KEYS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {unknown} (allowed: {sorted(_KEYS)})")
+    for key in ("name", "target"):
+        if not isinstance(raw.get(key), str) or not raw[key].strip():
+            raise ConfigError(f"{where}: '{key}' must be a non-empty string")
+    drafter = raw.get("drafter")
+    if drafter is not None and (not isinstance(drafter, str) or not drafter.strip()):
+        raise ConfigError(f"{where}: 'drafter' must be a path, a hub id, 'embedded' or null")
+    dtype = raw.get("dtype", "bfloat16")
+    if dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"{where}: dtype must be 'float32' or 'bfloat16', got {dtype!r}")
+    block = raw.get("block_size")
+    if block is not None and (not isinstance(block, int) or isinstance(block, bool) or block < 2):
+        raise ConfigError(f"{where}: block_size must be an integer >= 2, got {block!r}")
+    chat = raw.get("chat_template_kwargs") or {}
+    if not isinstance(chat, dict):
+        raise ConfigError(f"{where}: chat_template_kwargs must be a mapping")
+    mesh = raw.get("mesh") or {"tp": 1, "dp": 1}
+    if not isinstance(mesh, dict) or set(mesh) - {"tp", "dp"} or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in mesh.values()):
+        raise ConfigError(f"{where}: mesh must be a mapping with positive integers tp and/or dp, got {mesh!r}")
+    if "training" in raw and not isinstance(raw["training"], dict):
+        raise ConfigError(f"{where}: 'training' must be a mapping")
+    return PairConfig(name=raw["name"], target=raw["target"], drafter=drafter, dtype=dtype, block_size=block,
+                      chat_template_kwargs=dict(chat), mesh={"tp": 1, "dp": 1, **mesh},
+                      description=str(raw.get("description", "")), path=where)
+
+
+def load_pair_config(name_or_path: str | Path) -> PairConfig:
+    path = find_pair_file(name_or_path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    return parse_pair(raw, str(path))
+
+
+def all_pair_configs() -> list[PairConfig]:
+    return [load_pair_config(p) for p in sorted(CONFIG_DIR.glob("*.yaml"))]

@@ -1,0 +1,186 @@
+"""Batch offline generation (`dflash-jax generate`) and pair configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ZLAB
+from dflash_jax import CheckpointError, ConfigError, generate, load_drafter, load_pair, speculative_generate
+from dflash_jax.batch import BadInputError, finished_ids, read_rows, run_batch
+from dflash_jax.pairs import all_pair_configs, load_pair_config, parse_pair
+
+
+@pytest.fixture(scope="module")
+def pair(zlab_target):
+    return zlab_target, load_drafter(ZLAB / "drafter_fitted", zlab_target)
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def token_rows(n: int, seed: int = 0) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    return [{"id": f"r{i}", "token_ids": rng.integers(0, 255, int(rng.integers(2, 30))).tolist()} for i in range(n)]
+
+
+def read_out(path: Path) -> dict[str, dict]:
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    ids = [r["id"] for r in recs]
+    assert len(ids) == len(set(ids)), "an id was written twice"
+    return {r["id"]: r for r in recs}
+
+
+def test_batch_outputs_equal_direct_generation(pair, tmp_path):
+    target, drafter = pair
+    rows = token_rows(11)
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    summary = run_batch(target, drafter, inp, tmp_path / "out.jsonl", max_new_tokens=20, batch_size=4,
+                        progress=False)
+    out = read_out(tmp_path / "out.jsonl")
+    assert set(out) == {r["id"] for r in rows}
+    ref = generate(target, [r["token_ids"] for r in rows], max_new_tokens=20)
+    spec = speculative_generate(target, drafter, [r["token_ids"] for r in rows], max_new_tokens=20)
+    for r, toks, acc in zip(rows, ref.token_ids, spec.acceptance_lengths):
+        rec = out[r["id"]]
+        assert rec["token_ids"] == toks and rec["num_tokens"] == len(toks)
+        assert rec["acceptance"]["cycles"] == len(acc)
+    assert summary["prompts"] == 11 and summary["batches"] == 3 and summary["tau"] > 1.0
+    assert summary["new_tokens"] == sum(len(t) for t in ref.token_ids)
+    assert 0.0 <= summary["device_idle_fraction"] < 1.0
+    assert sum(summary["acceptance_histogram"]) == sum(len(a) for a in spec.acceptance_lengths)
+    assert (tmp_path / "out.jsonl.summary.json").is_file()
+    assert (tmp_path / "out.jsonl.acceptance.png").stat().st_size > 1000
+    # Autoregressive mode (no drafter) writes the same tokens.
+    run_batch(target, None, inp, tmp_path / "ar.jsonl", max_new_tokens=20, batch_size=4, progress=False)
+    ar = read_out(tmp_path / "ar.jsonl")
+    assert all(ar[k]["token_ids"] == out[k]["token_ids"] for k in out)
+
+
+def test_bad_rows_are_reported_with_line_numbers(pair, tmp_path):
+    target, drafter = pair
+    lines = [{"id": "a", "token_ids": [1, 2, 3]}, "{not json", {"token_ids": [4]}, {"id": "e", "prompt": ""},
+             {"id": "f", "token_ids": [5, 6]}, {"id": "g", "token_ids": list(range(200)) * 3},
+             {"id": "h", "prompt": "text needs a tokenizer"}, {"id": "i", "token_ids": [1, 999]}]
+    inp = write_jsonl(tmp_path / "in.jsonl", lines)
+    with pytest.raises(BadInputError) as err:
+        run_batch(target, drafter, inp, tmp_path / "out.jsonl", max_new_tokens=16, progress=False)
+    msg = str(err.value)
+    for fragment in ("line 2: invalid JSON", "line 3: missing 'id'", "line 4: 'prompt' must be a non-empty",
+                     "line 6: prompt of 600 tokens", "line 7: text prompt", "line 8: token ids outside"):
+        assert fragment in msg
+    assert not (tmp_path / "out.jsonl").exists()  # nothing was started
+    run_batch(target, drafter, inp, tmp_path / "out.jsonl", max_new_tokens=16, skip_bad=True, progress=False)
+    assert set(read_out(tmp_path / "out.jsonl")) == {"a", "f"}
+    errors = [json.loads(x) for x in (tmp_path / "out.jsonl.errors.jsonl").read_text().splitlines()]
+    assert [e["line"] for e in errors] == [2, 3, 4, 6, 7, 8]
+
+
+def test_duplicate_ids_fail_before_any_work(pair, tmp_path):
+    target, drafter = pair
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": "x", "token_ids": [1]}, {"id": "y", "token_ids": [2]},
+                                               {"id": "x", "token_ids": [3]}])
+    with pytest.raises(BadInputError, match="duplicate ids.*'x' on lines 1 and 3"):
+        run_batch(target, drafter, inp, tmp_path / "out.jsonl", skip_bad=True, progress=False)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_text_input_limit_and_existing_output(pair, tmp_path):
+    target, drafter = pair
+    rows, bad = read_rows(write_jsonl(tmp_path / "p.txt", ["first prompt", "", "second"]))
+    assert [(r.id, r.line, r.prompt) for r in rows] == [("1", 1, "first prompt"), ("3", 3, "second")]
+    inp = write_jsonl(tmp_path / "in.jsonl", token_rows(9))
+    run_batch(target, drafter, inp, tmp_path / "out.jsonl", max_new_tokens=8, limit=5, progress=False)
+    assert set(read_out(tmp_path / "out.jsonl")) == {f"r{i}" for i in range(5)}
+    with pytest.raises(FileExistsError, match="--resume"):
+        run_batch(target, drafter, inp, tmp_path / "out.jsonl", max_new_tokens=8, progress=False)
+    run_batch(target, drafter, inp, tmp_path / "out.jsonl", max_new_tokens=8, resume=True, progress=False)
+    assert set(read_out(tmp_path / "out.jsonl")) == {f"r{i}" for i in range(9)}
+
+
+def test_torn_last_line_is_repaired(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "a", "x": 1}\n{"id": "b", "x"')
+    assert finished_ids(out) == {"a"}
+    assert out.read_text() == '{"id": "a", "x": 1}\n'
+
+
+def test_sigkill_at_random_moments_then_resume(tmp_path):
+    """A real `dflash-jax generate` process killed at random points, resumed each time: every id once."""
+    rows = token_rows(40, seed=3)
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "dflash_jax.cli", "generate", "--target", str(ZLAB / "target"), "--drafter",
+           str(ZLAB / "drafter_fitted"), "--input", str(inp), "--output", str(out), "--batch-size", "4",
+           "--max-new-tokens", "24", "--no-progress"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    rnd = random.Random(0)
+    kills = 0
+    for attempt in range(8):
+        proc = subprocess.Popen(cmd + (["--resume"] if out.exists() else []), env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if kills < 3:
+            before = len(out.read_text().splitlines()) if out.exists() else 0
+            deadline = time.time() + 120
+            # Wait until this process has written at least one batch, then kill it at a random moment.
+            while time.time() < deadline and proc.poll() is None:
+                now = len(out.read_text().splitlines()) if out.exists() else 0
+                if now > before:
+                    break
+                time.sleep(0.02)
+            time.sleep(rnd.uniform(0.0, 0.6))
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                kills += 1
+            proc.wait()
+            continue
+        assert proc.wait(timeout=300) == 0
+        break
+    assert kills >= 2
+    got = read_out(out)
+    assert set(got) == {r["id"] for r in rows}
+    ref = generate(__import__("dflash_jax").load_target(ZLAB / "target"), [r["token_ids"] for r in rows],
+                   max_new_tokens=24)
+    for r, toks in zip(rows, ref.token_ids):
+        assert got[r["id"]]["token_ids"] == toks
+
+
+def test_every_pair_config_validates():
+    configs = {c.name: c for c in all_pair_configs()}
+    assert {"smollm2-135m", "qwen3-4b", "qwen3-8b", "llama3.1-8b-instruct"} <= set(configs)
+    assert configs["qwen3-8b"].chat_template_kwargs == {"enable_thinking": False}
+    assert configs["qwen3-8b"].drafter == "z-lab/Qwen3-8B-DFlash-b16"
+    assert configs["smollm2-135m"].drafter == "embedded"
+    for c in configs.values():
+        assert c.dtype in ("float32", "bfloat16") and c.mesh["tp"] >= 1
+
+
+@pytest.mark.parametrize("raw,match", [
+    ({"target": "x"}, "'name' must be a non-empty string"),
+    ({"name": "a", "target": "x", "dtype": "fp16"}, "dtype must be"),
+    ({"name": "a", "target": "x", "block_size": 1}, "block_size must be an integer >= 2"),
+    ({"name": "a", "target": "x", "mesh": {"tp": 0}}, "mesh must be"),
+    ({"name": "a", "target": "x", "bogus": 1}, "unknown keys"),
+])
+def test_pair_schema_errors(raw, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_pair(raw, "test.yaml")
+
+
+def test_hub_pairs_give_a_clear_error_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(CheckpointError, match="Qwen/Qwen3-8B.*not in the huggingface_hub cache"):
+        load_pair("qwen3-8b")
+    with pytest.raises(ConfigError, match="unknown pair 'nope'"):
+        load_pair_config("nope")
