@@ -181,7 +181,14 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
                          f"maximum length {cfg.max_position_embeddings}")
     stops = target.stop_token_ids if stop_token_ids is None else tuple(int(s) for s in stop_token_ids)
 
+    from dflash_jax import sharding as shd
+
+    if drafter is not None and drafter.mesh is not target.mesh:
+        raise shd.ShardingError("the target and the drafter must be placed on the same mesh (load the drafter "
+                                "with the target: load_drafter(..., target=target) inherits its mesh)")
+    dp = shd.mesh_size(target.mesh, "dp")
     b = max(n, pad_batch_to or 0)
+    b = -(-b // dp) * dp  # batch rows split evenly over dp
     pad = b - n
     p = _bucket(max(lens))
     new_cap = _bucket(int(max_new.max()))
@@ -203,7 +210,8 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
     spec = LoopSpec(block_size=block_size, new_capacity=new_cap, capture=tuple(capture), impl=impl,
                     sampling=sampled, draft_sampling=sampled and draft_sampling,
                     top_k=sampled and bool((np.asarray(sp.top_k) > 0).any()),
-                    top_p=sampled and bool((np.asarray(sp.top_p) < 1).any()))
+                    top_p=sampled and bool((np.asarray(sp.top_p) < 1).any()),
+                    plan=shd.make_plan(target.mesh, cfg, drafter.config.layers if drafter is not None else None))
     rng = jax.random.split(jax.random.key(seed), b) if sampled else None
     tgd, tparams = nnx.split(target.model)
     if drafter is not None:
@@ -212,8 +220,10 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
     else:
         dgd, dparams, mask_id = None, None, 0
     graphdefs, params = (tgd, dgd), (tparams, dparams)
-    pre_args = (params, jnp.asarray(prompt), jnp.asarray(lens_arr), jnp.asarray(max_arr), jnp.asarray(stop_arr),
-                rng, sp if sampled else None)
+    rows = (lambda x: jax.device_put(x, spec.plan.rows(np.ndim(x)))) if spec.plan else jnp.asarray
+    pre_args = (params, rows(prompt), rows(lens_arr), rows(max_arr), jnp.asarray(stop_arr),
+                rows(rng) if rng is not None else None,
+                jax.tree.map(rows, sp) if sampled else None)
     job = Job(target, drafter, ids, stops, graphdefs, params, pre_args, spec, capacity, mask_id)
     t0 = time.perf_counter()
     job.pre_exe = _executable(loop.prefill_fn, {"spec": spec, "capacity": capacity}, graphdefs, pre_args)

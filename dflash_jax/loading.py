@@ -14,9 +14,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
 from dflash_jax.checkpoints import gguf_io
 from dflash_jax.checkpoints.safetensors_io import (CheckpointError, load_into, read_safetensors,
@@ -26,6 +28,7 @@ from dflash_jax.config import (ConfigError, DrafterConfig, ModelConfig, default_
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.target import TargetModel
 from dflash_jax.tokenizer import Tokenizer
+from dflash_jax import sharding as shd
 
 log = logging.getLogger("dflash_jax")
 
@@ -54,6 +57,7 @@ class Target:
     tokenizer: Tokenizer | None = None
     name: str = "target"
     stop_token_ids: tuple[int, ...] = ()
+    mesh: Mesh | None = None  # parameters placed by dflash_jax.sharding when set
 
     @property
     def config(self) -> ModelConfig:
@@ -67,6 +71,7 @@ class Drafter:
     model: DFlashDrafter
     name: str = "drafter"
     trained: bool = True
+    mesh: Mesh | None = None
 
     @property
     def config(self) -> DrafterConfig:
@@ -113,15 +118,37 @@ def embedded_gguf_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _build(model_cls, cfg, dtype, tensors: dict, prefix: str, source: str, **kw):
-    model = nnx.eval_shape(lambda: model_cls(cfg, dtype=dtype, rngs=nnx.Rngs(0), **kw))
-    load_into(model, tensors, prefix=prefix, source=source, dtype=dtype,
+def _build(model_cls, cfg, dtype, tensors: dict, prefix: str, source: str, mesh: Mesh | None = None,
+           shape_cfg: ModelConfig | None = None):
+    """Abstract module → parameters filled from ``tensors``, each placed directly on its mesh shards."""
+    model = nnx.eval_shape(lambda: model_cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    place = None
+    if mesh is not None:
+        shape_cfg = shape_cfg or cfg
+        shd.check_splittable(shape_cfg, shd.mesh_size(mesh, "tp"), source)
+        mapping = shd.logical_to_mesh(shape_cfg, mesh)
+
+        def place(path, arr):
+            spec = shd.spec_for(".".join(str(p) for p in path), arr.ndim, mapping)
+            return jax.device_put(np.asarray(arr).astype(dtype), NamedSharding(mesh, spec))
+    load_into(model, tensors, prefix=prefix, source=source, dtype=dtype, place=place,
               ignore=lambda n: n.endswith("rotary_emb.inv_freq"))
     return model
 
 
-def load_target(source: str | Path, dtype: Any = "float32", *, chat_template_kwargs: dict | None = None) -> Target:
-    """A target from an HF directory, a GGUF file, a hub id, or the embedded pair's name."""
+def shard(obj: "Target | Drafter", mesh: Mesh) -> "Target | Drafter":
+    """Place an already-loaded target or drafter on ``mesh`` (in place); returns it."""
+    cfg = obj.config if isinstance(obj, Target) else obj.config.layers
+    shd.shard_module(obj.model, cfg, mesh, obj.name)
+    obj.mesh = mesh
+    return obj
+
+
+def load_target(source: str | Path, dtype: Any = "float32", *, chat_template_kwargs: dict | None = None,
+                mesh: Mesh | None = None) -> Target:
+    """A target from an HF directory, a GGUF file, a hub id, or the embedded pair's name.
+
+    ``mesh`` (see :func:`dflash_jax.make_mesh`): parameters are loaded straight onto their shards."""
     dtype = parse_dtype(dtype)
     if str(source) == EMBEDDED_PAIR:
         source = embedded_gguf_path()
@@ -136,13 +163,16 @@ def load_target(source: str | Path, dtype: Any = "float32", *, chat_template_kwa
         cfg = model_config_from_hf(hf_cfg, where=str(path / "config.json"))
         tensors = read_safetensors(safetensors_files(path))
         tokenizer = Tokenizer.from_dir(path, **(chat_template_kwargs or {}))
-    model = _build(TargetModel, cfg, dtype, tensors, "model.", str(path))
+    model = _build(TargetModel, cfg, dtype, tensors, "model.", str(path), mesh)
     stops = set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
-    return Target(model, tokenizer, str(source), tuple(sorted(stops)))
+    return Target(model, tokenizer, str(source), tuple(sorted(stops)), mesh)
 
 
-def load_drafter(source: str | Path, target: Target | TargetModel | None = None, dtype: Any = None) -> Drafter:
-    """A z-lab DFlash drafter directory (``config.json`` + ``model.safetensors``), checked against ``target``."""
+def load_drafter(source: str | Path, target: Target | TargetModel | None = None, dtype: Any = None,
+                 mesh: Mesh | None = None) -> Drafter:
+    """A z-lab DFlash drafter directory (``config.json`` + ``model.safetensors``), checked against ``target``.
+
+    Placed on ``mesh``, or on the target's mesh when the target has one."""
     path = resolve_checkpoint(source)
     cfg = drafter_config_from_hf(read_config_json(path), where=str(path / "config.json"))
     if target is not None:
@@ -151,7 +181,9 @@ def load_drafter(source: str | Path, target: Target | TargetModel | None = None,
         dtype = as_target(target).model.dtype if target is not None else jnp.float32
     dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     tensors = read_safetensors(safetensors_files(path))
-    return Drafter(_build(DFlashDrafter, cfg, dtype, tensors, "", str(path)), str(source), True)
+    mesh = mesh if mesh is not None else (as_target(target).mesh if target is not None else None)
+    return Drafter(_build(DFlashDrafter, cfg, dtype, tensors, "", str(path), mesh, cfg.layers), str(source), True,
+                   mesh)
 
 
 def random_drafter(target: Target | TargetModel, *, num_layers: int = 2, block_size: int = 16,
@@ -173,15 +205,17 @@ def random_drafter(target: Target | TargetModel, *, num_layers: int = 2, block_s
     ).validate()
     cfg.check_target(tc)
     dtype = as_target(target).model.dtype if dtype is None else parse_dtype(dtype)
-    return Drafter(DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(seed)),
-                   "random (untrained)", False)
+    drafter = Drafter(DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(seed)), "random (untrained)", False)
+    mesh = as_target(target).mesh
+    return shard(drafter, mesh) if mesh is not None else drafter
 
 
 # SmolLM2's tokenizer has no mask token; '<empty_output>' (id 16) never occurs in chat responses.
 SMOLLM2_MASK_TOKEN_ID = 16
 
 
-def load_pair(name_or_path: str = EMBEDDED_PAIR, dtype: Any = None) -> tuple[Target, Drafter]:
+def load_pair(name_or_path: str = EMBEDDED_PAIR, dtype: Any = None, mesh: Mesh | None = None
+              ) -> tuple[Target, Drafter]:
     """A ready (target, drafter) pair: a name from ``configs/`` (e.g. ``"smollm2-135m"``, ``"qwen3-8b"``) or
     the path of a pair YAML (schema in :mod:`dflash_jax.pairs`). ``dtype`` overrides the config's.
 
@@ -196,7 +230,7 @@ def load_pair(name_or_path: str = EMBEDDED_PAIR, dtype: Any = None) -> tuple[Tar
         cfg = load_pair_config(name_or_path)
     dtype = dtype or (cfg.dtype if cfg else "float32")
     target = load_target(cfg.target if cfg else EMBEDDED_PAIR, dtype,
-                         chat_template_kwargs=cfg.chat_template_kwargs if cfg else None)
+                         chat_template_kwargs=cfg.chat_template_kwargs if cfg else None, mesh=mesh)
     drafter_src = cfg.drafter if cfg else "embedded"
     if drafter_src == "embedded":
         shipped = _ASSETS / "smollm2-135m-dflash"

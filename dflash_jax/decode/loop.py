@@ -23,7 +23,8 @@ from jaxtyping import Array, Int
 from dflash_jax.decode import sampling
 from dflash_jax.decode.state import DecodeState, LoopSpec
 from dflash_jax.models.drafter import DFlashDrafter
-from dflash_jax.models.target import TargetModel
+from dflash_jax.models.target import KVCache, TargetModel
+from dflash_jax.sharding import Plan, constrain
 
 
 def _write_tokens(buf: Int[Array, "B O"], new: Int[Array, "B L"], start: Int[Array, "B"]) -> jax.Array:
@@ -83,8 +84,8 @@ def prefill(
     """
     b, p = prompt.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    hidden, feats, tcache = target(prompt, positions, target.new_cache(b, capacity), capture=spec.capture,
-                                   prefill=True, impl=spec.impl)
+    empty = _shard_cache(target.new_cache(b, capacity), spec.plan, spec.plan and spec.plan.target_kv)
+    hidden, feats, tcache = target(prompt, positions, empty, capture=spec.capture, prefill=True, impl=spec.impl)
     last_h = jnp.take_along_axis(hidden, (prompt_len - 1)[:, None, None], axis=1)  # [B, 1, D]
     logits = target.logits(last_h)
     if spec.sampling:
@@ -95,7 +96,8 @@ def prefill(
         first = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, 1]
     dcache = None
     if drafter is not None:
-        dcache = drafter.materialize(drafter.new_cache(b, capacity), feats, positions)
+        dcache = drafter.materialize(_shard_cache(drafter.new_cache(b, capacity), spec.plan,
+                                                  spec.plan and spec.plan.drafter_kv), feats, positions)
     state = DecodeState(
         tokens=jnp.zeros((b, spec.new_capacity + spec.block_size), jnp.int32),
         num_new=jnp.zeros((b,), jnp.int32),
@@ -112,7 +114,25 @@ def prefill(
         sampling=sampling_params if spec.sampling else None,
     )
     # The first token is committed like any other (it may be a stop token, or the whole budget).
-    return commit(state, first, jnp.ones((b,), jnp.int32), record=False)
+    return shard_state(commit(state, first, jnp.ones((b,), jnp.int32), record=False), spec.plan)
+
+
+def _shard_cache(cache: KVCache | None, plan: Plan | None, sharded_heads: bool) -> KVCache | None:
+    if cache is None or plan is None:
+        return cache
+    s = plan.cache(sharded_heads)
+    return KVCache(tuple(constrain(k, s) for k in cache.k), tuple(constrain(v, s) for v in cache.v))
+
+
+def shard_state(state: DecodeState, plan: Plan | None) -> DecodeState:
+    """Pin the loop carry to its mesh placement (rows over dp, caches by KV head over tp) so shardings are
+    the same at every cycle: no resharding inside the loop beyond the collectives TP itself needs."""
+    if plan is None:
+        return state
+    rows = {f: constrain(getattr(state, f), plan.rows(getattr(state, f).ndim))
+            for f in ("tokens", "num_new", "max_new", "anchor", "anchor_pos", "done", "acc_lens", "num_cycles")}
+    return dataclasses.replace(state, **rows, target_cache=_shard_cache(state.target_cache, plan, plan.target_kv),
+                               draft_cache=_shard_cache(state.draft_cache, plan, plan.drafter_kv))
 
 
 def block_positions(state: DecodeState, block_size: int) -> Int[Array, "B L"]:
@@ -176,7 +196,7 @@ def cycle(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState
           mask_token_id: int) -> DecodeState:
     """One draft → verify → accept → commit step for every row (finished rows commit nothing)."""
     block, q, state = propose(target, drafter, state, spec, mask_token_id)
-    return verify(target, drafter, state, block, spec, q)
+    return shard_state(verify(target, drafter, state, block, spec, q), spec.plan)
 
 
 def decode(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, spec: LoopSpec,

@@ -8,6 +8,7 @@ import jax
 from jaxtyping import Array, Bool, Int
 
 from dflash_jax.decode.sampling import SamplingParams
+from dflash_jax.sharding import Plan
 from dflash_jax.models.target import KVCache
 
 
@@ -23,6 +24,7 @@ class LoopSpec:
     draft_sampling: bool = False  # drafts drawn from the drafter's distribution (else its argmax)
     top_k: bool = False  # some row uses top-k
     top_p: bool = False  # some row uses top-p
+    plan: Plan | None = None  # mesh placement of the state (None: one device)
 
 
 @jax.tree_util.register_dataclass

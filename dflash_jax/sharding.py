@@ -1,0 +1,160 @@
+"""Tensor and data parallelism with ``jax.sharding`` meshes: every partition rule lives here.
+
+Mesh axes: ``dp`` (batch rows) and ``tp`` (Megatron-style tensor parallelism). Parameters get *logical*
+axis names from their path (``RULES``), and logical names map to mesh axes (``logical_to_mesh``):
+
+* attention heads (q_proj columns, o_proj rows) and the MLP hidden (gate/up columns, down rows) over ``tp``:
+  two all-reduces per layer (after o_proj and after down_proj);
+* KV projections and KV caches over ``tp`` by KV head — replicated when the model has fewer KV heads than
+  ``tp`` (each device then holds every KV head its query heads need);
+* embeddings and lm_head over the vocabulary;
+* batch rows (prompts, caches, tokens) over ``dp``; the drafter's context cache like the target's.
+
+Unsupported splits (``tp`` not dividing the query heads, the MLP width or the vocabulary; KV heads neither
+divisible by ``tp`` nor dividing it) raise :class:`ShardingError` naming the numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from dflash_jax.config import ModelConfig
+
+
+class ShardingError(ValueError):
+    """The requested mesh cannot split this model."""
+
+
+# (path regex, logical axes of the array's dimensions); first match wins, no match = replicated.
+RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
+    (r"embed_tokens\.embedding$", ("vocab", "embed")),
+    (r"lm_head\.kernel$", ("embed", "vocab")),
+    (r"self_attn\.q_proj\.kernel$", ("embed", "q_heads")),
+    (r"self_attn\.q_proj\.bias$", ("q_heads",)),
+    (r"self_attn\.[kv]_proj\.kernel$", ("embed", "kv_heads")),
+    (r"self_attn\.[kv]_proj\.bias$", ("kv_heads",)),
+    (r"self_attn\.o_proj\.kernel$", ("q_heads", "embed")),
+    (r"mlp\.(gate|up)_proj\.kernel$", ("embed", "mlp")),
+    (r"mlp\.(gate|up)_proj\.bias$", ("mlp",)),
+    (r"mlp\.down_proj\.kernel$", ("mlp", "embed")),
+)
+CACHE_AXES = ("batch", None, "kv_heads", None)  # KV caches [B, S, K, H]
+
+
+def make_mesh(tp: int = 1, dp: int = 1, *, devices: Sequence[jax.Device] | None = None,
+              explicit: bool = False) -> Mesh:
+    """A ``(dp, tp)`` mesh over the first ``dp·tp`` devices (auto axes by default; ``explicit=True`` for
+    JAX's explicit-sharding axes)."""
+    devices = list(devices if devices is not None else jax.devices())
+    if tp < 1 or dp < 1:
+        raise ShardingError(f"tp and dp must be >= 1, got tp={tp}, dp={dp}")
+    if tp * dp > len(devices):
+        raise ShardingError(f"a mesh of tp={tp} × dp={dp} needs {tp * dp} devices, {len(devices)} available")
+    kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+    return jax.make_mesh((dp, tp), ("dp", "tp"), axis_types=(kind, kind), devices=devices[: tp * dp])
+
+
+def parse_mesh(spec: str) -> dict[str, int]:
+    """``"tp=2,dp=4"`` → ``{"tp": 2, "dp": 4}`` (for command lines)."""
+    out = {"tp": 1, "dp": 1}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, _, value = part.partition("=")
+        if key not in out or not value.isdigit() or int(value) < 1:
+            raise ShardingError(f"bad mesh spec {spec!r}: expected e.g. 'tp=2,dp=4'")
+        out[key] = int(value)
+    return out
+
+
+def mesh_size(mesh: Mesh | None, axis: str) -> int:
+    return 1 if mesh is None else int(mesh.shape[axis])
+
+
+def check_splittable(cfg: ModelConfig, tp: int, what: str = "model") -> None:
+    """Raise ShardingError unless ``tp`` splits this model's heads, MLP and vocabulary."""
+    if tp == 1:
+        return
+    problems = []
+    if cfg.num_heads % tp:
+        problems.append(f"{cfg.num_heads} attention heads")
+    if cfg.intermediate_size % tp:
+        problems.append(f"MLP width {cfg.intermediate_size}")
+    if cfg.vocab_size % tp:
+        problems.append(f"vocabulary {cfg.vocab_size}")
+    if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+        problems.append(f"{cfg.num_kv_heads} KV heads (neither a multiple nor a divisor of tp)")
+    if problems:
+        raise ShardingError(f"tp={tp} cannot split this {what}: it does not divide its " + ", ".join(problems))
+
+
+def logical_to_mesh(cfg: ModelConfig, mesh: Mesh) -> dict[str, str | None]:
+    tp = mesh_size(mesh, "tp")
+    return {"vocab": "tp", "q_heads": "tp", "mlp": "tp", "embed": None,
+            "kv_heads": "tp" if cfg.num_kv_heads % tp == 0 else None,  # fewer KV heads than tp: replicate
+            "batch": "dp"}
+
+
+def spec_for(path: str, ndim: int, mapping: dict[str, str | None]) -> P:
+    for pattern, axes in RULES:
+        if re.search(pattern, path):
+            assert len(axes) == ndim, (path, axes, ndim)
+            return P(*(mapping[a] for a in axes))
+    return P()
+
+
+def cache_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
+    mapping = logical_to_mesh(cfg, mesh)
+    return NamedSharding(mesh, P(*(mapping[a] if a else None for a in CACHE_AXES)))
+
+
+def shard_module(module: nnx.Module, cfg: ModelConfig, mesh: Mesh, what: str = "model") -> nnx.Module:
+    """Place every parameter of ``module`` on ``mesh`` according to ``RULES`` (in place; returns it)."""
+    check_splittable(cfg, mesh_size(mesh, "tp"), what)
+    mapping = logical_to_mesh(cfg, mesh)
+    for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+        name = ".".join(str(p) for p in path)
+        value = var[...]
+        var.set_value(jax.device_put(value, NamedSharding(mesh, spec_for(name, np.ndim(value), mapping))))
+    return module
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the decode loop needs to keep its state sharded (hashable: part of the compiled program's key)."""
+
+    mesh: Mesh
+    target_kv: bool  # target KV caches split by KV head over tp
+    drafter_kv: bool
+
+    def cache(self, sharded_heads: bool) -> NamedSharding:
+        return NamedSharding(self.mesh, P("dp", None, "tp" if sharded_heads else None, None))
+
+    def rows(self, ndim: int) -> NamedSharding:
+        return NamedSharding(self.mesh, P("dp", *([None] * (ndim - 1))))
+
+
+def make_plan(mesh: Mesh | None, target_cfg: ModelConfig, drafter_cfg: ModelConfig | None) -> Plan | None:
+    if mesh is None:
+        return None
+    tp = mesh_size(mesh, "tp")
+    return Plan(mesh, target_cfg.num_kv_heads % tp == 0,
+                drafter_cfg is not None and drafter_cfg.num_kv_heads % tp == 0)
+
+
+def is_explicit(mesh: Mesh) -> bool:
+    return all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+
+
+def constrain(x, sharding: NamedSharding | None):
+    """Pin ``x`` to ``sharding``: a constraint on auto-axes meshes, a ``reshard`` on explicit-axes meshes."""
+    if sharding is None:
+        return x
+    if is_explicit(sharding.mesh):
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)

@@ -1,0 +1,110 @@
+"""Run by tests/test_sharding.py in a subprocess with 8 simulated CPU devices
+(XLA_FLAGS=--xla_force_host_platform_device_count=8), so the rest of the suite keeps one device."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import random_prompts, tiny_target
+from dflash_jax import (ShardingError, generate, generation, load_target, make_mesh, random_drafter, shard,
+                        speculative_generate)
+from dflash_jax.loading import SMOLLM2_MASK_TOKEN_ID
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
+
+SHAPE = dict(num_heads=8, num_kv_heads=4, head_dim=8, hidden_size=64, intermediate_size=128, num_layers=4)
+PROMPTS = random_prompts(5, [4, 9, 13, 6, 3], 64, seed=0)  # 5 rows: not a multiple of dp (padding exercised)
+
+
+def pair(mesh=None, family="qwen3"):
+    target = tiny_target(family, seed=1, **SHAPE)
+    if mesh is not None:
+        shard(target, mesh)
+    return target, random_drafter(target, block_size=4, num_layers=2, seed=2)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    t, d = pair()
+    kw = dict(max_new_tokens=16, stop_token_ids=[])
+    return {"spec": speculative_generate(t, d, PROMPTS, **kw).token_ids, "ar": generate(t, PROMPTS, **kw).token_ids,
+            "sampled": speculative_generate(t, d, PROMPTS, temperature=1.0, seed=3, **kw).token_ids}
+
+
+@pytest.mark.parametrize("tp,dp", [(2, 1), (4, 1), (8, 1), (2, 2), (4, 2), (1, 8)])
+def test_token_identical_to_single_device(reference, tp, dp):
+    t, d = pair(make_mesh(tp=tp, dp=dp))
+    kw = dict(max_new_tokens=16, stop_token_ids=[])
+    assert speculative_generate(t, d, PROMPTS, **kw).token_ids == reference["spec"]
+    assert generate(t, PROMPTS, **kw).token_ids == reference["ar"]
+    if dp == 1:  # per-row PRNG keys are the same rows as on one device only without batch padding
+        assert speculative_generate(t, d, PROMPTS, temperature=1.0, seed=3, **kw).token_ids == reference["sampled"]
+
+
+def count_collectives(hlo: str) -> dict[str, int]:
+    return {k: len(re.findall(rf"= \S+ {k}(?:-start)?\(", hlo))
+            for k in ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")}
+
+
+def test_collectives_per_cycle_are_only_what_tp_needs():
+    """tp=2: per cycle, 2 all-reduces per layer (after o_proj and down_proj) for the 4 target and 2 drafter
+    layers, one per embedding lookup of the draft and verify blocks (the table is vocab-sharded), and an
+    all-gather of (max, index) for each of the two vocab-sharded argmaxes — nothing touches the caches."""
+    generation._EXECUTABLES.clear()
+    t, d = pair(make_mesh(tp=2, dp=1))
+    speculative_generate(t, d, PROMPTS[:2], max_new_tokens=8, stop_token_ids=[])
+    decode = [e for k, e in generation._EXECUTABLES.items() if k[0] == "decode_fn"]
+    assert len(decode) == 1
+    hlo = decode[0].as_text()
+    counts = count_collectives(hlo)
+    assert counts == {"all-reduce": 2 * (4 + 2) + 2, "all-gather": 4, "all-to-all": 0, "collective-permute": 0,
+                      "reduce-scatter": 0}, counts
+    # Every collective moves block-sized activations ([B, L, …]), never a cache ([B, S, …], S = 48 here).
+    shapes = re.findall(r"= \w+\[([\d,]+)\][^=]*? (?:all-reduce|all-gather)(?:-start)?\(", hlo)
+    assert shapes and all(int(s.split(",")[1]) <= 4 for s in shapes), shapes
+
+
+def test_two_way_tp_holds_half_the_weights_per_device():
+    t, _ = pair(make_mesh(tp=2, dp=1))
+    total = per_device = 0
+    dev0 = jax.devices()[0]
+    for leaf in jax.tree.leaves(jax.tree.map(lambda v: v, __import__("flax").nnx.state(t.model))):
+        total += leaf.nbytes
+        per_device += sum(s.data.nbytes for s in leaf.addressable_shards if s.device == dev0)
+    assert 0.5 <= per_device / total < 0.52, per_device / total  # only the small norms are replicated
+    k = t.model.layers[0].self_attn.k_proj.kernel[...]
+    assert k.sharding.spec == jax.sharding.PartitionSpec(None, "tp")  # 4 KV heads split 2-way
+
+
+def test_fewer_kv_heads_than_tp_are_replicated():
+    t, _ = pair(make_mesh(tp=8, dp=1))
+    k = t.model.layers[0].self_attn.k_proj.kernel[...]
+    assert k.sharding.spec == jax.sharding.PartitionSpec(None, None)
+
+
+def test_smollm2_supported_and_unsupported_splits():
+    """SmolLM2: 9 query / 3 KV heads, MLP 1536, vocab 49152 → tp ∈ {1, 3} work; tp=2, 4 or 8 cannot split it."""
+    ref_t = load_target("smollm2-135m")
+    ref_d = random_drafter(ref_t, block_size=8, num_layers=1, mask_token_id=SMOLLM2_MASK_TOKEN_ID, seed=1)
+    prompts = ["Name a primary colour.", "What is 2 + 2?", "Say hello in French."]
+    want = speculative_generate(ref_t, ref_d, prompts, max_new_tokens=10).token_ids
+    for tp, dp in [(3, 1), (3, 2), (1, 4)]:
+        t = load_target("smollm2-135m", mesh=make_mesh(tp=tp, dp=dp))
+        d = random_drafter(t, block_size=8, num_layers=1, mask_token_id=SMOLLM2_MASK_TOKEN_ID, seed=1)
+        assert speculative_generate(t, d, prompts, max_new_tokens=10).token_ids == want, (tp, dp)
+    for tp in (2, 4, 8):
+        with pytest.raises(ShardingError, match=rf"tp={tp} cannot split .*9 attention heads"):
+            load_target("smollm2-135m", mesh=make_mesh(tp=tp))
+
+
+def test_mesh_errors():
+    with pytest.raises(ShardingError, match="needs 16 devices, 8 available"):
+        make_mesh(tp=4, dp=4)
+    t, d = pair(make_mesh(tp=2))
+    other = random_drafter(tiny_target("qwen3", seed=1, **SHAPE), block_size=4, num_layers=1)
+    with pytest.raises(ShardingError, match="same mesh"):
+        speculative_generate(t, other, PROMPTS, max_new_tokens=4)
