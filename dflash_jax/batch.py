@@ -190,7 +190,7 @@ def run_batch(
     """Generate for every prompt of ``input_path`` into ``output_path``; returns the summary dict."""
     output = Path(output_path)
     generation.sampling_params(1, temperature, top_k, top_p)  # validate before any work
-    generation._check_max_new(max_new_tokens)
+    generation.check_max_new_tokens(max_new_tokens)
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     if drafter is not None:
@@ -302,7 +302,7 @@ def run_batch(
     summary_path.write_text(json.dumps(summary, indent=1) + "\n")
     if n_cycles:
         plot_acceptance(acc_hist, histogram_path or output.with_name(output.name + ".acceptance.png"),
-                        title=f"{target.name}: acceptance lengths (τ {summary['tau']:.2f})")
+                        title=f"{Path(target.name).name}: acceptance lengths (τ {summary['tau']:.2f})")
     return summary
 
 

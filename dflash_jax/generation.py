@@ -7,6 +7,7 @@ decode programs, run them, and turn the final :class:`DecodeState` into Python l
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
@@ -55,14 +56,16 @@ def _signature(tree) -> tuple:
     return treedef, tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in leaves)
 
 
-def _executable(fn, static: dict, graphdefs, args: tuple, donate: tuple[int, ...] = ()):
+def _executable(fn, static: dict, graphdefs, args: tuple, donate: tuple[int, ...] = (), mesh=None):
     global _COMPILE_COUNT
     key = (fn.__name__, tuple(sorted(static.items())), graphdefs, _signature(args))
     exe = _EXECUTABLES.get(key)
     if exe is None:
         jitted = jax.jit(functools.partial(fn, **static), static_argnums=0,
                          donate_argnums=tuple(d + 1 for d in donate))
-        exe = jitted.lower(graphdefs, *args).compile()
+        # Trace under our (auto-axes) mesh, whatever mesh context the caller is in (e.g. an explicit one).
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            exe = jitted.lower(graphdefs, *args).compile()
         _EXECUTABLES[key] = exe
         _COMPILE_COUNT += 1
     return exe
@@ -106,7 +109,7 @@ def _tokenize(target: Target, prompts: Sequence[Prompt], chat: bool) -> list[lis
     return out
 
 
-def _check_max_new(max_new_tokens: int) -> None:
+def check_max_new_tokens(max_new_tokens: int) -> None:
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
 
@@ -171,7 +174,7 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
     n = len(ids)
     max_new = _per_row(max_new_tokens, n, "max_new_tokens", np.int64)
     for m in np.unique(max_new):
-        _check_max_new(int(m))
+        check_max_new_tokens(int(m))
     sp = sampling_params(n, temperature, top_k, top_p)
     lens = [len(p) for p in ids]
     worst = int(np.max(np.asarray(lens) + max_new))
@@ -212,21 +215,23 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
                     top_k=sampled and bool((np.asarray(sp.top_k) > 0).any()),
                     top_p=sampled and bool((np.asarray(sp.top_p) < 1).any()),
                     plan=shd.make_plan(target.mesh, cfg, drafter.config.layers if drafter is not None else None))
-    rng = jax.random.split(jax.random.key(seed), b) if sampled else None
-    tgd, tparams = nnx.split(target.model)
-    if drafter is not None:
-        dgd, dparams = nnx.split(drafter.model)
-        mask_id = drafter.config.mask_token_id
-    else:
-        dgd, dparams, mask_id = None, None, 0
-    graphdefs, params = (tgd, dgd), (tparams, dparams)
-    rows = (lambda x: jax.device_put(x, spec.plan.rows(np.ndim(x)))) if spec.plan else jnp.asarray
-    pre_args = (params, rows(prompt), rows(lens_arr), rows(max_arr), jnp.asarray(stop_arr),
-                rows(rng) if rng is not None else None,
-                jax.tree.map(rows, sp) if sampled else None)
+    with jax.set_mesh(spec.plan.mesh) if spec.plan else contextlib.nullcontext():  # see _executable
+        rng = jax.random.split(jax.random.key(seed), b) if sampled else None
+        tgd, tparams = nnx.split(target.model)
+        if drafter is not None:
+            dgd, dparams = nnx.split(drafter.model)
+            mask_id = drafter.config.mask_token_id
+        else:
+            dgd, dparams, mask_id = None, None, 0
+        graphdefs, params = (tgd, dgd), (tparams, dparams)
+        rows = (lambda x: jax.device_put(x, spec.plan.rows(np.ndim(x)))) if spec.plan else jnp.asarray
+        pre_args = (params, rows(prompt), rows(lens_arr), rows(max_arr), jnp.asarray(stop_arr),
+                    rows(rng) if rng is not None else None,
+                    jax.tree.map(rows, sp) if sampled else None)
     job = Job(target, drafter, ids, stops, graphdefs, params, pre_args, spec, capacity, mask_id)
     t0 = time.perf_counter()
-    job.pre_exe = _executable(loop.prefill_fn, {"spec": spec, "capacity": capacity}, graphdefs, pre_args)
+    job.pre_exe = _executable(loop.prefill_fn, {"spec": spec, "capacity": capacity}, graphdefs, pre_args,
+                              mesh=spec.plan.mesh if spec.plan else None)
     job.compile_s = time.perf_counter() - t0
     return job
 
@@ -234,7 +239,7 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
 def _decode_exe(job: Job, state):
     t0 = time.perf_counter()
     exe = _executable(loop.decode_fn, {"spec": job.spec, "mask_token_id": job.mask_id}, job.graphdefs,
-                      (job.params, state), donate=(1,))
+                      (job.params, state), donate=(1,), mesh=job.spec.plan.mesh if job.spec.plan else None)
     job.compile_s += time.perf_counter() - t0
     return exe
 
@@ -268,7 +273,7 @@ def _run(target: Target, drafter: Drafter | None, prompts, *, chat: bool, **kw) 
     """Tokenize, prepare, then run prefill and decode with a sync between them (for the timing stats)."""
     n = len(prompts) if isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)) else 0
     sampling_params(max(n, 1), kw.get("temperature", 0.0), kw.get("top_k", 0), kw.get("top_p", 1.0))
-    _check_max_new(kw["max_new_tokens"])
+    check_max_new_tokens(kw["max_new_tokens"])
     ids = _tokenize(target, prompts, chat)
     job = prepare(target, drafter, ids, **kw)
     t1 = time.perf_counter()

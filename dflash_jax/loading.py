@@ -126,6 +126,7 @@ def _build(model_cls, cfg, dtype, tensors: dict, prefix: str, source: str, mesh:
     if mesh is not None:
         shape_cfg = shape_cfg or cfg
         shd.check_splittable(shape_cfg, shd.mesh_size(mesh, "tp"), source)
+        mesh = shd.as_auto(mesh)
         mapping = shd.logical_to_mesh(shape_cfg, mesh)
 
         def place(path, arr):
@@ -150,7 +151,8 @@ def load_target(source: str | Path, dtype: Any = "float32", *, chat_template_kwa
 
     ``mesh`` (see :func:`dflash_jax.make_mesh`): parameters are loaded straight onto their shards."""
     dtype = parse_dtype(dtype)
-    if str(source) == EMBEDDED_PAIR:
+    name = str(source)
+    if name == EMBEDDED_PAIR:
         source = embedded_gguf_path()
     path = resolve_checkpoint(source)
     if path.suffix == ".gguf":
@@ -165,7 +167,7 @@ def load_target(source: str | Path, dtype: Any = "float32", *, chat_template_kwa
         tokenizer = Tokenizer.from_dir(path, **(chat_template_kwargs or {}))
     model = _build(TargetModel, cfg, dtype, tensors, "model.", str(path), mesh)
     stops = set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
-    return Target(model, tokenizer, str(source), tuple(sorted(stops)), mesh)
+    return Target(model, tokenizer, name, tuple(sorted(stops)), mesh)
 
 
 def load_drafter(source: str | Path, target: Target | TargetModel | None = None, dtype: Any = None,

@@ -116,6 +116,7 @@ def cache_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
 def shard_module(module: nnx.Module, cfg: ModelConfig, mesh: Mesh, what: str = "model") -> nnx.Module:
     """Place every parameter of ``module`` on ``mesh`` according to ``RULES`` (in place; returns it)."""
     check_splittable(cfg, mesh_size(mesh, "tp"), what)
+    mesh = as_auto(mesh)
     mapping = logical_to_mesh(cfg, mesh)
     for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
         name = ".".join(str(p) for p in path)
@@ -142,19 +143,23 @@ class Plan:
 def make_plan(mesh: Mesh | None, target_cfg: ModelConfig, drafter_cfg: ModelConfig | None) -> Plan | None:
     if mesh is None:
         return None
+    mesh = as_auto(mesh)
     tp = mesh_size(mesh, "tp")
     return Plan(mesh, target_cfg.num_kv_heads % tp == 0,
                 drafter_cfg is not None and drafter_cfg.num_kv_heads % tp == 0)
 
 
-def is_explicit(mesh: Mesh) -> bool:
-    return all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+def as_auto(mesh: Mesh) -> Mesh:
+    """The same devices and axes with auto axis types.
+
+    Meshes with JAX's explicit axes are accepted everywhere; the model code runs on the auto-axes twin,
+    where the partition rules above are applied as placements and constraints and the compiler inserts the
+    collectives (the explicit mode would need an output sharding annotated on every gather and einsum).
+    """
+    if all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(jax.sharding.AxisType.Auto,) * len(mesh.axis_names))
 
 
 def constrain(x, sharding: NamedSharding | None):
-    """Pin ``x`` to ``sharding``: a constraint on auto-axes meshes, a ``reshard`` on explicit-axes meshes."""
-    if sharding is None:
-        return x
-    if is_explicit(sharding.mesh):
-        return jax.sharding.reshard(x, sharding)
-    return jax.lax.with_sharding_constraint(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding) if sharding is not None else x

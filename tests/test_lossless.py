@@ -18,9 +18,10 @@ def assert_same(spec, ref):
         assert sum(acc) >= len(toks) - 1
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
-@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
-@pytest.mark.parametrize("batch", [1, 4])
+CASES = [("qwen3", l, b) for l in (2, 4, 8, 16) for b in (1, 4)] + [("llama", 4, 4), ("llama", 16, 1)]
+
+
+@pytest.mark.parametrize("family,block_size,batch", CASES)
 def test_random_drafter_lossless(family, block_size, batch):
     target = tiny_target(family, seed=1)
     drafter = random_drafter(target, block_size=16, num_layers=1, seed=2)

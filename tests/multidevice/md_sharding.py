@@ -12,7 +12,8 @@ import pytest
 from conftest import random_prompts, tiny_target
 from dflash_jax import (ShardingError, generate, generation, load_target, make_mesh, random_drafter, shard,
                         speculative_generate)
-from dflash_jax.loading import SMOLLM2_MASK_TOKEN_ID
+from dflash_jax.loading import SMOLLM2_MASK_TOKEN_ID, Target
+from flax import nnx
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 
@@ -92,13 +93,17 @@ def test_smollm2_supported_and_unsupported_splits():
     ref_d = random_drafter(ref_t, block_size=8, num_layers=1, mask_token_id=SMOLLM2_MASK_TOKEN_ID, seed=1)
     prompts = ["Name a primary colour.", "What is 2 + 2?", "Say hello in French."]
     want = speculative_generate(ref_t, ref_d, prompts, max_new_tokens=10).token_ids
-    for tp, dp in [(3, 1), (3, 2), (1, 4)]:
-        t = load_target("smollm2-135m", mesh=make_mesh(tp=tp, dp=dp))
+    for tp, dp in [(3, 2), (3, 1), (1, 4)]:
+        if (tp, dp) == (3, 2):  # loaded straight onto the shards
+            t = load_target("smollm2-135m", mesh=make_mesh(tp=tp, dp=dp))
+        else:  # a copy of the loaded model placed afterwards
+            t = shard(Target(nnx.clone(ref_t.model), ref_t.tokenizer, ref_t.name, ref_t.stop_token_ids),
+                      make_mesh(tp=tp, dp=dp))
         d = random_drafter(t, block_size=8, num_layers=1, mask_token_id=SMOLLM2_MASK_TOKEN_ID, seed=1)
         assert speculative_generate(t, d, prompts, max_new_tokens=10).token_ids == want, (tp, dp)
     for tp in (2, 4, 8):
         with pytest.raises(ShardingError, match=rf"tp={tp} cannot split .*9 attention heads"):
-            load_target("smollm2-135m", mesh=make_mesh(tp=tp))
+            shard(Target(nnx.clone(ref_t.model), None, "smollm2"), make_mesh(tp=tp))
 
 
 def test_mesh_errors():
@@ -108,3 +113,15 @@ def test_mesh_errors():
     other = random_drafter(tiny_target("qwen3", seed=1, **SHAPE), block_size=4, num_layers=1)
     with pytest.raises(ShardingError, match="same mesh"):
         speculative_generate(t, other, PROMPTS, max_new_tokens=4)
+
+
+def test_explicit_axes_mesh(reference):
+    """A mesh with JAX's explicit axes is accepted, inside and outside a `jax.set_mesh` context."""
+    mesh = make_mesh(tp=2, dp=2, explicit=True)
+    assert all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+    t, d = pair(mesh)
+    kw = dict(max_new_tokens=16, stop_token_ids=[])
+    assert speculative_generate(t, d, PROMPTS, **kw).token_ids == reference["spec"]
+    with jax.set_mesh(mesh):
+        assert speculative_generate(t, d, PROMPTS, **kw).token_ids == reference["spec"]
+        assert generate(t, PROMPTS, **kw).token_ids == reference["ar"]
