@@ -207,7 +207,10 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
         sp = SamplingParams(*(jnp.concatenate([x, jnp.repeat(x[-1:], pad)]) for x in
                               (sp.temperature, sp.top_k, sp.top_p)))
 
-    impl = "xla" if attention_impl == "auto" else attention_impl
+    if attention_impl not in ("auto", "xla"):
+        raise ValueError(f"attention_impl {attention_impl!r} is not available: only 'auto' and 'xla' (the jnp "
+                         "reference) exist so far")
+    impl = "xla"
     capture = drafter.config.target_layer_ids if drafter is not None else ()
     sampled = bool((np.asarray(sp.temperature) > 0).any())
     spec = LoopSpec(block_size=block_size, new_capacity=new_cap, capture=tuple(capture), impl=impl,

@@ -143,3 +143,8 @@ def test_random_drafter_must_fit_target():
     with pytest.raises(ValueError, match="block_size must be in"):
         speculative_generate(target, random_drafter(target, block_size=4), random_prompts(1, [3], 64),
                              max_new_tokens=4, block_size=5)
+
+
+def test_unavailable_attention_impl(zlab_target):
+    with pytest.raises(ValueError, match="attention_impl 'pallas' is not available"):
+        generate(zlab_target, [[1, 2, 3]], max_new_tokens=4, attention_impl="pallas")
