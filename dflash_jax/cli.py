@@ -60,12 +60,14 @@ def _generate(args: argparse.Namespace) -> int:
 
     from dflash_jax.batch import run_batch
     from dflash_jax.loading import load_drafter, load_pair, load_target
+    from dflash_jax.sharding import make_mesh, parse_mesh
 
+    mesh = make_mesh(**parse_mesh(args.mesh)) if args.mesh else None
     if args.target:
-        target = load_target(args.target, args.dtype or "float32")
+        target = load_target(args.target, args.dtype or "float32", mesh=mesh)
         drafter = load_drafter(args.drafter, target) if args.drafter else None
     else:
-        target, drafter = load_pair(args.config, dtype=args.dtype or "float32")
+        target, drafter = load_pair(args.config, dtype=args.dtype, mesh=mesh)
     if args.autoregressive:
         drafter = None
     summary = run_batch(target, drafter, args.input, args.output, max_new_tokens=args.max_new_tokens,
@@ -99,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--autoregressive", action="store_true", help="no drafter: plain decoding")
     gen.add_argument("--input", required=True, help="JSONL (id + prompt|messages|token_ids) or text, one per line")
     gen.add_argument("--output", required=True, help="JSONL records, appended per finished batch")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"])
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the pair config's")
+    gen.add_argument("--mesh", help="e.g. 'tp=2,dp=4': tensor × data parallel over the local devices")
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--batch-size", type=int, default=32)
     gen.add_argument("--block-size", type=int)
