@@ -13,7 +13,6 @@ bandwidth (a large device-to-device copy, bytes read + bytes written).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 import statistics

@@ -45,7 +45,6 @@ RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"mlp\.(gate|up)_proj\.bias$", ("mlp",)),
     (r"mlp\.down_proj\.kernel$", ("mlp", "embed")),
 )
-CACHE_AXES = ("batch", None, "kv_heads", None)  # KV caches [B, S, K, H]
 
 
 def make_mesh(tp: int = 1, dp: int = 1, *, devices: Sequence[jax.Device] | None = None,
@@ -106,11 +105,6 @@ def spec_for(path: str, ndim: int, mapping: dict[str, str | None]) -> P:
             assert len(axes) == ndim, (path, axes, ndim)
             return P(*(mapping[a] for a in axes))
     return P()
-
-
-def cache_sharding(cfg: ModelConfig, mesh: Mesh) -> NamedSharding:
-    mapping = logical_to_mesh(cfg, mesh)
-    return NamedSharding(mesh, P(*(mapping[a] if a else None for a in CACHE_AXES)))
 
 
 def shard_module(module: nnx.Module, cfg: ModelConfig, mesh: Mesh, what: str = "model") -> nnx.Module:

@@ -14,7 +14,6 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -274,7 +273,3 @@ def plot_history(history: list[dict], path: str | Path, title: str = "DFlash dra
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
-
-
-def config_summary(settings: TrainSettings) -> dict[str, Any]:
-    return dataclasses.asdict(settings)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 
 import jax
-import numpy as np
 import pytest
 
 from conftest import random_prompts, tiny_target
