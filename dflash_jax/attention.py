@@ -92,3 +92,28 @@ def draft_attention(
             blk_mask &= blk_pos - qp < window
     parts = [(_grouped_scores(q, ctx_k), ctx_mask, ctx_v), (_grouped_scores(q, blk_k), blk_mask, blk_v)]
     return _joint_softmax_attend(parts, q.shape, q.dtype)
+
+
+def ragged_verify_attention(
+    q: Float[Array, "T N H"],
+    k_cache: Float[Array, "B S K H"],
+    v_cache: Float[Array, "B S K H"],
+    cu_q_lens: Int[Array, "B+1"],
+    kv_lens: Int[Array, "B"],
+) -> Float[Array, "T N H"]:
+    """Verify windows of different lengths packed end to end (reference).
+
+    Request ``r`` owns query rows ``cu_q_lens[r] : cu_q_lens[r+1]`` (its window of ℓ_r tokens, whose K/V
+    are already written into the cache) and attends causally to cache row ``r`` up to ``kv_lens[r]``, which
+    includes the window: window token ``i`` sits at position ``kv_lens[r] - ℓ_r + i``. Rows at or past
+    ``cu_q_lens[B]`` (padding of T) give zeros. The static-window verify of the decode loop is the case
+    ℓ_r = L for every r.
+    """
+    t = q.shape[0]
+    b = k_cache.shape[0]
+    tok = jnp.arange(t)
+    row = jnp.clip(jnp.searchsorted(cu_q_lens, tok, side="right") - 1, 0, b - 1)
+    win_len = cu_q_lens[row + 1] - cu_q_lens[row]
+    pos = kv_lens[row] - win_len + (tok - cu_q_lens[row])
+    out = cache_attention(q[:, None], k_cache[row], v_cache[row], pos[:, None])[:, 0]
+    return jnp.where((tok < cu_q_lens[b])[:, None, None], out, 0).astype(q.dtype)
