@@ -9,17 +9,69 @@
   ``sliding_attention`` layers, as z-lab's reference does).
 
 Both are written as one joint softmax over key groups so the (large) context cache is never concatenated
-with anything. Scores and softmax are float32 whatever the input dtype. Pallas kernels (``pallas/``,
-``cuda/``) must match these functions; ``impl`` picks one.
+with anything. Scores and softmax are float32 whatever the input dtype.
+
+``impl`` picks the implementation: ``"xla"`` (these references), ``"pallas"`` (TPU Mosaic kernels,
+:mod:`dflash_jax.pallas`), ``"cuda"`` (Pallas-on-Triton GPU kernels, :mod:`dflash_jax.cuda`); ``"auto"`` is
+resolved by :func:`resolve_impl` to the kernel of the backend. A kernel asked for on another backend runs in
+Pallas interpret mode (slow; for tests). Shapes a kernel does not support fall back to the reference with a
+log line, at trace time. The target's verify / AR step goes through the ragged kernel (static windows of T
+rows); prefill stays on the reference (compute-bound, not what the kernels are for).
 """
 
 from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 NEG_INF = -1e30
+IMPLS = ("auto", "xla", "pallas", "cuda")
+KERNEL_FOR_BACKEND = {"tpu": "pallas", "gpu": "cuda"}
+log = logging.getLogger("dflash_jax")
+
+
+def resolve_impl(impl: str) -> str:
+    """``"auto"`` → the kernel implementation for the default backend (``"xla"`` where there is none)."""
+    if impl not in IMPLS:
+        raise ValueError(f"attention_impl must be one of {IMPLS}, got {impl!r}")
+    return KERNEL_FOR_BACKEND.get(jax.default_backend(), "xla") if impl == "auto" else impl
+
+
+@functools.cache
+def _kernels(impl: str) -> tuple[Callable, Callable, Callable, Callable]:
+    """(draft op, draft reason, verify op, verify reason) of a kernel package, bound to interpret mode when the
+    backend is not the kernel's own."""
+    native = KERNEL_FOR_BACKEND.get(jax.default_backend()) == impl
+    if impl == "pallas":
+        from jax.experimental.pallas import tpu as pltpu
+
+        from dflash_jax import pallas as mod
+        interp = None if native else pltpu.InterpretParams()
+        draft_reason = lambda q, ck, bk, causal, window: mod.unsupported_reason(  # noqa: E731
+            "draft", q, ck, interpret=interp, window=window)
+        verify_reason = lambda q, kc, max_q_len: mod.unsupported_reason(  # noqa: E731
+            "ragged_verify", q, kc, interpret=interp, max_q_len=max_q_len)
+    else:
+        from dflash_jax import cuda as mod
+        interp = not native
+        draft_reason = lambda q, ck, bk, causal, window: mod.draft_attention_unsupported_reason(  # noqa: E731
+            q, ck, ck, bk, bk, causal=causal, window=window, interpret=interp)
+        verify_reason = lambda q, kc, max_q_len: mod.ragged_verify_unsupported_reason(  # noqa: E731
+            q, kc, kc, max_q_len=max_q_len, interpret=interp)
+    if not native:
+        log.warning("attention_impl=%r on a %s backend: running its kernels in Pallas interpret mode (slow)",
+                    impl, jax.default_backend())
+    return (functools.partial(mod.draft_attention, interpret=interp), draft_reason,
+            functools.partial(mod.ragged_verify_attention, interpret=interp), verify_reason)
+
+
+def _fallback(impl: str, op: str, reason: str) -> None:
+    log.warning("attention_impl=%r: %s uses the XLA reference for this shape (%s)", impl, op, reason)
 
 
 def _grouped_scores(q: Float[Array, "B T N H"], k: Float[Array, "B S K H"]) -> Float[Array, "B K G T S"]:
@@ -54,8 +106,21 @@ def cache_attention(
     *,
     impl: str = "xla",
 ) -> Float[Array, "B T N H"]:
-    """Causal attention of queries at ``q_positions`` over a cache indexed by absolute position."""
-    del impl  # only the reference exists so far
+    """Causal attention of queries at ``q_positions`` over a cache indexed by absolute position.
+
+    With a kernel ``impl`` the rows must be consecutive windows ending at ``q_positions[:, -1]`` (the verify
+    block / AR step: their K/V already written), which is the ragged op with ℓ_r = T for every row.
+    """
+    if impl in ("pallas", "cuda"):
+        b, t, n, h = q.shape
+        op, reason_of, verify_op, verify_reason = _kernels(impl)
+        packed = q.reshape(b * t, n, h)
+        reason = verify_reason(packed, k_cache, t)
+        if reason is None:
+            cu = jnp.arange(b + 1, dtype=jnp.int32) * t
+            out = verify_op(packed, k_cache, v_cache, cu, (q_positions[:, -1] + 1).astype(jnp.int32), max_q_len=t)
+            return out.reshape(b, t, n, h)
+        _fallback(impl, "verify attention", reason)
     s = k_cache.shape[1]
     mask: Bool[Array, "B T S"] = jnp.arange(s)[None, None, :] <= q_positions[:, :, None]
     scores = _grouped_scores(q, k_cache)
@@ -75,8 +140,17 @@ def draft_attention(
     window: int | None = None,
     impl: str = "xla",
 ) -> Float[Array, "B L N H"]:
-    """Block queries over injected context K/V (positions < ctx_len) and the block's own K/V."""
-    del impl
+    """Block queries over injected context K/V (positions < ctx_len) and the block's own K/V.
+
+    The kernels need consecutive block positions (``q_positions[b] = q_positions[b, 0] + arange(L)``), which the
+    decode loop always passes."""
+    if impl in ("pallas", "cuda"):
+        op, reason_of, _, _ = _kernels(impl)
+        reason = reason_of(q, ctx_k, blk_k, causal, window)
+        if reason is None:
+            return op(q, ctx_k, ctx_v, blk_k, blk_v, q_positions.astype(jnp.int32), ctx_len.astype(jnp.int32),
+                      causal=causal, window=window)
+        _fallback(impl, "draft attention", reason)
     s = ctx_k.shape[1]
     ctx_pos = jnp.arange(s)[None, None, :]
     qp = q_positions[:, :, None]

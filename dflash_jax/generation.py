@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import time
 from typing import Any, Sequence
 
@@ -18,11 +19,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dflash_jax import attention
 from dflash_jax.decode import loop
 from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.decode.state import LoopSpec
 from dflash_jax.loading import Drafter, Target, as_drafter, as_target
 from dflash_jax.tokenizer import TokenizerMissingError
+
+log = logging.getLogger("dflash_jax")
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
@@ -207,10 +211,11 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
         sp = SamplingParams(*(jnp.concatenate([x, jnp.repeat(x[-1:], pad)]) for x in
                               (sp.temperature, sp.top_k, sp.top_p)))
 
-    if attention_impl not in ("auto", "xla"):
-        raise ValueError(f"attention_impl {attention_impl!r} is not available: only 'auto' and 'xla' (the jnp "
-                         "reference) exist so far")
-    impl = "xla"
+    impl = attention.resolve_impl(attention_impl)
+    if impl != "xla" and target.mesh is not None:
+        # pallas_call does not partition itself: under a mesh it would gather the sharded caches.
+        log.warning("attention_impl=%r: the kernels do not run under a mesh yet; using the XLA reference", impl)
+        impl = "xla"
     capture = drafter.config.target_layer_ids if drafter is not None else ()
     sampled = bool((np.asarray(sp.temperature) > 0).any())
     spec = LoopSpec(block_size=block_size, new_capacity=new_cap, capture=tuple(capture), impl=impl,

@@ -69,8 +69,9 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, cos, sin, k_cache, v_cache, *, prefill: bool, impl: str):
         q, k, v = self.project_qkv(x, cos, sin)
         if prefill:
-            # Empty cache: attend over the prompt's own keys (slot j = position j), then store them.
-            out = attention.cache_attention(q, k, v, positions, impl=impl)
+            # Empty cache: attend over the prompt's own keys (slot j = position j), then store them. Prefill is
+            # compute-bound and long: the reference, not the decode kernels.
+            out = attention.cache_attention(q, k, v, positions, impl="xla")
             if k_cache is not None:  # None: a cache-free forward (training features)
                 k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, 0, 0))
                 v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, 0, 0))

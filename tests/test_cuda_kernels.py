@@ -1,0 +1,186 @@
+"""dflash_jax.cuda kernels against the jnp references in dflash_jax.attention.
+
+One file for both places: on a CPU backend the kernels run in Pallas interpret mode on small shapes; on a GPU
+backend they are compiled through Triton and a few larger (Qwen3-8B-like, S = 4096) cases are added.
+
+Every case fills the cache slots past each row's length with NaN for the kernel (they must never leak) and
+with finite random values for the reference (which multiplies masked probabilities by V, so NaN would leak
+there). Float32 references run with matmul precision "highest" (the kernels' float32 dots are IEEE float32,
+not TF32), so float32 tolerances are tight; bfloat16 ones are about 2e-2.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax import attention as ref
+from dflash_jax import cuda
+
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+TOL = {jnp.float32: 2e-4, jnp.bfloat16: 2.5e-2}
+
+
+def _normal(key, shape, dtype, scale=1.0):
+    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+
+
+def _poison(x: jax.Array, lens: jax.Array) -> jax.Array:
+    """NaN in slots >= lens[b] of a [B, S, K, H] cache."""
+    slot = jnp.arange(x.shape[1])[None, :, None, None]
+    return jnp.where(slot < lens[:, None, None, None], x, jnp.nan).astype(x.dtype)
+
+
+def _check(out: jax.Array, want: jax.Array, dtype) -> None:
+    out32, want32 = np.asarray(out, np.float32), np.asarray(want, np.float32)
+    assert out.dtype == want.dtype and out.shape == want.shape
+    assert np.isfinite(out32).all(), "non-finite output (garbage leaked or rows left unwritten)"
+    tol = TOL[dtype]
+    np.testing.assert_allclose(out32, want32, atol=tol, rtol=tol)
+
+
+# ------------------------------------------------------------------------------------------- draft
+
+# (B, L, N, K, H, S, dtype, causal, window, tuning)
+DRAFT_CASES = [
+    (2, 4, 4, 4, 64, 96, jnp.float32, False, None, dict(num_splits=1, block_k=32)),  # G=1, L=4: 16-row tile
+    (3, 8, 4, 2, 128, 200, jnp.bfloat16, False, None, dict(num_splits=3, block_k=32)),  # S % block_k != 0
+    (2, 16, 8, 2, 64, 256, jnp.bfloat16, True, 40, dict(num_splits=2, block_k=32)),  # G=4, causal + window
+    (2, 16, 4, 1, 64, 64, jnp.float32, False, 8, dict(num_splits=1, block_k=16)),  # window, non-causal
+    (2, 8, 8, 4, 64, 128, jnp.float32, True, None, dict(num_splits=4, block_k=16)),  # causal, many splits
+]
+if ON_GPU:
+    DRAFT_CASES += [
+        (2, 16, 32, 8, 128, 4096, jnp.bfloat16, False, None, {}),  # Qwen3-8B heads, default tuning
+        (1, 16, 32, 8, 128, 4096, jnp.bfloat16, True, 1024, {}),
+        (3, 16, 16, 8, 64, 4096, jnp.float32, False, None, dict(num_splits=1)),
+        (8, 8, 32, 8, 128, 1000, jnp.bfloat16, False, None, dict(block_k=128, num_warps=8, num_stages=2)),
+    ]
+
+
+def _draft_inputs(seed, b, l, n, k, h, s, dtype):
+    ks = jax.random.split(jax.random.key(seed), 7)
+    q = _normal(ks[0], (b, l, n, h), dtype, 1.5)
+    ctx_k, ctx_v = _normal(ks[1], (b, s, k, h), dtype), _normal(ks[2], (b, s, k, h), dtype)
+    blk_k, blk_v = _normal(ks[3], (b, l, k, h), dtype), _normal(ks[4], (b, l, k, h), dtype)
+    # Lengths: 0, full cache, and random in between.
+    lens = np.random.default_rng(seed).integers(0, s + 1, b)
+    lens[0] = 0
+    if b > 1:
+        lens[1] = s
+    ctx_len = jnp.asarray(lens, jnp.int32)
+    q_positions = ctx_len[:, None] + jnp.arange(l, dtype=jnp.int32)[None]
+    return q, ctx_k, ctx_v, blk_k, blk_v, q_positions, ctx_len
+
+
+@pytest.mark.parametrize("case", DRAFT_CASES, ids=lambda c: "B{}-L{}-N{}-K{}-H{}-S{}-{}-causal{}-win{}".format(
+    *c[:6], jnp.dtype(c[6]).name, c[7], c[8]))
+def test_draft_attention_matches_reference(case):
+    b, l, n, k, h, s, dtype, causal, window, tuning = case
+    q, ctx_k, ctx_v, blk_k, blk_v, pos, ctx_len = _draft_inputs(len(DRAFT_CASES) + b + s, b, l, n, k, h, s, dtype)
+    assert cuda.draft_attention_unsupported_reason(q, ctx_k, ctx_v, blk_k, blk_v, causal=causal, window=window,
+                                                   interpret=INTERPRET) is None
+    with jax.default_matmul_precision("highest"):
+        want = ref.draft_attention(q, ctx_k, ctx_v, blk_k, blk_v, pos, ctx_len, causal=causal, window=window)
+    out = cuda.draft_attention(q, _poison(ctx_k, ctx_len), _poison(ctx_v, ctx_len), blk_k, blk_v, pos, ctx_len,
+                               causal=causal, window=window, interpret=INTERPRET, **tuning)
+    _check(out, want, dtype)
+
+
+# ------------------------------------------------------------------------------------ ragged verify
+
+# (B, Lmax, N, K, H, S, dtype, tuning)
+VERIFY_CASES = [
+    (3, 8, 8, 2, 64, 160, jnp.float32, dict(num_splits=1, block_k=32)),
+    (4, 16, 8, 2, 128, 256, jnp.bfloat16, dict(num_splits=3, block_k=32)),
+    (2, 4, 4, 4, 64, 64, jnp.float32, dict(num_splits=2, block_k=16)),  # G=1, 4-row windows: 16-row tile
+    (3, 16, 16, 4, 64, 100, jnp.float32, dict(num_splits=2, block_k=16)),  # G=4
+]
+if ON_GPU:
+    VERIFY_CASES += [
+        (4, 16, 32, 8, 128, 4096, jnp.bfloat16, {}),
+        (1, 16, 32, 8, 128, 4096, jnp.bfloat16, {}),
+        (3, 16, 16, 8, 64, 4096, jnp.float32, dict(num_splits=1)),
+        (8, 8, 32, 8, 128, 1000, jnp.bfloat16, dict(block_k=128, num_warps=8, num_stages=2)),
+    ]
+
+
+def _verify_inputs(seed, b, lmax, n, k, h, s, dtype, pad_rows=3):
+    rng = np.random.default_rng(seed)
+    wins = rng.integers(0, lmax + 1, b)
+    wins[0] = 0  # an empty window
+    if b > 1:
+        wins[1] = lmax  # a full window
+    kv = np.array([rng.integers(w, s + 1) for w in wins])
+    if b > 1:
+        kv[1] = s  # a full cache
+    if b > 2:
+        kv[2] = wins[2]  # the window is the whole context
+    cu = np.concatenate([[0], np.cumsum(wins)]).astype(np.int32)
+    t = int(cu[-1]) + pad_rows
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = _normal(ks[0], (t, n, h), dtype, 1.5)
+    kc, vc = _normal(ks[1], (b, s, k, h), dtype), _normal(ks[2], (b, s, k, h), dtype)
+    return q, kc, vc, jnp.asarray(cu), jnp.asarray(kv, jnp.int32)
+
+
+@pytest.mark.parametrize("case", VERIFY_CASES, ids=lambda c: "B{}-L{}-N{}-K{}-H{}-S{}-{}".format(
+    *c[:6], jnp.dtype(c[6]).name))
+def test_ragged_verify_matches_reference(case):
+    b, lmax, n, k, h, s, dtype, tuning = case
+    q, kc, vc, cu, kv = _verify_inputs(b * 7 + s, b, lmax, n, k, h, s, dtype)
+    assert cuda.ragged_verify_unsupported_reason(q, kc, vc, max_q_len=lmax, interpret=INTERPRET) is None
+    with jax.default_matmul_precision("highest"):
+        want = ref.ragged_verify_attention(q, kc, vc, cu, kv)
+    # Padding rows of the output must be written as zeros: poisoning the input q there must not matter.
+    out = cuda.ragged_verify_attention(q, _poison(kc, kv), _poison(vc, kv), cu, kv, max_q_len=lmax,
+                                       interpret=INTERPRET, **tuning)
+    _check(out, want, dtype)
+    assert not np.asarray(out[int(cu[-1]):], np.float32).any()
+
+
+def test_ragged_verify_static_windows_equal_cache_attention():
+    """ℓ_r = L for every r is the decode loop's static verify: same as cache_attention at those positions."""
+    b, l, n, k, h, s = 2, 8, 4, 2, 64, 96
+    ks = jax.random.split(jax.random.key(3), 3)
+    q = _normal(ks[0], (b, l, n, h), jnp.float32)
+    kc, vc = _normal(ks[1], (b, s, k, h), jnp.float32), _normal(ks[2], (b, s, k, h), jnp.float32)
+    kv = jnp.array([l + 5, s], jnp.int32)
+    pos = kv[:, None] - l + jnp.arange(l)[None]
+    with jax.default_matmul_precision("highest"):
+        want = ref.cache_attention(q, kc, vc, pos)
+    cu = jnp.arange(b + 1, dtype=jnp.int32) * l
+    out = cuda.ragged_verify_attention(q.reshape(b * l, n, h), _poison(kc, kv), _poison(vc, kv), cu, kv,
+                                       max_q_len=l, interpret=INTERPRET, num_splits=2, block_k=16)
+    _check(out.reshape(b, l, n, h), want, jnp.float32)
+
+
+# ----------------------------------------------------------------------------------- unsupported
+
+
+def test_unsupported_reasons():
+    sds = jax.ShapeDtypeStruct
+    q, kv = sds((2, 16, 32, 128), jnp.bfloat16), sds((2, 512, 8, 128), jnp.bfloat16)
+    blk = sds((2, 16, 8, 128), jnp.bfloat16)
+    assert cuda.draft_attention_unsupported_reason(q, kv, kv, blk, blk, interpret=True) is None
+    assert "head_dim" in cuda.draft_attention_unsupported_reason(
+        sds((2, 16, 32, 96), jnp.bfloat16), sds((2, 512, 8, 96), jnp.bfloat16), sds((2, 512, 8, 96), jnp.bfloat16),
+        sds((2, 16, 8, 96), jnp.bfloat16), sds((2, 16, 8, 96), jnp.bfloat16), interpret=True)
+    assert "multiple" in cuda.draft_attention_unsupported_reason(
+        sds((2, 16, 12, 128), jnp.bfloat16), sds((2, 512, 8, 128), jnp.bfloat16), kv, sds((2, 16, 8, 128),
+                                                                                          jnp.bfloat16), blk,
+        interpret=True)
+    assert "tile" in cuda.draft_attention_unsupported_reason(
+        sds((2, 128, 32, 128), jnp.bfloat16), kv, kv, sds((2, 128, 8, 128), jnp.bfloat16),
+        sds((2, 128, 8, 128), jnp.bfloat16), interpret=True)
+    assert "dtype" in cuda.draft_attention_unsupported_reason(
+        sds((2, 16, 32, 128), jnp.int8), kv, kv, blk, blk, interpret=True)
+    qv = sds((32, 32, 128), jnp.bfloat16)
+    assert cuda.ragged_verify_unsupported_reason(qv, kv, kv, max_q_len=16, interpret=True) is None
+    assert "max_q_len" in cuda.ragged_verify_unsupported_reason(sds((512, 32, 128), jnp.bfloat16), kv, kv,
+                                                                interpret=True)
+    if not ON_GPU:
+        assert "GPU" in cuda.ragged_verify_unsupported_reason(qv, kv, kv, max_q_len=16)

@@ -1,0 +1,78 @@
+"""The decode loop through the Pallas kernels (``attention_impl="pallas"`` / ``"cuda"``): still lossless.
+
+On this CPU machine both kernel packages run in Pallas interpret mode; on a GPU (or TPU) machine the same
+tests run the compiled kernel of that backend (the other one stays in interpret mode).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import oracle_drafter, random_prompts, tiny_target
+from dflash_jax import attention, generate, random_drafter, speculative_generate
+
+# head_dim 64 and GQA 2: a shape the kernels are built for, small enough for interpret mode.
+SHAPE = dict(num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=64, intermediate_size=128, num_layers=2,
+             vocab_size=96)
+PROMPTS = random_prompts(3, [5, 11, 2], 96, seed=4)
+KW = dict(max_new_tokens=10, stop_token_ids=[])
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_target("qwen3", seed=3, **SHAPE)
+    return target, random_drafter(target, block_size=4, num_layers=1, seed=5)
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    target, drafter = pair
+    return {"ar": generate(target, PROMPTS, attention_impl="xla", **KW),
+            "spec": speculative_generate(target, drafter, PROMPTS, attention_impl="xla", **KW)}
+
+
+@pytest.mark.parametrize("impl", ["pallas", "cuda"])
+def test_kernels_in_the_decode_loop_are_lossless(pair, reference, impl):
+    target, drafter = pair
+    ar = generate(target, PROMPTS, attention_impl=impl, **KW)
+    assert ar.token_ids == reference["ar"].token_ids
+    spec = speculative_generate(target, drafter, PROMPTS, attention_impl=impl, **KW)
+    assert spec.token_ids == reference["ar"].token_ids
+    # Same drafts as the reference drafter attention ⇒ same acceptance lengths, cycle for cycle.
+    assert spec.acceptance_lengths == reference["spec"].acceptance_lengths
+    # An oracle drafter exercises every acceptance length, so verify windows start at varied positions.
+    oracle = oracle_drafter(target, PROMPTS, reference["ar"].token_ids, block_size=4, corrupt=0.3)
+    out = speculative_generate(target, oracle, PROMPTS, attention_impl=impl, **KW)
+    assert out.token_ids == reference["ar"].token_ids
+    assert len({a for row in out.acceptance_lengths for a in row}) >= 3
+
+
+def test_auto_resolves_to_the_backend_kernel():
+    expected = {"gpu": "cuda", "tpu": "pallas"}.get(jax.default_backend(), "xla")
+    assert attention.resolve_impl("auto") == expected
+    assert attention.resolve_impl("xla") == "xla"
+    with pytest.raises(ValueError, match="attention_impl must be one of"):
+        attention.resolve_impl("triton")
+
+
+@pytest.mark.parametrize("impl,dtype,h", [("pallas", jnp.float16, 64),  # TPU kernels: f32 / bf16 only
+                                          ("cuda", jnp.float32, 48)])  # GPU kernels: power-of-two head_dim
+def test_unsupported_shape_falls_back_with_a_log_line(impl, dtype, h, caplog):
+    """A shape the kernel does not take: the reference runs, and a log line says so."""
+    b, l, n, k, s = 2, 4, 4, 2, 32
+    keys = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(keys[0], (b, l, n, h), dtype)
+    ck, cv = (jax.random.normal(x, (b, s, k, h), dtype) for x in keys[1:3])
+    bk, bv = (jax.random.normal(x, (b, l, k, h), dtype) for x in keys[3:5])
+    ctx_len = jnp.array([7, 20], jnp.int32)
+    pos = ctx_len[:, None] + jnp.arange(l, dtype=jnp.int32)
+    with caplog.at_level(logging.WARNING, logger="dflash_jax"):
+        out = attention.draft_attention(q, ck, cv, bk, bv, pos, ctx_len, impl=impl)
+    ref = attention.draft_attention(q, ck, cv, bk, bv, pos, ctx_len, impl="xla")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    assert any("uses the XLA reference" in r.getMessage() for r in caplog.records)
