@@ -44,8 +44,8 @@ def resolve_impl(impl: str) -> str:
 
 @functools.cache
 def _kernels(impl: str) -> tuple[Callable, Callable, Callable, Callable]:
-    """(draft op, draft reason, verify op, verify reason) of a kernel package, bound to interpret mode when the
-    backend is not the kernel's own."""
+    """(draft reason, verify reason, draft op, verify op) of a kernel package, bound to interpret mode when
+    the backend is not the kernel's own."""
     native = KERNEL_FOR_BACKEND.get(jax.default_backend()) == impl
     if impl == "pallas":
         from jax.experimental.pallas import tpu as pltpu
@@ -66,12 +66,50 @@ def _kernels(impl: str) -> tuple[Callable, Callable, Callable, Callable]:
     if not native:
         log.warning("attention_impl=%r on a %s backend: running its kernels in Pallas interpret mode (slow)",
                     impl, jax.default_backend())
-    return (functools.partial(mod.draft_attention, interpret=interp), draft_reason,
-            functools.partial(mod.ragged_verify_attention, interpret=interp), verify_reason)
+    return (draft_reason, verify_reason, functools.partial(mod.draft_attention, interpret=interp),
+            functools.partial(mod.ragged_verify_attention, interpret=interp))
 
 
-def _fallback(impl: str, op: str, reason: str) -> None:
-    log.warning("attention_impl=%r: %s uses the XLA reference for this shape (%s)", impl, op, reason)
+def _shard_specs(args: tuple, dp: str | None, tp: str | None) -> tuple:
+    """Rows over ``dp``; the head axis of [B, ·, heads, H] arrays over ``tp``; lengths/positions by row."""
+    from jax.sharding import PartitionSpec as P
+    return tuple(P(dp, None, tp, None) if a.ndim == 4 else P(dp, *([None] * (a.ndim - 1))) for a in args)
+
+
+def _run_kernel(impl: str, op: str, local: Callable, reason_of: Callable, args: tuple) -> jax.Array | None:
+    """``local(*args)`` through the kernel, per shard when traced under a mesh; None (after a log line) when
+    the kernel cannot take these shapes and the caller must use the reference.
+
+    Under a ``(dp, tp)`` mesh (see :mod:`dflash_jax.sharding`) attention is independent per row and per KV
+    head, so each device runs the kernel on its own rows and heads (``shard_map``): nothing is gathered.
+    That needs the KV heads split like the query heads (K divisible by tp); otherwise the reference runs.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        why = reason_of(*args)
+        if why is None:
+            return local(*args)
+        log.warning("attention_impl=%r: %s uses the XLA reference for this shape (%s)", impl, op, why)
+        return None
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    dp, tp = ("dp" if "dp" in sizes else None), ("tp" if "tp" in sizes else None)
+    n_dp, n_tp = sizes.get("dp", 1), sizes.get("tp", 1)
+    rows, kv_heads = args[0].shape[0], args[1].shape[2]
+    why = None
+    if set(sizes) - {"dp", "tp"}:
+        why = f"mesh axes {tuple(sizes)} (kernels shard over 'dp' and 'tp' only)"
+    elif kv_heads % n_tp or args[0].shape[2] % n_tp or rows % n_dp:
+        why = f"{kv_heads} KV heads / {rows} rows do not split over tp={n_tp}, dp={n_dp}"
+    else:
+        shard_shape = lambda a: jax.ShapeDtypeStruct(  # noqa: E731
+            (a.shape[0] // n_dp, *a.shape[1:2], a.shape[2] // n_tp, *a.shape[3:]) if a.ndim == 4
+            else (a.shape[0] // n_dp, *a.shape[1:]), a.dtype)
+        why = reason_of(*(shard_shape(a) for a in args))
+    if why is not None:
+        log.warning("attention_impl=%r: %s uses the XLA reference for this shape (%s)", impl, op, why)
+        return None
+    specs = _shard_specs(args, dp, tp)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
 
 
 def _grouped_scores(q: Float[Array, "B T N H"], k: Float[Array, "B S K H"]) -> Float[Array, "B K G T S"]:
@@ -112,15 +150,21 @@ def cache_attention(
     block / AR step: their K/V already written), which is the ragged op with ℓ_r = T for every row.
     """
     if impl in ("pallas", "cuda"):
-        b, t, n, h = q.shape
-        op, reason_of, verify_op, verify_reason = _kernels(impl)
-        packed = q.reshape(b * t, n, h)
-        reason = verify_reason(packed, k_cache, t)
-        if reason is None:
+        _, verify_reason, _, verify_op = _kernels(impl)
+
+        def local(q, k_cache, v_cache, q_positions):
+            b, t, n, h = q.shape
             cu = jnp.arange(b + 1, dtype=jnp.int32) * t
-            out = verify_op(packed, k_cache, v_cache, cu, (q_positions[:, -1] + 1).astype(jnp.int32), max_q_len=t)
-            return out.reshape(b, t, n, h)
-        _fallback(impl, "verify attention", reason)
+            kv_lens = (q_positions[:, -1] + 1).astype(jnp.int32)
+            return verify_op(q.reshape(b * t, n, h), k_cache, v_cache, cu, kv_lens, max_q_len=t).reshape(q.shape)
+
+        def reason(q, k_cache, v_cache, q_positions):
+            b, t, n, h = q.shape
+            return verify_reason(jax.ShapeDtypeStruct((b * t, n, h), q.dtype), k_cache, t)
+
+        out = _run_kernel(impl, "verify attention", local, reason, (q, k_cache, v_cache, q_positions))
+        if out is not None:
+            return out
     s = k_cache.shape[1]
     mask: Bool[Array, "B T S"] = jnp.arange(s)[None, None, :] <= q_positions[:, :, None]
     scores = _grouped_scores(q, k_cache)
@@ -145,12 +189,18 @@ def draft_attention(
     The kernels need consecutive block positions (``q_positions[b] = q_positions[b, 0] + arange(L)``), which the
     decode loop always passes."""
     if impl in ("pallas", "cuda"):
-        op, reason_of, _, _ = _kernels(impl)
-        reason = reason_of(q, ctx_k, blk_k, causal, window)
-        if reason is None:
-            return op(q, ctx_k, ctx_v, blk_k, blk_v, q_positions.astype(jnp.int32), ctx_len.astype(jnp.int32),
-                      causal=causal, window=window)
-        _fallback(impl, "draft attention", reason)
+        draft_reason, _, draft_op, _ = _kernels(impl)
+
+        def local(q, ctx_k, ctx_v, blk_k, blk_v, q_positions, ctx_len):
+            return draft_op(q, ctx_k, ctx_v, blk_k, blk_v, q_positions.astype(jnp.int32), ctx_len.astype(jnp.int32),
+                            causal=causal, window=window)
+
+        def reason(q, ctx_k, ctx_v, blk_k, blk_v, q_positions, ctx_len):
+            return draft_reason(q, ctx_k, blk_k, causal, window)
+
+        out = _run_kernel(impl, "draft attention", local, reason, (q, ctx_k, ctx_v, blk_k, blk_v, q_positions, ctx_len))
+        if out is not None:
+            return out
     s = ctx_k.shape[1]
     ctx_pos = jnp.arange(s)[None, None, :]
     qp = q_positions[:, :, None]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import logging
 import time
 from typing import Any, Sequence
 
@@ -25,8 +24,6 @@ from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.decode.state import LoopSpec
 from dflash_jax.loading import Drafter, Target, as_drafter, as_target
 from dflash_jax.tokenizer import TokenizerMissingError
-
-log = logging.getLogger("dflash_jax")
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
@@ -212,10 +209,6 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
                               (sp.temperature, sp.top_k, sp.top_p)))
 
     impl = attention.resolve_impl(attention_impl)
-    if impl != "xla" and target.mesh is not None:
-        # pallas_call does not partition itself: under a mesh it would gather the sharded caches.
-        log.warning("attention_impl=%r: the kernels do not run under a mesh yet; using the XLA reference", impl)
-        impl = "xla"
     capture = drafter.config.target_layer_ids if drafter is not None else ()
     sampled = bool((np.asarray(sp.temperature) > 0).any())
     spec = LoopSpec(block_size=block_size, new_capacity=new_cap, capture=tuple(capture), impl=impl,
