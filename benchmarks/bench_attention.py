@@ -40,43 +40,11 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import copy_bandwidth, read_bandwidth  # noqa: E402
 from dflash_jax import attention, cuda  # noqa: E402
 
 QWEN3_8B = dict(n=32, k=8, h=128)
 L2_BYTES = 60 << 20  # H200 L2; the rotated working set is kept above 4x this
-
-
-def _warm_up(f, *args, seconds: float = 0.5) -> None:
-    """Compile, then run for a while: GPU clocks are low after idle host-side work."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        jax.block_until_ready(f(*args))
-
-
-def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 20) -> float:
-    """Device copy bandwidth in bytes/s, counting bytes read + bytes written (median of ``reps``)."""
-    x = jax.random.normal(jax.random.key(0), (nbytes // 4,), jnp.float32)
-    f = jax.jit(lambda a: a * 1.0000001)  # a real read + write (a plain copy could be elided)
-    _warm_up(f, x)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(x))
-        times.append(time.perf_counter() - t)
-    return 2 * nbytes / statistics.median(times)
-
-
-def read_bandwidth(nbytes: int = 4 << 30, reps: int = 20) -> float:
-    """Device read bandwidth in bytes/s (a large reduction; median of ``reps``)."""
-    x = jax.random.normal(jax.random.key(1), (nbytes // 4,), jnp.float32)
-    f = jax.jit(jnp.sum)
-    _warm_up(f, x)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(x))
-        times.append(time.perf_counter() - t)
-    return nbytes / statistics.median(times)
 
 
 def _dep(out: jax.Array, lens: jax.Array) -> jax.Array:

@@ -27,7 +27,9 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import copy_bandwidth  # noqa: E402
 from dflash_jax import generate, load_target, random_drafter, speculative_generate  # noqa: E402
 from dflash_jax.config import ModelConfig, RopeConfig  # noqa: E402
 from dflash_jax.loading import SMOLLM2_MASK_TOKEN_ID, Target  # noqa: E402
@@ -36,19 +38,6 @@ from dflash_jax.models.target import TargetModel  # noqa: E402
 QWEN3_8B = ModelConfig(family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
                        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
                        rope=RopeConfig(theta=1_000_000.0), max_position_embeddings=40960)
-
-
-def copy_bandwidth(nbytes: int = 4 << 30, reps: int = 20) -> float:
-    """Device copy bandwidth in bytes/s, counting bytes read + bytes written (median of ``reps``)."""
-    x = jax.random.normal(jax.random.key(0), (nbytes // 4,), jnp.float32)
-    f = jax.jit(lambda a: a * 1.0000001)  # a real read + write (a plain copy could be elided)
-    jax.block_until_ready(f(x))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(x))
-        times.append(time.perf_counter() - t)
-    return 2 * nbytes / statistics.median(times)
 
 
 def random_target(cfg: ModelConfig, dtype, seed: int = 0) -> Target:

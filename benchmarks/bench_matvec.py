@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import copy_bandwidth  # noqa: E402
+from common import copy_bandwidth  # noqa: E402
 
 # (name, D_in, D_out): the target's per-layer projections (q, kv, o, gate+up, down) and the lm_head.
 SHAPES = [("q_proj", 4096, 4096), ("kv_proj", 4096, 1024), ("gate_proj", 4096, 12288), ("down_proj", 12288, 4096),

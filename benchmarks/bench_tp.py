@@ -44,7 +44,8 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode import QWEN3_8B, copy_bandwidth, param_bytes, random_target  # noqa: E402
+from bench_decode import QWEN3_8B, param_bytes, random_target  # noqa: E402
+from common import copy_bandwidth  # noqa: E402
 from dflash_jax import generate, make_mesh, random_drafter, shard, speculative_generate  # noqa: E402
 from dflash_jax.config import ModelConfig  # noqa: E402
 
