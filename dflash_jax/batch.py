@@ -186,8 +186,13 @@ def run_batch(
     progress: bool = True,
     summary_path: str | Path | None = None,
     histogram_path: str | Path | None = None,
+    speedup_estimate: bool = False,
 ) -> dict:
-    """Generate for every prompt of ``input_path`` into ``output_path``; returns the summary dict."""
+    """Generate for every prompt of ``input_path`` into ``output_path``; returns the summary dict.
+
+    ``speedup_estimate``: afterwards, decode one batch of this run again both speculatively and
+    autoregressively (synchronously timed) and report the ratio of their decode tokens/s in the summary.
+    """
     output = Path(output_path)
     generation.sampling_params(1, temperature, top_k, top_p)  # validate before any work
     generation.check_max_new_tokens(max_new_tokens)
@@ -298,12 +303,29 @@ def run_batch(
         "device_idle_fraction": idle / span if span > 0 else 0.0,
         "compile_s": sum(b.job.compile_s for b in launched),
     }
+    if speedup_estimate and drafter is not None and batches:
+        full = [b for b in batches if len(b) == batch_size] or batches
+        summary["speedup_estimate"] = _speedup_estimate(target, drafter, full[len(full) // 2], kw, seed)
     summary_path = Path(summary_path) if summary_path else output.with_name(output.name + ".summary.json")
     summary_path.write_text(json.dumps(summary, indent=1) + "\n")
     if n_cycles:
         plot_acceptance(acc_hist, histogram_path or output.with_name(output.name + ".acceptance.png"),
                         title=f"{Path(target.name).name}: acceptance lengths (τ {summary['tau']:.2f})")
     return summary
+
+
+def _speedup_estimate(target: Target, drafter: Drafter, rows: list[Row], kw: dict, seed: int) -> dict:
+    """Speculative vs autoregressive decode tokens/s on one batch of the run (the middle full one: a typical
+    prompt length), each timed synchronously after its compile — the run itself overlaps batches, so its
+    own timings are not per batch."""
+    ids = [r.ids for r in rows]
+    common = dict(max_new_tokens=kw["max_new_tokens"], temperature=kw["temperature"], top_k=kw["top_k"],
+                  top_p=kw["top_p"], seed=seed)
+    spec = generation.speculative_generate(target, drafter, ids, block_size=kw["block_size"], **common)
+    ar = generation.generate(target, ids, **common)
+    s_tps, a_tps = spec.stats["decode_tokens_per_s"], ar.stats["decode_tokens_per_s"]
+    return {"rows": len(ids), "tau": spec.tau, "speculative_decode_tokens_per_s": s_tps,
+            "autoregressive_decode_tokens_per_s": a_tps, "speedup": s_tps / max(a_tps, 1e-9)}
 
 
 def _nth_line(rows: list[Row], bad: list[dict], limit: int) -> int:

@@ -73,7 +73,8 @@ def _generate(args: argparse.Namespace) -> int:
     summary = run_batch(target, drafter, args.input, args.output, max_new_tokens=args.max_new_tokens,
                         batch_size=args.batch_size, block_size=args.block_size, temperature=args.temperature,
                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, limit=args.limit, resume=args.resume,
-                        skip_bad=args.skip_bad, progress=not args.no_progress)
+                        skip_bad=args.skip_bad, progress=not args.no_progress,
+                        speedup_estimate=not args.no_speedup_estimate)
     print(json.dumps({k: v for k, v in summary.items() if k != "acceptance_histogram"}, indent=1))
     return 0
 
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--resume", action="store_true", help="continue an existing output, skipping finished ids")
     gen.add_argument("--skip-bad", action="store_true", help="write bad rows to <output>.errors.jsonl and go on")
     gen.add_argument("--no-progress", action="store_true")
+    gen.add_argument("--no-speedup-estimate", action="store_true",
+                     help="skip re-running one batch both ways (speculative vs autoregressive) for the summary")
     gen.set_defaults(func=_generate)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -47,7 +47,7 @@ def test_batch_outputs_equal_direct_generation(pair, tmp_path):
     rows = token_rows(11)
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
     summary = run_batch(target, drafter, inp, tmp_path / "out.jsonl", max_new_tokens=20, batch_size=4,
-                        progress=False)
+                        progress=False, speedup_estimate=True)
     out = read_out(tmp_path / "out.jsonl")
     assert set(out) == {r["id"] for r in rows}
     ref = generate(target, [r["token_ids"] for r in rows], max_new_tokens=20)
@@ -60,7 +60,11 @@ def test_batch_outputs_equal_direct_generation(pair, tmp_path):
     assert summary["new_tokens"] == sum(len(t) for t in ref.token_ids)
     assert 0.0 <= summary["device_idle_fraction"] < 1.0
     assert sum(summary["acceptance_histogram"]) == sum(len(a) for a in spec.acceptance_lengths)
-    assert (tmp_path / "out.jsonl.summary.json").is_file()
+    est = summary["speedup_estimate"]  # the middle full batch (rows 4-7 by length), re-run both ways
+    assert est["rows"] == 4 and est["tau"] > 1.0
+    assert est["speedup"] == pytest.approx(est["speculative_decode_tokens_per_s"]
+                                           / est["autoregressive_decode_tokens_per_s"])
+    assert json.loads((tmp_path / "out.jsonl.summary.json").read_text())["speedup_estimate"] == est
     assert (tmp_path / "out.jsonl.acceptance.png").stat().st_size > 1000
     # Autoregressive mode (no drafter) writes the same tokens.
     run_batch(target, None, inp, tmp_path / "ar.jsonl", max_new_tokens=20, batch_size=4, progress=False)
