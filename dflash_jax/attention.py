@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,10 +42,18 @@ def resolve_impl(impl: str) -> str:
     return KERNEL_FOR_BACKEND.get(jax.default_backend(), "xla") if impl == "auto" else impl
 
 
+class KernelSet(NamedTuple):
+    """One kernel package bound to this backend (interpret mode when the backend is not its own)."""
+
+    native: bool  # compiled for this backend (else Pallas interpret mode)
+    draft_reason: Callable
+    verify_reason: Callable
+    draft_op: Callable
+    verify_op: Callable
+
+
 @functools.cache
-def _kernels(impl: str) -> tuple[Callable, Callable, Callable, Callable]:
-    """(draft reason, verify reason, draft op, verify op) of a kernel package, bound to interpret mode when
-    the backend is not the kernel's own."""
+def _kernels(impl: str) -> KernelSet:
     native = KERNEL_FOR_BACKEND.get(jax.default_backend()) == impl
     if impl == "pallas":
         from jax.experimental.pallas import tpu as pltpu
@@ -66,8 +74,29 @@ def _kernels(impl: str) -> tuple[Callable, Callable, Callable, Callable]:
     if not native:
         log.warning("attention_impl=%r on a %s backend: running its kernels in Pallas interpret mode (slow)",
                     impl, jax.default_backend())
-    return (draft_reason, verify_reason, functools.partial(mod.draft_attention, interpret=interp),
-            functools.partial(mod.ragged_verify_attention, interpret=interp))
+    return KernelSet(native, draft_reason, verify_reason, functools.partial(mod.draft_attention, interpret=interp),
+                     functools.partial(mod.ragged_verify_attention, interpret=interp))
+
+
+_PROBED: dict[tuple, str | None] = {}
+
+
+def _compile_probe(key: tuple, local: Callable, shapes: tuple) -> str | None:
+    """Compile ``local`` alone for these (per-device) shapes once; the error's first line if it fails.
+
+    The kernels' shape rules cannot foresee every compiler limit (the TPU kernels have never met a real
+    TPU compiler here), and a kernel that fails to compile must not take the whole decode program down
+    with it: the op falls back to the reference instead, with the reason logged.
+    """
+    key = key + tuple((s.shape, str(s.dtype)) for s in shapes)
+    if key not in _PROBED:
+        try:
+            jax.jit(local).lower(*shapes).compile()
+            _PROBED[key] = None
+        except Exception as e:  # noqa: BLE001 — any compiler error means "use the reference"
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            _PROBED[key] = f"the kernel failed to compile: {type(e).__name__}: {first}"
+    return _PROBED[key]
 
 
 def _shard_specs(args: tuple, dp: str | None, tp: str | None) -> tuple:
@@ -76,39 +105,39 @@ def _shard_specs(args: tuple, dp: str | None, tp: str | None) -> tuple:
     return tuple(P(dp, None, tp, None) if a.ndim == 4 else P(dp, *([None] * (a.ndim - 1))) for a in args)
 
 
-def _run_kernel(impl: str, op: str, local: Callable, reason_of: Callable, args: tuple) -> jax.Array | None:
+def _run_kernel(impl: str, op: str, key: tuple, local: Callable, reason_of: Callable,
+                args: tuple) -> jax.Array | None:
     """``local(*args)`` through the kernel, per shard when traced under a mesh; None (after a log line) when
-    the kernel cannot take these shapes and the caller must use the reference.
+    the kernel cannot take these shapes (its own rules, or a failed compile) and the caller must use the
+    reference.
 
     Under a ``(dp, tp)`` mesh (see :mod:`dflash_jax.sharding`) attention is independent per row and per KV
     head, so each device runs the kernel on its own rows and heads (``shard_map``): nothing is gathered.
     That needs the KV heads split like the query heads (K divisible by tp); otherwise the reference runs.
     """
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1:
-        why = reason_of(*args)
-        if why is None:
-            return local(*args)
-        log.warning("attention_impl=%r: %s uses the XLA reference for this shape (%s)", impl, op, why)
-        return None
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    dp, tp = ("dp" if "dp" in sizes else None), ("tp" if "tp" in sizes else None)
+    sharded = not (mesh.empty or mesh.size == 1)
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes)) if sharded else {}
     n_dp, n_tp = sizes.get("dp", 1), sizes.get("tp", 1)
-    rows, kv_heads = args[0].shape[0], args[1].shape[2]
+    rows, q_heads, kv_heads = args[0].shape[0], args[0].shape[2], args[1].shape[2]
     why = None
     if set(sizes) - {"dp", "tp"}:
         why = f"mesh axes {tuple(sizes)} (kernels shard over 'dp' and 'tp' only)"
-    elif kv_heads % n_tp or args[0].shape[2] % n_tp or rows % n_dp:
+    elif kv_heads % n_tp or q_heads % n_tp or rows % n_dp:
         why = f"{kv_heads} KV heads / {rows} rows do not split over tp={n_tp}, dp={n_dp}"
     else:
-        shard_shape = lambda a: jax.ShapeDtypeStruct(  # noqa: E731
-            (a.shape[0] // n_dp, *a.shape[1:2], a.shape[2] // n_tp, *a.shape[3:]) if a.ndim == 4
-            else (a.shape[0] // n_dp, *a.shape[1:]), a.dtype)
-        why = reason_of(*(shard_shape(a) for a in args))
+        shapes = tuple(jax.ShapeDtypeStruct(
+            (a.shape[0] // n_dp, a.shape[1], a.shape[2] // n_tp, *a.shape[3:]) if a.ndim == 4
+            else (a.shape[0] // n_dp, *a.shape[1:]), a.dtype) for a in args)
+        why = reason_of(*shapes)
+        if why is None and _kernels(impl).native:
+            why = _compile_probe((impl, op) + key, local, shapes)
     if why is not None:
         log.warning("attention_impl=%r: %s uses the XLA reference for this shape (%s)", impl, op, why)
         return None
-    specs = _shard_specs(args, dp, tp)
+    if not sharded:
+        return local(*args)
+    specs = _shard_specs(args, "dp" if "dp" in sizes else None, "tp" if "tp" in sizes else None)
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
 
 
@@ -150,19 +179,20 @@ def cache_attention(
     block / AR step: their K/V already written), which is the ragged op with ℓ_r = T for every row.
     """
     if impl in ("pallas", "cuda"):
-        _, verify_reason, _, verify_op = _kernels(impl)
+        kernels = _kernels(impl)
 
         def local(q, k_cache, v_cache, q_positions):
             b, t, n, h = q.shape
             cu = jnp.arange(b + 1, dtype=jnp.int32) * t
             kv_lens = (q_positions[:, -1] + 1).astype(jnp.int32)
-            return verify_op(q.reshape(b * t, n, h), k_cache, v_cache, cu, kv_lens, max_q_len=t).reshape(q.shape)
+            out = kernels.verify_op(q.reshape(b * t, n, h), k_cache, v_cache, cu, kv_lens, max_q_len=t)
+            return out.reshape(q.shape)
 
         def reason(q, k_cache, v_cache, q_positions):
             b, t, n, h = q.shape
-            return verify_reason(jax.ShapeDtypeStruct((b * t, n, h), q.dtype), k_cache, t)
+            return kernels.verify_reason(jax.ShapeDtypeStruct((b * t, n, h), q.dtype), k_cache, t)
 
-        out = _run_kernel(impl, "verify attention", local, reason, (q, k_cache, v_cache, q_positions))
+        out = _run_kernel(impl, "verify attention", (), local, reason, (q, k_cache, v_cache, q_positions))
         if out is not None:
             return out
     s = k_cache.shape[1]
@@ -189,16 +219,17 @@ def draft_attention(
     The kernels need consecutive block positions (``q_positions[b] = q_positions[b, 0] + arange(L)``), which the
     decode loop always passes."""
     if impl in ("pallas", "cuda"):
-        draft_reason, _, draft_op, _ = _kernels(impl)
+        kernels = _kernels(impl)
 
         def local(q, ctx_k, ctx_v, blk_k, blk_v, q_positions, ctx_len):
-            return draft_op(q, ctx_k, ctx_v, blk_k, blk_v, q_positions.astype(jnp.int32), ctx_len.astype(jnp.int32),
-                            causal=causal, window=window)
+            return kernels.draft_op(q, ctx_k, ctx_v, blk_k, blk_v, q_positions.astype(jnp.int32),
+                                    ctx_len.astype(jnp.int32), causal=causal, window=window)
 
         def reason(q, ctx_k, ctx_v, blk_k, blk_v, q_positions, ctx_len):
-            return draft_reason(q, ctx_k, blk_k, causal, window)
+            return kernels.draft_reason(q, ctx_k, blk_k, causal, window)
 
-        out = _run_kernel(impl, "draft attention", local, reason, (q, ctx_k, ctx_v, blk_k, blk_v, q_positions, ctx_len))
+        out = _run_kernel(impl, "draft attention", (causal, window), local, reason,
+                          (q, ctx_k, ctx_v, blk_k, blk_v, q_positions, ctx_len))
         if out is not None:
             return out
     s = ctx_k.shape[1]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import oracle_drafter, random_prompts, tiny_target
-from dflash_jax import attention, generate, random_drafter, speculative_generate
+from dflash_jax import attention, generate, generation, random_drafter, speculative_generate
 
 # head_dim 64 and GQA 2: a shape the kernels are built for, small enough for interpret mode.
 SHAPE = dict(num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -84,3 +84,23 @@ def test_unsupported_shape_falls_back_with_a_log_line(impl, dtype, h, caplog):
     ref = attention.draft_attention(q, ck, cv, bk, bv, pos, ctx_len, impl="xla")
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
     assert any("uses the XLA reference" in r.getMessage() for r in caplog.records)
+
+
+def test_a_kernel_that_fails_to_compile_falls_back(pair, reference, monkeypatch, caplog):
+    """A kernel whose shape rules pass but whose compile fails (e.g. a compiler limit on real hardware) is
+    probed once per shape and replaced by the reference, with the compiler's reason logged."""
+    def broken(*args, **kwargs):
+        raise NotImplementedError("no lowering for this primitive")
+
+    always = lambda *args: None  # noqa: E731 — shape rules that accept everything
+    monkeypatch.setattr(attention, "_kernels", lambda impl: attention.KernelSet(True, always, always, broken, broken))
+    monkeypatch.setattr(attention, "_PROBED", {})
+    monkeypatch.setattr(generation, "_EXECUTABLES", {})  # trace afresh: the programs above used real kernels
+    target, drafter = pair
+    with caplog.at_level(logging.WARNING, logger="dflash_jax"):
+        out = speculative_generate(target, drafter, PROMPTS, attention_impl="cuda", **KW)
+    assert out.token_ids == reference["ar"].token_ids
+    assert out.acceptance_lengths == reference["spec"].acceptance_lengths
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("draft attention uses the XLA reference" in m and "failed to compile" in m for m in messages)
+    assert any("verify attention uses the XLA reference" in m and "NotImplementedError" in m for m in messages)
