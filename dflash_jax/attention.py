@@ -84,9 +84,10 @@ _PROBED: dict[tuple, str | None] = {}
 def _compile_probe(key: tuple, local: Callable, shapes: tuple) -> str | None:
     """Compile ``local`` alone for these (per-device) shapes once; the error's first line if it fails.
 
-    The kernels' shape rules cannot foresee every compiler limit (the TPU kernels have never met a real
-    TPU compiler here), and a kernel that fails to compile must not take the whole decode program down
-    with it: the op falls back to the reference instead, with the reason logged.
+    The kernels' shape rules cannot foresee every compiler limit — the TPU kernels have never met a real
+    TPU compiler here — and a kernel that fails to compile must not take the whole decode program down
+    with it: the op falls back to the reference instead, with the reason logged. Only the TPU kernels are
+    probed (the GPU kernels compile on the H200 we test on; a probe costs a compile per shape bucket).
     """
     key = key + tuple((s.shape, str(s.dtype)) for s in shapes)
     if key not in _PROBED:
@@ -130,7 +131,7 @@ def _run_kernel(impl: str, op: str, key: tuple, local: Callable, reason_of: Call
             (a.shape[0] // n_dp, a.shape[1], a.shape[2] // n_tp, *a.shape[3:]) if a.ndim == 4
             else (a.shape[0] // n_dp, *a.shape[1:]), a.dtype) for a in args)
         why = reason_of(*shapes)
-        if why is None and _kernels(impl).native:
+        if why is None and impl == "pallas" and _kernels(impl).native:  # GPU kernels: compiled on an H200
             why = _compile_probe((impl, op) + key, local, shapes)
     if why is not None:
         log.warning("attention_impl=%r: %s uses the XLA reference for this shape (%s)", impl, op, why)
