@@ -76,6 +76,11 @@ def _executable(fn, static: dict, graphdefs, args: tuple, donate: tuple[int, ...
 # Buckets and validation
 # --------------------------------------------------------------------------------------------------
 
+# Prompts longer than this are prefilled in chunks of this many positions (prompt buckets above 1024 are
+# multiples of 1024, so it always divides them): bounds prefill attention memory for long contexts.
+PREFILL_CHUNK = 1024
+
+
 def _bucket(n: int, minimum: int = 16) -> int:
     """Round up to a power of two (≥ minimum) below 1024, to a multiple of 1024 above."""
     if n <= 1024:
@@ -212,6 +217,7 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
     capture = drafter.config.target_layer_ids if drafter is not None else ()
     sampled = bool((np.asarray(sp.temperature) > 0).any())
     spec = LoopSpec(block_size=block_size, new_capacity=new_cap, capture=tuple(capture), impl=impl,
+                    prefill_chunk=PREFILL_CHUNK,
                     sampling=sampled, draft_sampling=sampled and draft_sampling,
                     top_k=sampled and bool((np.asarray(sp.top_k) > 0).any()),
                     top_p=sampled and bool((np.asarray(sp.top_p) < 1).any()),

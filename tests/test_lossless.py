@@ -3,6 +3,7 @@ prompt lengths, stop tokens and budgets; and no recompilation within a bucket.""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from conftest import oracle_drafter, random_prompts, tiny_target
@@ -98,3 +99,37 @@ def test_no_recompilation_within_a_bucket():
     speculative_generate(target, drafter, random_prompts(3, [7, 14, 3], 64, seed=2), max_new_tokens=20,
                          block_size=4)
     assert compile_count() == before + 2
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_long_prompts_prefilled_in_chunks_give_the_same_tokens(family, monkeypatch):
+    """Prompts longer than PREFILL_CHUNK are prefilled chunk by chunk through the cache; tokens, acceptance
+    lengths (so the drafter's context from the chunked features too) match the one-shot prefill."""
+    from dflash_jax import generation
+
+    target = tiny_target(family, seed=7)
+    drafter = random_drafter(target, block_size=4, num_layers=2, seed=8)
+    oracle_prompts = random_prompts(3, [50, 37, 61], 64, seed=9)  # bucket 64
+    kw = dict(max_new_tokens=12, stop_token_ids=[])
+    one_shot_ar = generate(target, oracle_prompts, **kw)
+    one_shot = speculative_generate(target, drafter, oracle_prompts, **kw)
+    oracle = oracle_drafter(target, oracle_prompts, one_shot_ar.token_ids, block_size=4, corrupt=0.3)
+    one_shot_oracle = speculative_generate(target, oracle, oracle_prompts, **kw)
+    monkeypatch.setattr(generation, "PREFILL_CHUNK", 16)  # 4 chunks of 16
+    chunked = speculative_generate(target, drafter, oracle_prompts, **kw)
+    assert chunked.token_ids == one_shot_ar.token_ids == one_shot.token_ids
+    assert chunked.acceptance_lengths == one_shot.acceptance_lengths
+    assert generate(target, oracle_prompts, **kw).token_ids == one_shot_ar.token_ids
+    chunked_oracle = speculative_generate(target, oracle, oracle_prompts, **kw)
+    assert chunked_oracle.token_ids == one_shot_ar.token_ids
+    assert chunked_oracle.acceptance_lengths == one_shot_oracle.acceptance_lengths
+    # The prefilled state itself: target K/V and the drafter's context K/V (built from the chunks' features).
+    states = []
+    for chunk in (16, 1024):
+        monkeypatch.setattr(generation, "PREFILL_CHUNK", chunk)
+        job = generation.prepare(target, drafter, oracle_prompts, max_new_tokens=12, block_size=4)
+        states.append(job.pre_exe(*job.pre_args))
+    for name in ("target_cache", "draft_cache"):
+        a, b = getattr(states[0], name), getattr(states[1], name)
+        for x, y in zip(a.k + a.v, b.k + b.v):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)

@@ -25,6 +25,7 @@ class LoopSpec:
     top_k: bool = False  # some row uses top-k
     top_p: bool = False  # some row uses top-p
     plan: Plan | None = None  # mesh placement of the state (None: one device)
+    prefill_chunk: int | None = None  # longer prompts are prefilled this many positions at a time
 
 
 @jax.tree_util.register_dataclass
