@@ -187,6 +187,7 @@ def run_batch(
     summary_path: str | Path | None = None,
     histogram_path: str | Path | None = None,
     speedup_estimate: bool = False,
+    attention_impl: str = "auto",
 ) -> dict:
     """Generate for every prompt of ``input_path`` into ``output_path``; returns the summary dict.
 
@@ -235,7 +236,8 @@ def run_batch(
     batches = [todo[i: i + batch_size] for i in range(0, len(todo), batch_size)]
 
     kw = dict(max_new_tokens=max_new_tokens, block_size=block_size if drafter is not None else 1,
-              temperature=temperature, top_k=top_k, top_p=top_p, draft_sampling=False)
+              temperature=temperature, top_k=top_k, top_p=top_p, draft_sampling=False,
+              attention_impl=attention_impl)
     watcher = _ReadyWatcher()
     watcher.start()
     acc_hist: np.ndarray = np.zeros(max(block_size or 1, 1) + 1, np.int64)
@@ -320,7 +322,7 @@ def _speedup_estimate(target: Target, drafter: Drafter, rows: list[Row], kw: dic
     own timings are not per batch."""
     ids = [r.ids for r in rows]
     common = dict(max_new_tokens=kw["max_new_tokens"], temperature=kw["temperature"], top_k=kw["top_k"],
-                  top_p=kw["top_p"], seed=seed)
+                  top_p=kw["top_p"], seed=seed, attention_impl=kw["attention_impl"])
     spec = generation.speculative_generate(target, drafter, ids, block_size=kw["block_size"], **common)
     ar = generation.generate(target, ids, **common)
     s_tps, a_tps = spec.stats["decode_tokens_per_s"], ar.stats["decode_tokens_per_s"]

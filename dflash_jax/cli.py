@@ -1,4 +1,4 @@
-"""Command line: ``dflash-jax demo`` and ``dflash-jax train``."""
+"""Command line: ``dflash-jax demo``, ``dflash-jax generate`` and ``dflash-jax train``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 import textwrap
+
+from dflash_jax.attention import IMPLS
 
 DEMO_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -23,7 +25,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"target: {target.name}  |  drafter: {drafter.name} ({label}), "
           f"block size {drafter.config.block_size}", flush=True)
     prompts = args.prompt or DEMO_PROMPTS
-    kw = dict(max_new_tokens=args.max_new_tokens)
+    kw = dict(max_new_tokens=args.max_new_tokens, attention_impl=args.attention_impl)
     spec = speculative_generate(target, drafter, prompts, block_size=args.block_size, **kw)
     ar = generate(target, prompts, **kw)
     for i, p in enumerate(prompts):
@@ -74,7 +76,7 @@ def _generate(args: argparse.Namespace) -> int:
                         batch_size=args.batch_size, block_size=args.block_size, temperature=args.temperature,
                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, limit=args.limit, resume=args.resume,
                         skip_bad=args.skip_bad, progress=not args.no_progress,
-                        speedup_estimate=not args.no_speedup_estimate)
+                        speedup_estimate=not args.no_speedup_estimate, attention_impl=args.attention_impl)
     print(json.dumps({k: v for k, v in summary.items() if k != "acceptance_histogram"}, indent=1))
     return 0
 
@@ -87,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     demo.add_argument("--max-new-tokens", type=int, default=96)
     demo.add_argument("--block-size", type=int, default=None)
+    demo.add_argument("--attention-impl", default="auto", choices=IMPLS,
+                      help="auto: the backend's kernels (GPU/TPU), the XLA reference elsewhere")
     demo.add_argument("--prompt", action="append", help="a prompt (repeatable); default: three built-in prompts")
     demo.set_defaults(func=_demo)
     train = sub.add_parser("train", help="train a DFlash drafter: data → train → export → eval (resumable)")
@@ -115,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--resume", action="store_true", help="continue an existing output, skipping finished ids")
     gen.add_argument("--skip-bad", action="store_true", help="write bad rows to <output>.errors.jsonl and go on")
     gen.add_argument("--no-progress", action="store_true")
+    gen.add_argument("--attention-impl", default="auto", choices=IMPLS,
+                     help="auto: the backend's kernels (GPU/TPU), the XLA reference elsewhere")
     gen.add_argument("--no-speedup-estimate", action="store_true",
                      help="skip re-running one batch both ways (speculative vs autoregressive) for the summary")
     gen.set_defaults(func=_generate)
