@@ -1,4 +1,4 @@
-"""The two attention operations of the decode loop, as pure-jnp references.
+"""The attention operations of the decode loop, as pure-jnp references, and the dispatch to kernels.
 
 * :func:`cache_attention` — target attention over its KV cache (prefill and verify): query at absolute
   position p sees cache entries at positions ``j <= p``. Entries past a row's committed length are stale
@@ -7,8 +7,10 @@
 * :func:`draft_attention` — drafter attention: block queries over the injected context cache (entries at
   positions ``< ctx_len``) plus the block's own keys, non-causal (or causal + sliding window for
   ``sliding_attention`` layers, as z-lab's reference does).
+* :func:`ragged_verify_attention` — verify windows of different lengths packed end to end (the form a
+  confidence scheduler needs); the decode loop's static-window verify is its ℓ_r = L case.
 
-Both are written as one joint softmax over key groups so the (large) context cache is never concatenated
+The first two are written as one joint softmax over key groups so the (large) context cache is never concatenated
 with anything. Scores and softmax are float32 whatever the input dtype.
 
 ``impl`` picks the implementation: ``"xla"`` (these references), ``"pallas"`` (TPU Mosaic kernels,
