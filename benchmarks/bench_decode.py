@@ -24,40 +24,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import copy_bandwidth  # noqa: E402
+from common import QWEN3_8B, copy_bandwidth, param_bytes, random_target  # noqa: E402
 from dflash_jax import generate, load_target, random_drafter, speculative_generate  # noqa: E402
-from dflash_jax.config import ModelConfig, RopeConfig  # noqa: E402
-from dflash_jax.loading import SMOLLM2_MASK_TOKEN_ID, Target  # noqa: E402
-from dflash_jax.models.target import TargetModel  # noqa: E402
-
-QWEN3_8B = ModelConfig(family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
-                       num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
-                       rope=RopeConfig(theta=1_000_000.0), max_position_embeddings=40960)
-
-
-def random_target(cfg: ModelConfig, dtype, seed: int = 0) -> Target:
-    """Random weights generated on the device, one jitted draw per parameter (no host round trip)."""
-    model = nnx.eval_shape(lambda: TargetModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
-    draw = jax.jit(lambda key, shape, scale: (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype),
-                   static_argnums=(1,))
-    key = jax.random.key(seed)
-    for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.Param))):
-        scale = 1.0 if path[-1] == "weight" else 1.0 / np.sqrt(var.shape[0])
-        value = draw(jax.random.fold_in(key, i), tuple(var.shape), scale)
-        if path[-1] == "weight":  # norms: around 1
-            value = (1.0 + 0.1 * value).astype(dtype)
-        var.set_value(value)
-    return Target(model, None, f"random {cfg.family} {cfg.num_layers}L d{cfg.hidden_size}", ())
-
-
-def param_bytes(model) -> int:
-    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-
+from dflash_jax.config import ModelConfig  # noqa: E402
+from dflash_jax.loading import SMOLLM2_MASK_TOKEN_ID  # noqa: E402
 
 def kv_bytes(cfg: ModelConfig, batch: int, context: int, dtype) -> int:
     return 2 * cfg.num_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize

@@ -26,8 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode import QWEN3_8B, random_target  # noqa: E402
-from bench_train_step import SMOLLM2_135M  # noqa: E402
+from common import QWEN3_8B, SMOLLM2_135M, random_target  # noqa: E402
 from dflash_jax import generate, random_drafter, speculative_generate  # noqa: E402
 
 SHAPES = {"smollm2": dataclasses.replace(SMOLLM2_135M, max_position_embeddings=40960),

@@ -44,8 +44,7 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode import QWEN3_8B, param_bytes, random_target  # noqa: E402
-from common import copy_bandwidth  # noqa: E402
+from common import QWEN3_8B, copy_bandwidth, param_bytes, random_target  # noqa: E402
 from dflash_jax import generate, make_mesh, random_drafter, shard, speculative_generate  # noqa: E402
 from dflash_jax.config import ModelConfig  # noqa: E402
 
@@ -165,8 +164,7 @@ def main() -> int:
                        ar_speedup_vs_tp1=base[b]["ar_step_ms"] / r["ar_step_ms"],
                        spec_speedup_vs_tp1=base[b]["spec_cycle_ms"] / r["spec_cycle_ms"],
                        target_GB_dev0=weights[0] / 1e9, drafter_GB_dev0=drafter_weights[0] / 1e9,
-                       target_share_dev0=weights[0] / sum(x.size * x.dtype.itemsize for x in
-                                                          jax.tree.leaves(nnx.state(target.model, nnx.Param))),
+                       target_share_dev0=weights[0] / param_bytes(target.model),
                        in_use_GB=[None if x is None else round(x / 1e9, 2) for x in allocator_bytes()],
                        bf16_ar_agreement_vs_tp1=agreement(r["ar_tokens"], base[b]["ar_tokens"]),
                        bf16_spec_agreement_vs_ar=agreement(r["spec_tokens"], r["ar_tokens"]))

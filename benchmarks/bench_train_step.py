@@ -6,13 +6,19 @@ alone, the loss forward (features + drafter + lm_head + cross-entropy), and the 
 sequences of ``--seq-len`` tokens (prompt ``--prompt-len``). Throughput is reported as trained block
 tokens (anchors × block size) per second, the figure that decides how much training a budget buys.
 
+Each row also carries XLA's cost analysis of the compiled pieces (TFLOP and GB accessed by the feature
+forward, and by the drafter-side loss forward and forward + backward given the features): where the bytes
+go, on whatever backend compiles them. ``--cost-only`` skips the timing (useful on a CPU).
+
     python benchmarks/bench_train_step.py --settings 32x128,64x64,16x256 --out bench_train_step.json
+    python benchmarks/bench_train_step.py --settings 32x128 --cost-only     # no accelerator needed
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -27,17 +33,25 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode import random_target  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from common import SMOLLM2_135M, random_target  # noqa: E402
 from dflash_jax import random_drafter  # noqa: E402
-from dflash_jax.config import ModelConfig, RopeConfig  # noqa: E402
 from dflash_jax.train.objective import dflash_loss, target_features  # noqa: E402
 from dflash_jax.train.trainer import Trainer, TrainSettings, batch_for_step  # noqa: E402
 
-SMOLLM2_135M = ModelConfig(family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                           num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
-                           rope=RopeConfig(theta=100000.0), max_position_embeddings=8192,
-                           tie_word_embeddings=True)
 
+def cost(fn, *args) -> tuple[float, float]:
+    """(TFLOP, GB accessed) of ``fn`` compiled for these arguments (XLA's estimate; nothing runs)."""
+    c = jax.jit(fn).lower(*args).compile().cost_analysis()
+    c = c[0] if isinstance(c, list) else c
+    return c.get("flops", 0.0) / 1e12, c.get("bytes accessed", 0.0) / 1e9
+
+
+def drafter_loss(trainer: Trainer, target, params, batch, features):
+    """The step's loss as a function of the drafter's fp32 master parameters (cast to the compute dtype)."""
+    drafter = nnx.merge(trainer.d_graph, jax.tree.map(lambda x: x.astype(trainer.compute_dtype), params))
+    return dflash_loss(drafter, target.model, batch, weights=trainer.weights, features=features)[0]
 
 def median_time(fn, reps: int) -> float:
     jax.block_until_ready(fn())  # compile
@@ -64,6 +78,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default="bench_train_step.json")
     ap.add_argument("--quick", action="store_true", help="a 4-layer target and short sequences (CPU smoke test)")
+    ap.add_argument("--cost-only", action="store_true", help="XLA cost analysis only, no timing")
     args = ap.parse_args()
     cfg = dataclasses.replace(SMOLLM2_135M, num_layers=4) if args.quick else SMOLLM2_135M
     target = random_target(cfg, jnp.float32)  # the trained drafter's target runs in float32
@@ -79,40 +94,46 @@ def main() -> int:
             batch = {k: jnp.asarray(v) for k, v in batch_for_step(data, 0, s, 16).items()}
             capture = drafter.config.target_layer_ids
             feats = jax.jit(lambda tokens: target_features(target.model, tokens, capture))
-            params = jax.tree.map(jnp.copy, trainer.params)
-            opt_state = trainer.tx.init(params)
+            loss = functools.partial(drafter_loss, trainer, target)
+            with jax.default_matmul_precision("bfloat16"):  # as the step runs
+                f_struct = jax.eval_shape(feats, batch["tokens"])
+                costs = {"features": cost(feats, batch["tokens"]),
+                         "loss_forward": cost(loss, trainer.params, batch, f_struct),
+                         "loss_forward_backward": cost(jax.grad(loss), trainer.params, batch, f_struct)}
+            row = dict(batch=bs, anchors=anchors, seq_len=int(batch["tokens"].shape[1]),
+                       **{f"{k}_TFLOP": v[0] for k, v in costs.items()}, **{f"{k}_GB": v[1] for k, v in costs.items()})
+            if not args.cost_only:
+                params = jax.tree.map(jnp.copy, trainer.params)
+                opt_state = trainer.tx.init(params)
 
-            def step():
-                nonlocal params, opt_state
-                params, opt_state, m = trainer._step_fn(params, opt_state, trainer.t_state, batch, jnp.float32(1e-5))
-                return m
+                def step():
+                    nonlocal params, opt_state
+                    params, opt_state, m = trainer._step_fn(params, opt_state, trainer.t_state, batch,
+                                                            jnp.float32(1e-5))
+                    return m
 
-            with jax.default_matmul_precision("bfloat16"):
-                t_feat = median_time(lambda: feats(batch["tokens"]), args.reps)
-                fwd = jax.jit(lambda b: dflash_loss(trainer_merge(trainer), target.model, b,
-                                                    weights=trainer.weights)[0])
-                t_fwd = median_time(lambda: fwd(batch), args.reps)
-            t_step = median_time(step, args.reps)
-        block_tokens = bs * anchors * 16
-        row = dict(batch=bs, anchors=anchors, seq_len=int(batch["tokens"].shape[1]), features_ms=t_feat * 1e3,
-                   loss_forward_ms=t_fwd * 1e3, step_ms=t_step * 1e3,
-                   block_tokens_per_s=block_tokens / t_step, sequences_per_s=bs / t_step)
+                with jax.default_matmul_precision("bfloat16"):
+                    features = feats(batch["tokens"])
+                    fwd = jax.jit(loss)
+                    row["features_ms"] = 1e3 * median_time(lambda: feats(batch["tokens"]), args.reps)
+                    row["loss_forward_ms"] = 1e3 * (median_time(lambda: fwd(trainer.params, batch, features),
+                                                                args.reps) + row["features_ms"] / 1e3)
+                step_s = median_time(step, args.reps)
+                row.update(step_ms=step_s * 1e3, block_tokens_per_s=bs * anchors * 16 / step_s,
+                           sequences_per_s=bs / step_s)
         rows.append(row)
         print(json.dumps(row), flush=True)
     Path(args.out).write_text(json.dumps({"device": jax.devices()[0].device_kind, "rows": rows}, indent=1))
     print(f"\n{jax.devices()[0].device_kind}: SmolLM2-135M-shaped target, {args.layers}-layer drafter, block 16")
-    print("| seqs × anchors | T | features ms | loss fwd ms | step ms | block tokens/s | seqs/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| seqs × anchors | T | features GB | loss fwd GB (no features) | loss fwd+bwd GB | features ms | "
+          "loss fwd ms | step ms | block tokens/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']}×{r['anchors']} | {r['seq_len']} | {r['features_ms']:.1f} | {r['loss_forward_ms']:.1f} | "
-              f"{r['step_ms']:.1f} | {r['block_tokens_per_s']:,.0f} | {r['sequences_per_s']:.0f} |")
+        timed = (f"{r['features_ms']:.1f} | {r['loss_forward_ms']:.1f} | {r['step_ms']:.1f} | "
+                 f"{r['block_tokens_per_s']:,.0f}") if "step_ms" in r else "– | – | – | –"
+        print(f"| {r['batch']}×{r['anchors']} | {r['seq_len']} | {r['features_GB']:.1f} | {r['loss_forward_GB']:.1f} | "
+              f"{r['loss_forward_backward_GB']:.1f} | {timed} |")
     return 0
-
-
-def trainer_merge(trainer: Trainer):
-    """The drafter module in the trainer's compute dtype (as the step builds it)."""
-    from flax import nnx
-    return nnx.merge(trainer.d_graph, jax.tree.map(lambda x: x.astype(trainer.compute_dtype), trainer.params))
 
 
 if __name__ == "__main__":
