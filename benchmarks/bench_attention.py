@@ -189,11 +189,13 @@ def main() -> int:
     ap.add_argument("--min-chunk", type=int)
     ap.add_argument("--num-warps", type=int)
     ap.add_argument("--num-stages", type=int)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="float32: both sides at JAX's default matmul precision (TF32 dots on a GPU)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes in interpret mode (CPU smoke test)")
     ap.add_argument("--sweep", action="store_true", help="tuning sweep instead of the table")
     ap.add_argument("--commit", help="the commit benchmarked (when the tree has no .git)")
     args = ap.parse_args()
-    args.n, args.k, args.h, args.dtype = QWEN3_8B["n"], QWEN3_8B["k"], QWEN3_8B["h"], "bfloat16"
+    args.n, args.k, args.h = QWEN3_8B["n"], QWEN3_8B["k"], QWEN3_8B["h"]
     interpret = jax.default_backend() != "gpu"
     if args.quick:
         args.n, args.k, args.h, args.block = 8, 2, 64, 8

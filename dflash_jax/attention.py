@@ -37,11 +37,30 @@ KERNEL_FOR_BACKEND = {"tpu": "pallas", "gpu": "cuda"}
 log = logging.getLogger("dflash_jax")
 
 
-def resolve_impl(impl: str) -> str:
-    """``"auto"`` → the kernel implementation for the default backend (``"xla"`` where there is none)."""
+def resolve_impl(impl: str, dtype=None) -> str:
+    """``"auto"`` → the kernel implementation for the default backend (``"xla"`` where there is none).
+
+    ``dtype``: the model's compute dtype. On a GPU, ``"auto"`` keeps float32 models on the XLA reference:
+    measured on the H200 (RESULTS.md, 2026-12-01), the kernels' float32 path was ~10× slower in the decode
+    loop while it ran IEEE float32 dots; it now follows JAX's default matmul precision (TF32, as XLA does) but
+    is not yet measured, so it runs only when asked for by name (``"cuda"``).
+    """
     if impl not in IMPLS:
         raise ValueError(f"attention_impl must be one of {IMPLS}, got {impl!r}")
-    return KERNEL_FOR_BACKEND.get(jax.default_backend(), "xla") if impl == "auto" else impl
+    if impl != "auto":
+        return impl
+    backend = jax.default_backend()
+    chosen = KERNEL_FOR_BACKEND.get(backend, "xla")
+    if chosen == "cuda" and dtype is not None and jnp.dtype(dtype) == jnp.float32:
+        _log_once("attention_impl='auto': float32 on GPU uses the XLA reference (the cuda kernels' float32 "
+                  "speed is unmeasured; pass attention_impl='cuda' to use them anyway)")
+        return "xla"
+    return chosen
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    log.warning(message)
 
 
 class KernelSet(NamedTuple):

@@ -59,7 +59,9 @@ def _signature(tree) -> tuple:
 
 def _executable(fn, static: dict, graphdefs, args: tuple, donate: tuple[int, ...] = (), mesh=None):
     global _COMPILE_COUNT
-    key = (fn.__name__, tuple(sorted(static.items())), graphdefs, _signature(args))
+    # The default matmul precision is read at trace time (float32 dots: TF32 vs IEEE), so it keys programs too.
+    key = (fn.__name__, tuple(sorted(static.items())), graphdefs, _signature(args),
+           jax.config.jax_default_matmul_precision)
     exe = _EXECUTABLES.get(key)
     if exe is None:
         jitted = jax.jit(functools.partial(fn, **static), static_argnums=0,
@@ -213,7 +215,7 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
         sp = SamplingParams(*(jnp.concatenate([x, jnp.repeat(x[-1:], pad)]) for x in
                               (sp.temperature, sp.top_k, sp.top_p)))
 
-    impl = attention.resolve_impl(attention_impl)
+    impl = attention.resolve_impl(attention_impl, target.model.dtype)
     capture = drafter.config.target_layer_ids if drafter is not None else ()
     sampled = bool((np.asarray(sp.temperature) > 0).any())
     spec = LoopSpec(block_size=block_size, new_capacity=new_cap, capture=tuple(capture), impl=impl,

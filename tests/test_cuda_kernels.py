@@ -5,8 +5,8 @@ backend they are compiled through Triton and a few larger (Qwen3-8B-like, S = 40
 
 Every case fills the cache slots past each row's length with NaN for the kernel (they must never leak) and
 with finite random values for the reference (which multiplies masked probabilities by V, so NaN would leak
-there). Float32 references run with matmul precision "highest" (the kernels' float32 dots are IEEE float32,
-not TF32), so float32 tolerances are tight; bfloat16 ones are about 2e-2.
+there). Kernels and references run at matmul precision "highest" (IEEE float32 dots in both, not TF32), so
+float32 tolerances are tight; bfloat16 ones are about 2e-2.
 """
 
 from __future__ import annotations
@@ -22,6 +22,12 @@ from dflash_jax import cuda
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
 TOL = {jnp.float32: 2e-4, jnp.bfloat16: 2.5e-2}
+
+
+@pytest.fixture(autouse=True)
+def exact_float32():
+    with jax.default_matmul_precision("highest"):
+        yield
 
 
 def _normal(key, shape, dtype, scale=1.0):
@@ -184,3 +190,15 @@ def test_unsupported_reasons():
                                                                 interpret=True)
     if not ON_GPU:
         assert "GPU" in cuda.ragged_verify_unsupported_reason(qv, kv, kv, max_q_len=16)
+
+
+def test_float32_dots_follow_the_default_matmul_precision():
+    """TF32 (tensor cores) at JAX's default precision, as XLA's float32 dots; IEEE float32 under "highest"."""
+    kw = dict(rows=16, n=8, k=2, h=64, s=256, programs=4, block_k=None, num_splits=None, min_chunk=64,
+              num_warps=None, num_stages=None)
+    assert cuda._make_tiling(dtype=jnp.float32, **kw).ieee_f32  # this module runs under "highest"
+    assert not cuda._make_tiling(dtype=jnp.bfloat16, **kw).ieee_f32
+    with jax.default_matmul_precision("default"):
+        assert not cuda._make_tiling(dtype=jnp.float32, **kw).ieee_f32
+    with jax.default_matmul_precision("float32"):
+        assert cuda._make_tiling(dtype=jnp.float32, **kw).ieee_f32

@@ -60,6 +60,15 @@ def test_kernels_in_the_decode_loop_are_lossless(pair, reference, impl):
     assert len({a for row in out.acceptance_lengths for a in row}) >= 3
 
 
+def test_auto_keeps_float32_on_the_reference_on_gpu(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert attention.resolve_impl("auto", jnp.bfloat16) == "cuda"
+    assert attention.resolve_impl("auto", jnp.float32) == "xla"
+    assert attention.resolve_impl("cuda", jnp.float32) == "cuda"  # by name: the kernel, whatever the dtype
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert attention.resolve_impl("auto", jnp.float32) == "pallas"
+
+
 def test_auto_resolves_to_the_backend_kernel():
     expected = {"gpu": "cuda", "tpu": "pallas"}.get(jax.default_backend(), "xla")
     assert attention.resolve_impl("auto") == expected
@@ -104,3 +113,15 @@ def test_a_kernel_that_fails_to_compile_falls_back(pair, reference, monkeypatch,
     messages = [r.getMessage() for r in caplog.records]
     assert any("draft attention uses the XLA reference" in m and "failed to compile" in m for m in messages)
     assert any("verify attention uses the XLA reference" in m and "NotImplementedError" in m for m in messages)
+
+
+def test_cuda_kernels_after_a_chunked_long_prompt():
+    """Prompts past the 1024-token prefill chunk: the decode steps then read caches of several KV blocks and
+    splits, the long-context case the kernels exist for. Still token-identical to the reference."""
+    target = tiny_target("qwen3", seed=3, max_position_embeddings=4096, **SHAPE)
+    drafter = random_drafter(target, block_size=4, num_layers=1, seed=5)
+    prompts = random_prompts(2, [1500, 2100], 96, seed=1)
+    kw = dict(max_new_tokens=12, stop_token_ids=[])
+    ref = generate(target, prompts, attention_impl="xla", **kw)
+    assert generate(target, prompts, attention_impl="cuda", **kw).token_ids == ref.token_ids
+    assert speculative_generate(target, drafter, prompts, attention_impl="cuda", **kw).token_ids == ref.token_ids

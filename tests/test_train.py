@@ -168,8 +168,13 @@ def test_resume_equals_uninterrupted(tmp_path):
     h_res = Trainer(target, fresh, s, tmp_path / "part").fit(data, progress=False)
     for a, b in zip(params(full), params(fresh)):
         np.testing.assert_array_equal(a, b)
-    by_step = {r["step"]: r["loss"] for r in h_res}
-    assert all(by_step[r["step"]] == r["loss"] for r in h_full)  # the loss curve continues identically
+    # The loss curve continues identically: every row that averages the same steps in both runs is equal (the
+    # first row after the resume averages only the steps the resumed process ran).
+    by_step = {r["step"]: r for r in h_res}
+    assert [r["step"] for r in h_res] == [r["step"] for r in h_full[:2]] + [12] + [r["step"] for r in h_full[2:]]
+    same = [r for r in h_full if by_step[r["step"]]["logged_steps"] == r["logged_steps"]]
+    assert len(same) == len(h_full) - 1 and by_step[15]["logged_steps"] == 3
+    assert all(by_step[r["step"]]["loss"] == r["loss"] for r in same)
 
 
 RESUME_SCRIPT = """

@@ -219,15 +219,22 @@ class Trainer:
         end = total if stop_after is None else min(total, start + stop_after)
         bar = tqdm(total=total, initial=start, disable=not progress, desc="train", unit="step", dynamic_ncols=True)
         tokens_seen, t0 = 0, time.perf_counter()
+        # Metrics are summed on the device between logs (no host sync per step); a history row holds the mean
+        # over the steps this process ran since the previous row (one length bucket's batch alone is noisy).
+        summed, counted = None, 0
         with self._history_path().open("a") as hist:
             for step in range(start, end):
                 batch = batch_for_step(data, step, self.s, self.block_size)
                 lr = jnp.float32(self.schedule(step))
                 params, opt_state, metrics = self._step_fn(params, opt_state, self.t_state, batch, lr)
+                summed = metrics if summed is None else jax.tree.map(jnp.add, summed, metrics)
+                counted += 1
                 tokens_seen += int(batch["valid"].sum()) * (self.block_size - 1)
                 done = step + 1
                 if done % self.s.log_every == 0 or done == end:
-                    m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    m = {k: float(v) / counted for k, v in jax.device_get(summed).items()}
+                    m["logged_steps"] = counted  # fewer than log_every in the first row after a resume
+                    summed, counted = None, 0
                     rate = tokens_seen / max(time.perf_counter() - t0, 1e-9)
                     row = {"step": done, **m, "lr": float(self.schedule(done)), "block_tokens_per_s": rate}
                     history.append(row)
@@ -252,22 +259,40 @@ class Trainer:
         nnx.update(self.drafter.model, state)
 
 
+def _running_mean(values: list[float], window: int) -> np.ndarray:
+    """Trailing mean over up to ``window`` points (length-grouped batches make single points jumpy)."""
+    c = np.cumsum(np.insert(np.asarray(values, np.float64), 0, 0.0))
+    idx = np.arange(1, len(values) + 1)
+    lo = np.maximum(0, idx - window)
+    return (c[idx] - c[lo]) / (idx - lo)
+
+
 def plot_history(history: list[dict], path: str | Path, title: str = "DFlash drafter training") -> Path:
-    """Loss and training-batch τ against steps, saved as PNG."""
+    """Loss and training-batch τ against steps, saved as PNG: each logged point faint, a running mean bold.
+
+    Batches are grouped by sequence length, so consecutive logged points come from different length buckets
+    and jump around; the running mean over ~10% of the run shows the trend.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in history]
+    window = max(1, len(history) // 10)
     fig, ax1 = plt.subplots(figsize=(7, 4))
-    ax1.plot(steps, [r["loss"] for r in history], color="tab:blue", label="loss")
-    ax1.set_xlabel("step")
-    ax1.set_ylabel("weighted CE loss", color="tab:blue")
     ax2 = ax1.twinx()
-    ax2.plot(steps, [r["tau"] for r in history], color="tab:orange", label="τ (train blocks)")
-    ax2.set_ylabel("τ on training blocks", color="tab:orange")
+    for ax, key, color, label in ((ax1, "loss", "tab:blue", "weighted CE loss"),
+                                  (ax2, "tau", "tab:orange", "τ on training blocks")):
+        values = [r[key] for r in history]
+        ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
+        ax.plot(steps, _running_mean(values, window), color=color, linewidth=2.0,
+                label=f"{label} (mean of {window} logs)")
+        ax.set_ylabel(label, color=color)
+    ax1.set_xlabel("step")
     ax1.set_title(title)
+    lines = ax1.get_lines()[1:] + ax2.get_lines()[1:]
+    ax1.legend(lines, [ln.get_label() for ln in lines], loc="upper center", fontsize=8)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
