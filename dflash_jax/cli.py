@@ -48,7 +48,12 @@ def _train(args: argparse.Namespace) -> int:
     from dflash_jax.train.pipeline import STAGES, run
 
     stages = tuple(args.stages.split(",")) if args.stages else STAGES
-    result = run(args.config, stages, out_dir=args.out_dir, progress=not args.no_progress)
+    result = run(args.config, stages, out_dir=args.out_dir, progress=not args.no_progress,
+                 stop_after_s=args.stop_after_s)
+    if "stopped_at" in result:
+        print(f"training stopped at step {result['stopped_at']} (--stop-after-s); the weights reached are "
+              f"exported to {result['out_dir']}/drafter. Run the same command again to resume.")
+        return 0
     ev = result.get("eval") or {}
     for name, r in ev.items():
         if isinstance(r, dict):
@@ -97,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--config", required=True, help="configs/<pair>.yaml with a 'training' section")
     train.add_argument("--stages", help="comma-separated subset of prompts,data,train,export,eval")
     train.add_argument("--out-dir", help="override training.out_dir")
+    train.add_argument("--stop-after-s", type=float,
+                       help="stop training after this many seconds of this call (checkpointed; the next call "
+                            "resumes the same schedule), e.g. to fit time-limited jobs")
     train.add_argument("--no-progress", action="store_true")
     train.set_defaults(func=_train)
     gen = sub.add_parser("generate", help="batch offline generation: JSONL/text prompts in, JSONL out (resumable)")

@@ -177,6 +177,27 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert all(by_step[r["step"]]["loss"] == r["loss"] for r in same)
 
 
+def test_timed_stops_then_resume_equal_uninterrupted(tmp_path):
+    """stop_after_s (time-limited jobs): each call checkpoints where it stopped; the calls together train
+    exactly the planned schedule of an unbroken run."""
+    target = tiny_target("qwen3", seed=1)
+    _, data = self_distilled(target, n=16, new=24)
+    s = TrainSettings(batch_size=4, max_anchors=8, max_steps=10, save_every=50, log_every=4)
+    full = random_drafter(target, block_size=4, num_layers=1, seed=0)
+    Trainer(target, full, s, tmp_path / "full").fit(data, progress=False)
+    steps = []
+    for call in range(3):
+        # The first call starts from the same initial weights; later ones must take theirs from the checkpoint.
+        part = random_drafter(target, block_size=4, num_layers=1, seed=0 if call == 0 else call + 7)
+        trainer = Trainer(target, part, s, tmp_path / "part")
+        history = trainer.fit(data, progress=False, stop_after_s=0.0 if call < 2 else None)
+        steps.append(history[-1]["step"])
+        assert trainer.completed == (call == 2)
+    assert steps == [1, 2, 10]  # a zero budget still trains (and checkpoints) one step per call
+    for a, b in zip(jax.tree.leaves(nnx.state(full.model)), jax.tree.leaves(nnx.state(part.model))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 RESUME_SCRIPT = """
 import sys, numpy as np
 sys.path.insert(0, {tests!r})
@@ -244,8 +265,14 @@ def test_pipeline_on_token_id_prompts(tmp_path):
                         "eval": {"sets": [str(prompts)], "max_new_tokens": 16, "batch_size": 8, "limit": 8},
                         "export_dtype": "float32"}}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
-    result = run(tmp_path / "cfg.yaml", progress=False)
     out = tmp_path / "run"
+    # A time-limited first call: training stops (checkpointed, weights exported) and the later stages wait.
+    stopped = run(tmp_path / "cfg.yaml", progress=False, stop_after_s=0.0)
+    assert stopped["stopped_at"] == 1 and "eval" not in stopped
+    assert (out / "drafter" / "model.safetensors").is_file()
+    assert json.loads((out / "train_summary.json").read_text())["completed"] is False
+    result = run(tmp_path / "cfg.yaml", progress=False)
+    assert json.loads((out / "train_summary.json").read_text())["completed"] is True
     assert len(list((out / "data_parts").glob("part_*.npz"))) == 2  # 32 prompts / (8 × 2) per part
     assert json.loads((out / "data_summary.json").read_text())["rows"] == 32
     assert (out / "loss_curve.png").stat().st_size > 1000

@@ -230,15 +230,22 @@ class Pipeline:
                               target_layer_ids=s.target_layer_ids, seed=s.seed, dtype="float32")
 
     # ---- stage: train -----------------------------------------------------------------------------
-    def train(self, *, progress: bool = True) -> Drafter:
+    def train(self, *, progress: bool = True, stop_after_s: float | None = None) -> Drafter:
+        """Train (resuming from the run's checkpoints), plot, summarize and export the drafter.
+
+        ``stop_after_s``: stop this call after that many seconds of training (checkpointed, and the weights
+        reached are exported); ``self.train_completed`` then says whether the planned steps are all done.
+        """
         data = data_mod.load_dataset(self.data())
         drafter = self.new_drafter()
         trainer = Trainer(self.target, drafter, self.cfg.train, self.out)
         t0 = time.perf_counter()
-        history = trainer.fit(data, resume=True, progress=progress)
+        history = trainer.fit(data, resume=True, progress=progress, stop_after_s=stop_after_s)
+        self.train_completed = trainer.completed
         if history:
             plot_history(history, self.out / "loss_curve.png", title=f"{self.cfg.name} drafter")
         meta = {"train_s_this_run": time.perf_counter() - t0, "steps": history[-1]["step"] if history else 0,
+                "completed": trainer.completed,
                 "rows": int(len(data["lengths"])), "settings": dataclasses.asdict(self.cfg.train),
                 "drafter": dataclasses.asdict(self.cfg.drafter)}
         (self.out / "train_summary.json").write_text(json.dumps(meta, indent=1))
@@ -296,7 +303,9 @@ class Pipeline:
 
 
 def run(config: str | Path, stages: tuple[str, ...] = STAGES, out_dir: str | None = None,
-        progress: bool = True) -> dict:
+        progress: bool = True, stop_after_s: float | None = None) -> dict:
+    """Run the given stages in order. ``stop_after_s`` caps this call's training (see ``Pipeline.train``);
+    a stopped training skips the later stages and says so in ``result["stopped_at"]``."""
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise ConfigError(f"unknown stages {unknown} (known: {STAGES})")
@@ -308,7 +317,10 @@ def run(config: str | Path, stages: tuple[str, ...] = STAGES, out_dir: str | Non
     if "data" in stages:
         result["data"] = str(p.data())
     if "train" in stages:
-        drafter = p.train(progress=progress)
+        drafter = p.train(progress=progress, stop_after_s=stop_after_s)
+        if not p.train_completed:
+            result["stopped_at"] = json.loads((p.out / "train_summary.json").read_text())["steps"]
+            return result
     if "export" in stages:
         result["export"] = str(p.export(drafter))
     if "eval" in stages:

@@ -118,6 +118,7 @@ class Trainer:
         self.params = jax.tree.map(lambda x: x.astype(jnp.float32), nnx.to_pure_dict(params))
         self.t_graph, self.t_state = nnx.split(target.model)
         self._step_fn = None
+        self.completed = False  # set by fit: every planned step done
 
     # ---- the jitted step ------------------------------------------------------------------------
     def _build(self):
@@ -190,10 +191,13 @@ class Trainer:
 
     # ---- the loop --------------------------------------------------------------------------------
     def fit(self, data: dict[str, np.ndarray], *, resume: bool = True, stop_after: int | None = None,
-            progress: bool = True) -> list[dict]:
+            stop_after_s: float | None = None, progress: bool = True) -> list[dict]:
         """Train to the planned number of steps; returns the loss history (also in history.jsonl).
 
         ``stop_after``: leave the loop after that many steps of *this* call (an interruption, for tests).
+        ``stop_after_s``: leave it once this call has trained that many seconds, with a checkpoint of the step
+        reached, so that one planned schedule can span several time-limited processes (e.g. device calls
+        capped at 10 minutes): the next ``fit`` resumes there and the result equals an unbroken run.
         """
         if self._step_fn is None:
             self._build()
@@ -222,6 +226,20 @@ class Trainer:
         # Metrics are summed on the device between logs (no host sync per step); a history row holds the mean
         # over the steps this process ran since the previous row (one length bucket's batch alone is noisy).
         summed, counted = None, 0
+
+        def log_row(done: int, hist) -> None:
+            nonlocal summed, counted
+            m = {k: float(v) / counted for k, v in jax.device_get(summed).items()}
+            rate = tokens_seen / max(time.perf_counter() - t0, 1e-9)
+            # logged_steps: fewer than log_every in the first row after a resume or a timed stop
+            row = {"step": done, **m, "logged_steps": counted, "lr": float(self.schedule(done)),
+                   "block_tokens_per_s": rate}
+            summed, counted = None, 0
+            history.append(row)
+            hist.write(json.dumps(row) + "\n")
+            hist.flush()
+            bar.set_postfix(loss=f"{m['loss']:.3f}", tau=f"{m['tau']:.2f}", tok_s=f"{rate:,.0f}")
+
         with self._history_path().open("a") as hist:
             for step in range(start, end):
                 batch = batch_for_step(data, step, self.s, self.block_size)
@@ -231,21 +249,19 @@ class Trainer:
                 counted += 1
                 tokens_seen += int(batch["valid"].sum()) * (self.block_size - 1)
                 done = step + 1
-                if done % self.s.log_every == 0 or done == end:
-                    m = {k: float(v) / counted for k, v in jax.device_get(summed).items()}
-                    m["logged_steps"] = counted  # fewer than log_every in the first row after a resume
-                    summed, counted = None, 0
-                    rate = tokens_seen / max(time.perf_counter() - t0, 1e-9)
-                    row = {"step": done, **m, "lr": float(self.schedule(done)), "block_tokens_per_s": rate}
-                    history.append(row)
-                    hist.write(json.dumps(row) + "\n")
-                    hist.flush()
-                    bar.set_postfix(loss=f"{m['loss']:.3f}", tau=f"{m['tau']:.2f}", tok_s=f"{rate:,.0f}")
-                if done % self.s.save_every == 0 or done == end:
+                out_of_time = stop_after_s is not None and time.perf_counter() - t0 >= stop_after_s
+                if done % self.s.log_every == 0 or done == end or out_of_time:
+                    log_row(done, hist)
+                if done % self.s.save_every == 0 or done == end or out_of_time:
                     mngr.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
                 bar.update(1)
+                if out_of_time and done != end:
+                    log.warning("stopping at step %d of %d after %.0f s (stop_after_s); run again to resume",
+                                done, total, time.perf_counter() - t0)
+                    break
         bar.close()
         mngr.wait_until_finished()
+        self.completed = int(mngr.latest_step() or 0) >= total
         mngr.close()
         self.params = params
         self._write_back(params)
