@@ -83,7 +83,7 @@ def _executable(fn, static: dict, graphdefs, args: tuple, donate: tuple[int, ...
 PREFILL_CHUNK = 1024
 
 
-def _bucket(n: int, minimum: int = 16) -> int:
+def bucket(n: int, minimum: int = 16) -> int:
     """Round up to a power of two (≥ minimum) below 1024, to a multiple of 1024 above."""
     if n <= 1024:
         return max(minimum, 1 << (n - 1).bit_length())
@@ -201,15 +201,15 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
     b = max(n, pad_batch_to or 0)
     b = -(-b // dp) * dp  # batch rows split evenly over dp
     pad = b - n
-    p = _bucket(max(lens))
-    new_cap = _bucket(int(max_new.max()))
+    p = bucket(max(lens))
+    new_cap = bucket(int(max_new.max()))
     capacity = -(-(p + new_cap + block_size) // 16) * 16
     prompt = np.zeros((b, p), np.int32)
     for i, row in enumerate(ids):
         prompt[i, : len(row)] = row
     lens_arr = np.asarray(lens + [1] * pad, np.int32)  # dummy rows: one token, one new token, discarded
     max_arr = np.concatenate([max_new, np.ones(pad, np.int64)]).astype(np.int32)
-    stop_arr = np.full((_bucket(max(len(stops), 1), 8),), -1, np.int32)
+    stop_arr = np.full((bucket(max(len(stops), 1), 8),), -1, np.int32)
     stop_arr[: len(stops)] = stops
     if pad:
         sp = SamplingParams(*(jnp.concatenate([x, jnp.repeat(x[-1:], pad)]) for x in
@@ -251,6 +251,13 @@ def _decode_exe(job: Job, state):
                       (job.params, state), donate=(1,), mesh=job.spec.plan.mesh if job.spec.plan else None)
     job.compile_s += time.perf_counter() - t0
     return exe
+
+
+def compile_decode(job: Job) -> None:
+    """Compile (or fetch) the decode program of ``job`` now, from the prefill program's output shapes, so
+    that ``launch`` finds it ready (callers that must not compile between device work, e.g. the batch
+    command, call this first)."""
+    _decode_exe(job, job.pre_exe.out_info)
 
 
 def launch(job: Job):

@@ -72,6 +72,26 @@ def test_batch_outputs_equal_direct_generation(pair, tmp_path):
     assert all(ar[k]["token_ids"] == out[k]["token_ids"] for k in out)
 
 
+def test_every_program_is_compiled_before_the_first_batch(pair, tmp_path, monkeypatch):
+    """Compiles between batches would idle the device: all of them happen before the first dispatch."""
+    from dflash_jax import batch, generation
+
+    monkeypatch.setattr(generation, "_EXECUTABLES", {})  # compile afresh, whatever earlier tests built
+    counts = []
+    real_launch = generation.launch
+    monkeypatch.setattr(generation, "launch", lambda job: (counts.append(generation.compile_count()),
+                                                           real_launch(job))[1])
+    before = generation.compile_count()
+    rng = np.random.default_rng(1)  # three batches of four, one per prompt bucket (16, 32, 64 tokens)
+    rows = [{"id": f"r{i}", "token_ids": rng.integers(0, 255, n).tolist()}
+            for i, n in enumerate([5] * 4 + [20] * 4 + [40] * 4)]
+    summary = batch.run_batch(*pair, write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl",
+                              max_new_tokens=8, batch_size=4, progress=False)
+    assert len(counts) == 3 and len(set(counts)) == 1  # no compile once dispatching started
+    assert counts[0] - before == 6  # prefill + decode for each bucket
+    assert summary["compile_s"] > 0
+
+
 def test_bad_rows_are_reported_with_line_numbers(pair, tmp_path):
     target, drafter = pair
     lines = [{"id": "a", "token_ids": [1, 2, 3]}, "{not json", {"token_ids": [4]}, {"id": "e", "prompt": ""},
