@@ -6,9 +6,10 @@
 * Output: JSONL, one record per prompt, appended and flushed (fsync) after every finished batch. ``resume``
   skips ids already in the output (a torn last line from a kill is cut off first), so a run killed at any
   moment and resumed yields every input id exactly once.
-* Overlap: prompts are sorted by length into batches of one shape bucket; batch ``i+1`` is tokenized,
-  bucketed and dispatched (JAX async dispatch) before the results of batch ``i`` are fetched and written,
-  so the device always has the next batch queued. A watcher thread timestamps when each batch is ready;
+* Overlap: prompts are tokenized (and checked) up front and sorted by length into batches of one shape
+  bucket; every bucket's programs are compiled before the first dispatch; batch ``i+1`` is dispatched (JAX
+  async dispatch) before the results of batch ``i`` are fetched and written, so the device always has the
+  next batch queued. A watcher thread timestamps when each batch is ready;
   the summary reports the device's idle fraction between batches.
 """
 
