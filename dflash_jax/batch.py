@@ -370,15 +370,25 @@ def _tokenize_row(target: Target, row: Row) -> list[int]:
     return target.tokenizer.encode(row.prompt)
 
 
-def plot_acceptance(hist: Sequence[int], path: str | Path, title: str) -> Path:
+def plot_acceptance(hists: Sequence[int] | dict[str, Sequence[int]], path: str | Path, title: str) -> Path:
+    """Bar chart of acceptance lengths (fraction of cycles per length); a dict of named histograms (e.g. one
+    per evaluation set) is drawn as grouped bars, each labelled with its τ."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    hist = np.asarray(hist)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(np.arange(1, len(hist)), hist[1:] / max(hist.sum(), 1), color="tab:blue")
+    named = hists if isinstance(hists, dict) else {"": hists}
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    width = 0.8 / len(named)
+    for j, (name, hist) in enumerate(named.items()):
+        hist = np.asarray(hist, np.float64)
+        lengths = np.arange(len(hist))
+        tau = (hist * lengths).sum() / max(hist.sum(), 1)
+        ax.bar(lengths[1:] + (j - (len(named) - 1) / 2) * width, hist[1:] / max(hist.sum(), 1), width,
+               label=f"{name} (τ {tau:.2f})" if name else None)
+    if len(named) > 1 or next(iter(named)):
+        ax.legend(fontsize=8)
     ax.set_xlabel("tokens committed per cycle (accepted drafts + 1)")
     ax.set_ylabel("fraction of cycles")
     ax.set_title(title)

@@ -279,6 +279,7 @@ def test_pipeline_on_token_id_prompts(tmp_path):
     assert (out / "drafter" / "model.safetensors").is_file()
     ev = result["eval"][str(prompts)]
     assert ev["prompts"] == 8 and ev["identical_rows"] == 8 and ev["tau"] >= 1.0
+    assert (out / "eval_acceptance.png").stat().st_size > 1000
     # Running again redoes nothing (every stage is already complete) and yields the same drafter.
     before = (out / "drafter" / "model.safetensors").read_bytes()
     run(tmp_path / "cfg.yaml", stages=("prompts", "data", "export"), progress=False)

@@ -299,6 +299,11 @@ class Pipeline:
             log.warning("%s: tau %.2f over %d prompts (speculative %.1fs vs AR %.1fs)", name,
                         results[name]["tau"], len(prompts), spec_s, ar_s)
         (self.out / "eval.json").write_text(json.dumps(results, indent=1))
+        from dflash_jax.batch import plot_acceptance
+
+        plot_acceptance({Path(n).stem: results[n]["acceptance_histogram"] for n in e.sets},
+                        self.out / "eval_acceptance.png",
+                        title=f"{self.cfg.name}: acceptance lengths, block {drafter.config.block_size}")
         return results
 
 
