@@ -33,6 +33,7 @@ from dflash_jax import generate, load_target, random_drafter, speculative_genera
 from dflash_jax.config import ModelConfig  # noqa: E402
 from dflash_jax.loading import SMOLLM2_MASK_TOKEN_ID  # noqa: E402
 
+
 def kv_bytes(cfg: ModelConfig, batch: int, context: int, dtype) -> int:
     return 2 * cfg.num_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 

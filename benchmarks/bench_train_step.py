@@ -53,6 +53,7 @@ def drafter_loss(trainer: Trainer, target, params, batch, features):
     drafter = nnx.merge(trainer.d_graph, jax.tree.map(lambda x: x.astype(trainer.compute_dtype), params))
     return dflash_loss(drafter, target.model, batch, weights=trainer.weights, features=features)[0]
 
+
 def median_time(fn, reps: int) -> float:
     jax.block_until_ready(fn())  # compile
     times = []

@@ -234,14 +234,13 @@ class Pipeline:
         """Train (resuming from the run's checkpoints), plot, summarize and export the drafter.
 
         ``stop_after_s``: stop this call after that many seconds of training (checkpointed, and the weights
-        reached are exported); ``self.train_completed`` then says whether the planned steps are all done.
+        reached are exported); ``self.train_summary["completed"]`` then says whether every planned step is done.
         """
         data = data_mod.load_dataset(self.data())
         drafter = self.new_drafter()
         trainer = Trainer(self.target, drafter, self.cfg.train, self.out)
         t0 = time.perf_counter()
         history = trainer.fit(data, resume=True, progress=progress, stop_after_s=stop_after_s)
-        self.train_completed = trainer.completed
         if history:
             plot_history(history, self.out / "loss_curve.png", title=f"{self.cfg.name} drafter")
         meta = {"train_s_this_run": time.perf_counter() - t0, "steps": history[-1]["step"] if history else 0,
@@ -249,6 +248,7 @@ class Pipeline:
                 "rows": int(len(data["lengths"])), "settings": dataclasses.asdict(self.cfg.train),
                 "drafter": dataclasses.asdict(self.cfg.drafter)}
         (self.out / "train_summary.json").write_text(json.dumps(meta, indent=1))
+        self.train_summary = meta
         self.export(drafter)
         return drafter
 
@@ -323,8 +323,8 @@ def run(config: str | Path, stages: tuple[str, ...] = STAGES, out_dir: str | Non
         result["data"] = str(p.data())
     if "train" in stages:
         drafter = p.train(progress=progress, stop_after_s=stop_after_s)
-        if not p.train_completed:
-            result["stopped_at"] = json.loads((p.out / "train_summary.json").read_text())["steps"]
+        if not p.train_summary["completed"]:
+            result["stopped_at"] = p.train_summary["steps"]
             return result
     if "export" in stages:
         result["export"] = str(p.export(drafter))

@@ -245,7 +245,7 @@ class Trainer:
                 batch = batch_for_step(data, step, self.s, self.block_size)
                 lr = jnp.float32(self.schedule(step))
                 params, opt_state, metrics = self._step_fn(params, opt_state, self.t_state, batch, lr)
-                summed = metrics if summed is None else jax.tree.map(jnp.add, summed, metrics)
+                summed = metrics if summed is None else _add_metrics(summed, metrics)
                 counted += 1
                 tokens_seen += int(batch["valid"].sum()) * (self.block_size - 1)
                 done = step + 1
@@ -273,6 +273,12 @@ class Trainer:
         dtype = self.drafter.model.dtype
         nnx.replace_by_pure_dict(state, jax.tree.map(lambda x: jnp.asarray(x, dtype), params))
         nnx.update(self.drafter.model, state)
+
+
+@jax.jit
+def _add_metrics(a: dict, b: dict) -> dict:
+    """Running sums of the step metrics: one dispatch per step, however many metrics there are."""
+    return jax.tree.map(jnp.add, a, b)
 
 
 def _running_mean(values: list[float], window: int) -> np.ndarray:
