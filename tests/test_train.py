@@ -23,7 +23,7 @@ from dflash_jax import ConfigError, generate, load_drafter, random_drafter, spec
 from dflash_jax.checkpoints.export import export_drafter
 from dflash_jax.train import data as data_mod
 from dflash_jax.train.objective import (_multi_block_attention, block_inputs, drafter_forward_blocks, loss_weights,
-                                        sample_anchors, target_features)
+                                        repeated_blocks, sample_anchors, target_features)
 from dflash_jax.train.pipeline import load_run_config
 from dflash_jax.train.trainer import Trainer, TrainSettings
 
@@ -44,6 +44,31 @@ def test_anchor_sampling():
         a, v = sample_anchors(np.random.default_rng(s), np.array([20]), np.array([4]), 3)
         counts[a[v]] += 1
     assert counts[:4].sum() == 0 and counts[19] == 0 and counts[4:19].min() > 40
+
+
+def test_repeated_blocks_and_weighted_anchors():
+    # Row: prompt [1 2], then "5 6 7" twice and a tail. With n = 3, anchor p is a repeat iff tokens p+1…p+3
+    # already started at an earlier position: the second "5 6 7" starts at 5, so anchor 4 is the only one.
+    row = np.array([[1, 2, 5, 6, 7, 5, 6, 7, 8, 9, 0, 0]])
+    rep = repeated_blocks(row, np.array([10]), ngram=3)
+    assert rep[0].tolist() == [False] * 4 + [True] + [False] * 7
+    # A looping row: 10 novel tokens, then a 4-token cycle from position 12 whose second turn starts at 16, so
+    # anchors 15 … are repeats. Weighted draws favour the novel anchors while drawing as many as uniform does.
+    loop = np.concatenate([[1, 2], np.arange(10, 20), np.tile([30, 31, 32, 33], 10)])[None]
+    lengths, plens = np.array([loop.shape[1]]), np.array([2])
+    rep = repeated_blocks(loop, lengths, ngram=4)
+    assert not rep[0, :15].any() and rep[0, 15:lengths[0] - 4].all()
+    novel = {False: 0, True: 0}
+    for s in range(200):
+        for weight in (1.0, 0.05):
+            a, v = sample_anchors(np.random.default_rng(s), lengths, plens, 12, rep, weight)
+            assert v.sum() == 12
+            novel[weight < 1] += int((~rep[0, a[v]]).sum())
+    assert novel[True] > 2 * novel[False]
+    # Weight 1.0 is the SPEC's uniform draw, bit for bit.
+    a1, _ = sample_anchors(np.random.default_rng(3), lengths, plens, 12, rep, 1.0)
+    a0, _ = sample_anchors(np.random.default_rng(3), lengths, plens, 12)
+    assert (a1 == a0).all()
 
 
 def test_visibility_hand_computed():
@@ -179,10 +204,11 @@ def test_resume_equals_uninterrupted(tmp_path):
 
 def test_timed_stops_then_resume_equal_uninterrupted(tmp_path):
     """stop_after_s (time-limited jobs): each call checkpoints where it stopped; the calls together train
-    exactly the planned schedule of an unbroken run."""
+    exactly the planned schedule of an unbroken run (here with repeat-weighted anchors, which must replay too)."""
     target = tiny_target("qwen3", seed=1)
     _, data = self_distilled(target, n=16, new=24)
-    s = TrainSettings(batch_size=4, max_anchors=8, max_steps=10, save_every=50, log_every=4)
+    s = TrainSettings(batch_size=4, max_anchors=8, max_steps=10, save_every=50, log_every=4,
+                      repeat_anchor_weight=0.2, repeat_ngram=2)
     full = random_drafter(target, block_size=4, num_layers=1, seed=0)
     Trainer(target, full, s, tmp_path / "full").fit(data, progress=False)
     steps = []

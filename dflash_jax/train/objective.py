@@ -40,10 +40,40 @@ def loss_weights(block_size: int, gamma: float) -> np.ndarray:
     return np.exp(-(k - 1) / gamma).astype(np.float32)
 
 
-def sample_anchors(rng: np.random.Generator, lengths: np.ndarray, prompt_lengths: np.ndarray,
-                   max_anchors: int) -> tuple[np.ndarray, np.ndarray]:
-    """Up to ``max_anchors`` distinct anchors per row, uniform among ``prompt_len ≤ p ≤ len-2``.
+def repeated_blocks(tokens: np.ndarray, lengths: np.ndarray, ngram: int = 8) -> np.ndarray:
+    """``[N, T]`` bool: anchor ``p``'s first ``ngram`` labels (tokens ``p+1 … p+ngram``) already occurred
+    earlier in the same row, i.e. the block starts by copying text (a repetition loop, a quoted line).
 
+    Small greedy targets loop a lot (over half of SmolLM2's self-distilled response tokens), and copying is
+    the easy part of drafting; anchors there teach little. Speculative τ is decided at the hard positions,
+    where cycles end, so the trainer can down-weight these anchors (``TrainSettings.repeat_anchor_weight``).
+    """
+    n_rows, t = tokens.shape
+    out = np.zeros((n_rows, t), bool)
+    if t <= ngram:
+        return out
+    # One 64-bit hash per n-gram start (polynomial rolling hash; a collision only mislabels one anchor).
+    windows = np.lib.stride_tricks.sliding_window_view(tokens.astype(np.uint64), ngram, axis=1)
+    mult = np.uint64(1000003) ** np.arange(ngram, dtype=np.uint64)
+    hashes = (windows * mult).sum(-1)  # [N, T-ngram+1]; start j covers tokens j … j+ngram-1
+    for i in range(n_rows):
+        count = int(lengths[i]) - ngram + 1
+        if count <= 1:
+            continue
+        _, first, inverse = np.unique(hashes[i, :count], return_index=True, return_inverse=True)
+        repeat_start = first[inverse] < np.arange(count)  # n-gram at start j seen at an earlier start
+        out[i, : count - 1] = repeat_start[1:]  # anchor p ↔ n-gram starting at p+1
+    return out
+
+
+def sample_anchors(rng: np.random.Generator, lengths: np.ndarray, prompt_lengths: np.ndarray,
+                   max_anchors: int, repeated: np.ndarray | None = None,
+                   repeat_weight: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """Up to ``max_anchors`` distinct anchors per row among ``prompt_len ≤ p ≤ len-2``.
+
+    Uniform (SPEC §6) by default. With ``repeated [Bs, T]`` and ``repeat_weight < 1`` an anchor whose block
+    starts by copying earlier text is drawn with that relative weight, so a looping row spends its anchors on
+    its novel positions first; the number of anchors per row is unchanged.
     Returns ``anchors [Bs, A]`` (sorted; padding repeats a valid anchor) and ``valid [Bs, A]``.
     """
     bs = len(lengths)
@@ -55,7 +85,12 @@ def sample_anchors(rng: np.random.Generator, lengths: np.ndarray, prompt_lengths
         if n <= 0:
             continue
         take = min(n, max_anchors)
-        chosen = np.sort(rng.choice(n, size=take, replace=False)) + lo
+        if repeated is None or repeat_weight == 1.0:
+            chosen = rng.choice(n, size=take, replace=False)
+        else:
+            w = np.where(repeated[i, lo: hi + 1], repeat_weight, 1.0)
+            chosen = rng.choice(n, size=take, replace=False, p=w / w.sum())
+        chosen = np.sort(chosen) + lo
         anchors[i, :take] = chosen
         anchors[i, take:] = chosen[0]
         valid[i, :take] = True

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from dflash_jax.config import ConfigError
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.train.objective import (cosine_with_warmup, default_gamma, dflash_loss, loss_weights,
-                                        sample_anchors)
+                                        repeated_blocks, sample_anchors)
 
 log = logging.getLogger("dflash_jax")
 
@@ -47,6 +47,10 @@ class TrainSettings:
     save_every: int = 200
     log_every: int = 10
     length_bucket: int = 128  # sequence lengths are padded to a multiple of this per batch
+    # Relative draw weight of anchors whose block starts by copying earlier text (objective.repeated_blocks);
+    # 1.0 = uniform anchors as in SPEC §6. Lower values spend the anchors of looping rows on novel text.
+    repeat_anchor_weight: float = 1.0
+    repeat_ngram: int = 8
     time_budget_s: float | None = None  # cap the planned steps so training fits this wall-clock budget
 
     def total_steps(self, num_rows: int) -> int:
@@ -95,8 +99,9 @@ def batch_for_step(data: dict[str, np.ndarray], step: int, s: TrainSettings, blo
     tokens = np.zeros((s.batch_size, t), np.int32)
     width = min(t, data["tokens"].shape[1])
     tokens[:, :width] = data["tokens"][rows, :width]
+    repeated = data["repeated"][rows] if s.repeat_anchor_weight != 1.0 else None
     anchors, valid = sample_anchors(np.random.default_rng([s.seed, 7919, step]), lengths, prompt_lengths,
-                                    s.max_anchors)
+                                    s.max_anchors, repeated, s.repeat_anchor_weight)
     return {"tokens": tokens, "lengths": lengths.astype(np.int32), "anchors": anchors, "valid": valid}
 
 
@@ -201,6 +206,10 @@ class Trainer:
         """
         if self._step_fn is None:
             self._build()
+        if self.s.repeat_anchor_weight != 1.0 and "repeated" not in data:
+            if not 0.0 < self.s.repeat_anchor_weight <= 1.0:
+                raise ConfigError(f"repeat_anchor_weight must be in (0, 1], got {self.s.repeat_anchor_weight}")
+            data = {**data, "repeated": repeated_blocks(data["tokens"], data["lengths"], self.s.repeat_ngram)}
         if not resume:  # start over: forget the plan and checkpoints of an earlier run in this directory
             import shutil
 
