@@ -41,9 +41,9 @@ def resolve_impl(impl: str, dtype=None) -> str:
     """``"auto"`` → the kernel implementation for the default backend (``"xla"`` where there is none).
 
     ``dtype``: the model's compute dtype. On a GPU, ``"auto"`` keeps float32 models on the XLA reference:
-    measured on the H200 (RESULTS.md, 2026-12-01), the kernels' float32 path was ~10× slower in the decode
-    loop while it ran IEEE float32 dots; it now follows JAX's default matmul precision (TF32, as XLA does) but
-    is not yet measured, so it runs only when asked for by name (``"cuda"``).
+    measured on the H200 (RESULTS.md, 2026-12-01), the kernels' float32 path (TF32 dots, as XLA's) is only
+    faster at short contexts and batch 1 (1.5× at 4k) and slower at 16k (0.73–0.83×); it runs when asked for
+    by name (``"cuda"``). bfloat16, the serving dtype, is where the kernels win (1.5–2.7× at ≥ 4k).
     """
     if impl not in IMPLS:
         raise ValueError(f"attention_impl must be one of {IMPLS}, got {impl!r}")
@@ -52,15 +52,15 @@ def resolve_impl(impl: str, dtype=None) -> str:
     backend = jax.default_backend()
     chosen = KERNEL_FOR_BACKEND.get(backend, "xla")
     if chosen == "cuda" and dtype is not None and jnp.dtype(dtype) == jnp.float32:
-        _log_once("attention_impl='auto': float32 on GPU uses the XLA reference (the cuda kernels' float32 "
-                  "speed is unmeasured; pass attention_impl='cuda' to use them anyway)")
+        _log_once("attention_impl='auto': float32 on GPU uses the XLA reference (the cuda kernels are tuned "
+                  "for bfloat16; pass attention_impl='cuda' to use them anyway)")
         return "xla"
     return chosen
 
 
 @functools.cache
 def _log_once(message: str) -> None:
-    log.warning(message)
+    log.info(message)
 
 
 class KernelSet(NamedTuple):
