@@ -274,7 +274,7 @@ def run_batch(
     watcher = _ReadyWatcher()
     watcher.start()
     acc_hist: np.ndarray = np.zeros(max(block_size or 1, 1) + 1, np.int64)
-    totals = {"prompts": 0, "tokens": 0, "cycles": 0}
+    totals = {"prompts": 0, "tokens": 0}
     launched: list[_Batch] = []
     bar = tqdm(total=len(todo), disable=not progress, desc="generate", unit="prompt", dynamic_ncols=True)
 
@@ -320,11 +320,11 @@ def run_batch(
                 os.fsync(out.fileno())
                 totals["prompts"] += len(b.rows)
                 totals["tokens"] += res.stats["new_tokens"]
-                totals["cycles"] += sum(len(a) for a in res.acceptance_lengths)
                 wall = time.perf_counter() - t_start
                 bar.update(len(b.rows))
-                bar.set_postfix(tok_s=f"{totals['tokens'] / wall:,.0f}",
-                                tau=f"{totals['tokens'] / max(totals['cycles'], 1):.2f}")
+                # τ as in the summary: tokens committed per cycle (the prefill's first token is not a cycle)
+                tau = (np.arange(len(acc_hist)) * acc_hist).sum() / max(acc_hist.sum(), 1)
+                bar.set_postfix(tok_s=f"{totals['tokens'] / wall:,.0f}", tau=f"{tau:.2f}")
     finally:
         dispatcher.shutdown(wait=True, cancel_futures=True)
         watcher.stop()
