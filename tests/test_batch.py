@@ -92,6 +92,44 @@ def test_every_program_is_compiled_before_the_first_batch(pair, tmp_path, monkey
     assert summary["compile_s"] > 0
 
 
+def test_host_writes_do_not_hold_back_dispatch_when_launch_is_synchronous(pair, tmp_path, monkeypatch):
+    """On a GPU the decode program's call returns only when its while loop is done. Simulate that (a launch
+    that blocks, slower than the host's fetch-and-write of a batch): the next batch must be dispatched as soon
+    as the previous one returns, never after the host has written a result in between."""
+    import jax
+
+    from dflash_jax import batch, generation
+
+    events = []
+    real_launch, real_collect = generation.launch, generation.collect
+
+    def blocking_launch(job):
+        events.append(("dispatch_start", id(job)))
+        state = jax.block_until_ready(real_launch(job))
+        time.sleep(0.3)
+        events.append(("dispatch_end", id(job)))
+        return state
+
+    def slow_collect(job, state, *a, **kw):
+        out = real_collect(job, state, *a, **kw)
+        time.sleep(0.1)  # detokenizing and writing a big batch
+        events.append(("collected", id(job)))
+        return out
+
+    monkeypatch.setattr(generation, "launch", blocking_launch)
+    monkeypatch.setattr(generation, "collect", slow_collect)
+    rows = token_rows(20, seed=4)
+    summary = batch.run_batch(*pair, write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl",
+                              max_new_tokens=8, batch_size=4, progress=False)
+    assert set(read_out(tmp_path / "out.jsonl")) == {r["id"] for r in rows}
+    kinds = [k for k, _ in events]
+    assert kinds.count("dispatch_start") == summary["batches"] == 5
+    # Between one dispatch's end and the next one's start there is never a host-side collect.
+    starts = [i for i, k in enumerate(kinds) if k == "dispatch_start"]
+    ends = [i for i, k in enumerate(kinds) if k == "dispatch_end"]
+    assert all(nxt == end + 1 for end, nxt in zip(ends, starts[1:])), kinds
+
+
 def test_bad_rows_are_reported_with_line_numbers(pair, tmp_path):
     target, drafter = pair
     lines = [{"id": "a", "token_ids": [1, 2, 3]}, "{not json", {"token_ids": [4]}, {"id": "e", "prompt": ""},
