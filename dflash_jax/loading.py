@@ -212,6 +212,36 @@ def random_drafter(target: Target | TargetModel, *, num_layers: int = 2, block_s
     return shard(drafter, mesh) if mesh is not None else drafter
 
 
+def deepen_drafter(drafter: Drafter, num_layers: int, seed: int = 0) -> Drafter:
+    """``drafter`` with layers appended up to ``num_layers`` that start as the identity (training warm start).
+
+    The new decoder layers are random except their residual outputs (``o_proj``, ``down_proj``), which are
+    zero, so the deeper drafter computes exactly what ``drafter`` does until training moves them; a trained
+    drafter can thus grow deeper without losing what it has learned.
+    """
+    cfg = drafter.config
+    have = cfg.layers.num_layers
+    if num_layers < have:
+        raise ConfigError(f"cannot deepen a {have}-layer drafter to {num_layers} layers")
+    if num_layers == have:
+        return drafter
+    new_cfg = dataclasses.replace(cfg, layers=dataclasses.replace(cfg.layers, num_layers=num_layers),
+                                  layer_types=cfg.layer_types + ("full_attention",) * (num_layers - have)).validate()
+    model = DFlashDrafter(new_cfg, dtype=drafter.model.dtype, rngs=nnx.Rngs(seed))
+    src = nnx.to_pure_dict(nnx.state(drafter.model, nnx.Param))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    params.update({k: v for k, v in src.items() if k != "layers"})
+    params["layers"].update(src["layers"])
+    for i in range(have, num_layers):
+        for proj in (params["layers"][i]["self_attn"]["o_proj"], params["layers"][i]["mlp"]["down_proj"]):
+            proj["kernel"] = jnp.zeros_like(proj["kernel"])
+    state = nnx.state(model, nnx.Param)
+    nnx.replace_by_pure_dict(state, params)
+    nnx.update(model, state)
+    out = Drafter(model, f"{drafter.name} + {num_layers - have} identity-initialised layers", drafter.trained)
+    return shard(out, drafter.mesh) if drafter.mesh is not None else out
+
+
 # SmolLM2's tokenizer has no mask token; '<empty_output>' (id 16) never occurs in chat responses.
 SMOLLM2_MASK_TOKEN_ID = 16
 

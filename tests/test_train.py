@@ -20,6 +20,7 @@ from flax import nnx
 
 from conftest import ZLAB, random_prompts, tiny_target
 from dflash_jax import ConfigError, generate, load_drafter, random_drafter, speculative_generate
+from dflash_jax.loading import deepen_drafter
 from dflash_jax.checkpoints.export import export_drafter
 from dflash_jax.train import data as data_mod
 from dflash_jax.train.objective import (_multi_block_attention, block_inputs, drafter_forward_blocks, loss_weights,
@@ -177,6 +178,26 @@ def test_export_round_trip(tmp_path):
             np.testing.assert_array_equal(f1.get_tensor(k), f2.get_tensor(k))
 
 
+def test_deepened_drafter_starts_identical_then_trains_its_new_layers(tmp_path):
+    """A warm start may add layers: the new ones start as the identity (same drafts), and training moves them."""
+    target = tiny_target("qwen3", seed=1)
+    _, data = self_distilled(target, n=16, new=24)
+    shallow = random_drafter(target, block_size=4, num_layers=1, seed=3)
+    deep = deepen_drafter(shallow, 3, seed=5)
+    assert deep.config.layers.num_layers == 3 and deep.config.layer_types == ("full_attention",) * 3
+    prompts = random_prompts(3, [5, 9, 4], 64, seed=5)
+    a = speculative_generate(target, shallow, prompts, max_new_tokens=16, stop_token_ids=[])
+    b = speculative_generate(target, deep, prompts, max_new_tokens=16, stop_token_ids=[])
+    assert a.token_ids == b.token_ids and a.acceptance_lengths == b.acceptance_lengths
+    new_o = lambda d: np.asarray(d.model.layers[2].self_attn.o_proj.kernel[...])  # noqa: E731
+    assert not new_o(deep).any()
+    Trainer(target, deep, TrainSettings(batch_size=4, max_anchors=8, max_steps=3, log_every=3),
+            tmp_path / "t").fit(data, progress=False)
+    assert np.abs(new_o(deep)).max() > 0
+    with pytest.raises(ConfigError, match="cannot deepen"):
+        deepen_drafter(deep, 2)
+
+
 def test_resume_equals_uninterrupted(tmp_path):
     target = tiny_target("qwen3", seed=1)
     _, data = self_distilled(target, n=16, new=24)
@@ -310,6 +331,18 @@ def test_pipeline_on_token_id_prompts(tmp_path):
     before = (out / "drafter" / "model.safetensors").read_bytes()
     run(tmp_path / "cfg.yaml", stages=("prompts", "data", "export"), progress=False)
     assert (out / "drafter" / "model.safetensors").read_bytes() == before
+    # A warm start from that drafter may add layers (deepened, same drafts at first), never remove them.
+    from dflash_jax.train.pipeline import Pipeline
+
+    for layers, ok in ((2, True), (0, False)):
+        cfg["training"]["drafter"].update(num_layers=layers, init_from=str(out / "drafter"))
+        (tmp_path / "warm.yaml").write_text(yaml.safe_dump(cfg))
+        pipe = Pipeline(load_run_config(tmp_path / "warm.yaml"))
+        if ok:
+            assert pipe.new_drafter().config.layers.num_layers == 2
+        else:
+            with pytest.raises(ConfigError, match="may add layers, not remove them"):
+                pipe.new_drafter()
 
 
 def test_bad_training_input(tmp_path):

@@ -17,7 +17,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from dflash_jax.config import ConfigError
-from dflash_jax.loading import Drafter, Target, load_drafter, load_target, random_drafter
+from dflash_jax.loading import Drafter, Target, deepen_drafter, load_drafter, load_target, random_drafter
 from dflash_jax.train import data as data_mod
 from dflash_jax.train.trainer import Trainer, TrainSettings, plot_history
 
@@ -220,10 +220,14 @@ class Pipeline:
         s = self.cfg.drafter
         if s.init_from:
             d = load_drafter(s.init_from, self.target, dtype="float32")
-            if (d.config.block_size, d.config.layers.num_layers) != (s.block_size, s.num_layers):
+            if d.config.block_size != s.block_size or d.config.layers.num_layers > s.num_layers:
                 raise ConfigError(f"init_from drafter {s.init_from} has block size {d.config.block_size} and "
                                   f"{d.config.layers.num_layers} layers; the config asks for {s.block_size} and "
-                                  f"{s.num_layers}")
+                                  f"{s.num_layers} (a warm start may add layers, not remove them)")
+            if d.config.layers.num_layers < s.num_layers:
+                log.info("init_from: %d-layer drafter deepened to %d layers (new layers start as the identity)",
+                         d.config.layers.num_layers, s.num_layers)
+                d = deepen_drafter(d, s.num_layers, seed=s.seed)
             return d
         return random_drafter(self.target, num_layers=s.num_layers, block_size=s.block_size,
                               mask_token_id=s.mask_token_id, num_features=s.num_features,
