@@ -127,7 +127,6 @@ def finished_ids(output: Path) -> set[str]:
 # Batches prepared and queued for dispatch ahead of the one being collected: with one, a short batch (GPU,
 # batch 16: ~0.25 s) can finish while the host is still writing the previous one (measured idle 5.4%).
 _QUEUE_AHEAD = 2
-_MAX_COMPILE_THREADS = 8
 
 
 @dataclasses.dataclass
@@ -189,23 +188,11 @@ def _compile_ahead(target: Target, drafter: Drafter | None, batches: list[list[R
     first_of_bucket: dict[int, int] = {}
     for i, rows in enumerate(batches):
         first_of_bucket.setdefault(generation.bucket(max(len(r.ids) for r in rows)), i)
-    # Buckets compile on parallel threads: XLA's compiler releases the GIL, so on a many-core host the
-    # buckets' programs build side by side instead of one after another. Thread-local JAX settings that key
-    # the programs (the default matmul precision) are carried into the workers.
-    precision = jax.config.jax_default_matmul_precision
-
-    def compile_bucket(i: int) -> None:
-        with jax.default_matmul_precision(precision):
-            job = generation.prepare(target, drafter, [r.ids for r in batches[i]], seed=seed + i,
-                                     pad_batch_to=batch_size, **kw)
-            generation.compile_decode(job)
-
-    todo = list(first_of_bucket.values())
-    workers = max(1, min(len(todo), os.cpu_count() or 1, _MAX_COMPILE_THREADS))
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dflash-compile") as pool:
-        for _ in tqdm(pool.map(compile_bucket, todo), total=len(todo), disable=not progress or len(todo) < 2,
-                      desc="compile", unit="shape", dynamic_ncols=True):
-            pass
+    for i in tqdm(list(first_of_bucket.values()), disable=not progress or len(first_of_bucket) < 2,
+                  desc="compile", unit="shape", dynamic_ncols=True):
+        job = generation.prepare(target, drafter, [r.ids for r in batches[i]], seed=seed + i,
+                                 pad_batch_to=batch_size, **kw)
+        generation.compile_decode(job)
     return time.perf_counter() - t0
 
 

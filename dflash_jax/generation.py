@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import threading
 import time
 from typing import Any, Sequence
 
@@ -46,7 +45,6 @@ class GenerationOutput:
 
 _EXECUTABLES: dict[Any, Any] = {}
 _COMPILE_COUNT = 0
-_COMPILE_LOCK = threading.Lock()
 
 
 def compile_count() -> int:
@@ -71,9 +69,8 @@ def _executable(fn, static: dict, graphdefs, args: tuple, donate: tuple[int, ...
         # Trace under our (auto-axes) mesh, whatever mesh context the caller is in (e.g. an explicit one).
         with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
             exe = jitted.lower(graphdefs, *args).compile()
-        with _COMPILE_LOCK:  # programs may be compiled on several threads (batch command)
-            exe = _EXECUTABLES.setdefault(key, exe)
-            _COMPILE_COUNT += 1
+        _EXECUTABLES[key] = exe
+        _COMPILE_COUNT += 1
     return exe
 
 
