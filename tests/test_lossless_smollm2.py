@@ -29,7 +29,7 @@ def reference(smollm2):
             for stops in (True, False)}
 
 
-@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+@pytest.mark.parametrize("block_size", [2, 16])
 def test_batch4_with_stop_tokens(smollm2, drafter, reference, block_size):
     out = speculative_generate(smollm2, drafter, PROMPTS, max_new_tokens=MAX_NEW, block_size=block_size)
     ref = reference[True]

@@ -35,7 +35,8 @@ def reference():
             "sampled": speculative_generate(t, d, PROMPTS, temperature=1.0, seed=3, **kw).token_ids}
 
 
-@pytest.mark.parametrize("tp,dp", [(2, 1), (8, 1), (2, 2), (4, 2), (1, 8)])
+# tp with dp, tp = 8 (KV heads replicated), dp alone; tp=2,dp=2 runs in the explicit-axes test below.
+@pytest.mark.parametrize("tp,dp", [(8, 1), (4, 2), (1, 8)])
 def test_token_identical_to_single_device(reference, tp, dp):
     t, d = pair(make_mesh(tp=tp, dp=dp))
     kw = dict(max_new_tokens=16, stop_token_ids=[])
@@ -92,14 +93,11 @@ def test_smollm2_supported_and_unsupported_splits():
     ref_d = random_drafter(ref_t, block_size=8, num_layers=1, mask_token_id=SMOLLM2_MASK_TOKEN_ID, seed=1)
     prompts = ["Name a primary colour.", "What is 2 + 2?", "Say hello in French."]
     want = speculative_generate(ref_t, ref_d, prompts, max_new_tokens=10).token_ids
-    for tp, dp in [(3, 2), (1, 4)]:  # tp and dp together; dp alone (tp=3 alone adds nothing over (3, 2))
-        if (tp, dp) == (3, 2):  # loaded straight onto the shards
-            t = load_target("smollm2-135m", mesh=make_mesh(tp=tp, dp=dp))
-        else:  # a copy of the loaded model placed afterwards
-            t = shard(Target(nnx.clone(ref_t.model), ref_t.tokenizer, ref_t.name, ref_t.stop_token_ids),
-                      make_mesh(tp=tp, dp=dp))
-        d = random_drafter(t, block_size=8, num_layers=1, mask_token_id=SMOLLM2_MASK_TOKEN_ID, seed=1)
-        assert speculative_generate(t, d, prompts, max_new_tokens=10).token_ids == want, (tp, dp)
+    # tp and dp together, the weights loaded straight onto the shards (placing a loaded model afterwards and dp
+    # alone are covered on the tiny models above).
+    t = load_target("smollm2-135m", mesh=make_mesh(tp=3, dp=2))
+    d = random_drafter(t, block_size=8, num_layers=1, mask_token_id=SMOLLM2_MASK_TOKEN_ID, seed=1)
+    assert speculative_generate(t, d, prompts, max_new_tokens=10).token_ids == want
     for tp in (2, 4, 8):
         with pytest.raises(ShardingError, match=rf"tp={tp} cannot split .*9 attention heads"):
             shard(Target(nnx.clone(ref_t.model), None, "smollm2"), make_mesh(tp=tp))
@@ -163,8 +161,10 @@ def test_kernels_run_per_shard_under_a_mesh(impl, caplog):
     t, d = kernel_pair(make_mesh(tp=2, dp=2))
     with caplog.at_level("WARNING", logger="dflash_jax"):
         spec = speculative_generate(t, d, PROMPTS, attention_impl=impl, **kw)
-        ar = generate(t, PROMPTS, attention_impl=impl, **kw)
-    assert ar.token_ids == ref_ar.token_ids
+        # AR through the interpret-mode TPU kernels is slow on a CPU and adds no kernel the speculative run
+        # misses (verify with L = 1); the GPU kernels' AR path runs here too.
+        ar = generate(t, PROMPTS, attention_impl=impl, **kw) if impl == "cuda" else None
+    assert ar is None or ar.token_ids == ref_ar.token_ids
     assert spec.token_ids == ref_ar.token_ids
     assert spec.acceptance_lengths == ref_spec.acceptance_lengths
     assert not any("uses the XLA reference" in r.getMessage() for r in caplog.records)
