@@ -113,6 +113,8 @@ class Trainer:
         dc.check_target(target.config)
         if dc.block_size < 2:
             raise ConfigError(f"block size must be >= 2, got {dc.block_size}")
+        if not 0.0 < settings.repeat_anchor_weight <= 1.0:
+            raise ConfigError(f"repeat_anchor_weight must be in (0, 1], got {settings.repeat_anchor_weight}")
         self.target, self.drafter, self.s = target, drafter, settings
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -207,8 +209,6 @@ class Trainer:
         if self._step_fn is None:
             self._build()
         if self.s.repeat_anchor_weight != 1.0 and "repeated" not in data:
-            if not 0.0 < self.s.repeat_anchor_weight <= 1.0:
-                raise ConfigError(f"repeat_anchor_weight must be in (0, 1], got {self.s.repeat_anchor_weight}")
             data = {**data, "repeated": repeated_blocks(data["tokens"], data["lengths"], self.s.repeat_ngram)}
         if not resume:  # start over: forget the plan and checkpoints of an earlier run in this directory
             import shutil
