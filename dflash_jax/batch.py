@@ -345,6 +345,8 @@ def run_batch(
         "acceptance_histogram": cycles_hist, "batches": len(batches), "batch_size": batch_size,
         "block_size": block_size if drafter is not None else 1,
         "device_idle_fraction": idle / span if span > 0 else 0.0,
+        # per batch: [dispatch start, device done] in seconds from the run's start (compile included)
+        "batch_timeline_s": [[round(b.launched - t_start, 4), round(b.ready - t_start, 4)] for b in launched],
         "compile_s": compile_s + sum(b.job.compile_s for b in launched),  # the latter ~0: cache hits
     }
     if speedup_estimate and drafter is not None and batches:

@@ -132,7 +132,8 @@ def _per_row(value, n: int, name: str, dtype) -> np.ndarray:
 
 
 def sampling_params(n: int, temperature, top_k, top_p) -> SamplingParams:
-    """Validated per-row sampling settings (HF meanings: temperature 0 = greedy, top_k 0 / top_p 1 = off)."""
+    """Validated per-row sampling settings (HF meanings: temperature 0 = greedy, top_k 0 / top_p 1 = off),
+    as host arrays: they reach the device once, padded to the batch's compiled shape (see ``prepare``)."""
     t = _per_row(temperature, n, "temperature", np.float32)
     k = _per_row(top_k, n, "top_k", np.float64)
     p = _per_row(top_p, n, "top_p", np.float32)
@@ -142,7 +143,7 @@ def sampling_params(n: int, temperature, top_k, top_p) -> SamplingParams:
         raise ValueError(f"top_k must be a non-negative integer (0 = off), got {k[(k < 0) | (k != np.round(k))][0]}")
     if ((p <= 0) | (p > 1) | ~np.isfinite(p)).any():
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p[(p <= 0) | (p > 1) | ~np.isfinite(p)][0]}")
-    return SamplingParams(jnp.asarray(t), jnp.asarray(k.astype(np.int32)), jnp.asarray(p))
+    return SamplingParams(t, k.astype(np.int32), p)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -211,8 +212,8 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
     max_arr = np.concatenate([max_new, np.ones(pad, np.int64)]).astype(np.int32)
     stop_arr = np.full((bucket(max(len(stops), 1), 8),), -1, np.int32)
     stop_arr[: len(stops)] = stops
-    if pad:
-        sp = SamplingParams(*(jnp.concatenate([x, jnp.repeat(x[-1:], pad)]) for x in
+    if pad:  # on the host: eager device ops would compile anew for each partial batch's row count
+        sp = SamplingParams(*(np.concatenate([x, np.repeat(x[-1:], pad)]) for x in
                               (sp.temperature, sp.top_k, sp.top_p)))
 
     impl = attention.resolve_impl(attention_impl, target.model.dtype)
