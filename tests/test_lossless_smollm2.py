@@ -59,3 +59,31 @@ def test_shipped_drafter_is_lossless_with_real_acceptance(smollm2):
     ref = generate(smollm2, prompts, max_new_tokens=48)
     assert out.token_ids == ref.token_ids
     assert out.tau > 1.3 and max(a for row in out.acceptance_lengths for a in row) >= 4
+    assert_training_objective_sees_the_same_blocks(smollm2, drafter, out)
+
+
+def assert_training_objective_sees_the_same_blocks(target, drafter, out):
+    """At the anchors the decoding loop actually visited, the training objective's batched blocks predict
+    exactly the accepted lengths the loop recorded: training and inference are aligned at real scale
+    (SPEC §6's pitfalls would show here as a mismatch, not just as a low τ)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dflash_jax.train.objective import block_inputs, drafter_forward_blocks, target_features
+
+    block = drafter.config.block_size
+    for prompt, new, acc in zip(out.prompt_token_ids, out.token_ids, out.acceptance_lengths):
+        seq = np.asarray(prompt + new, np.int32)[None]
+        # cycle c starts after the prefill token and the tokens of cycles < c; its anchor is the last one
+        anchors = [len(prompt) + sum(acc[:c]) for c in range(len(acc))]
+        cycles = [c for c in range(len(acc)) if anchors[c] + block <= seq.shape[1]]  # whole block labelled
+        a = jnp.asarray([[anchors[c] for c in cycles]], jnp.int32)
+        tokens, lengths = jnp.asarray(seq), jnp.asarray([seq.shape[1]])
+        ids, pos, labels, _ = block_inputs(tokens, lengths, a, jnp.ones(a.shape, bool), block,
+                                           drafter.config.mask_token_id)
+        feats = target_features(target.model, tokens, drafter.config.target_layer_ids)
+        hidden = drafter_forward_blocks(drafter.model, target.model, feats, ids, pos, a)
+        guess = np.asarray(jnp.argmax(drafter.model.draft_logits(hidden[:, :, 1:], target.model), -1))
+        leading = np.cumprod(guess == np.asarray(labels), axis=-1).sum(-1)[0]
+        assert len(cycles) >= 5
+        assert (leading + 1).tolist() == [acc[c] for c in cycles]
