@@ -20,7 +20,7 @@ from flax import nnx
 
 from conftest import ZLAB, random_prompts, tiny_target
 from dflash_jax import ConfigError, generate, load_drafter, random_drafter, speculative_generate
-from dflash_jax.loading import deepen_drafter
+from dflash_jax.loading import deepen_drafter, load_target
 from dflash_jax.checkpoints.export import export_drafter
 from dflash_jax.train import data as data_mod
 from dflash_jax.train.objective import (_multi_block_attention, block_inputs, drafter_forward_blocks, loss_weights,
@@ -343,6 +343,40 @@ def test_pipeline_on_token_id_prompts(tmp_path):
         else:
             with pytest.raises(ConfigError, match="may add layers, not remove them"):
                 pipe.new_drafter()
+
+
+def test_data_stage_adds_seeded_sampled_responses(tmp_path):
+    """``sampled_responses: 1``: each prompt's greedy row, then a sampled one; the same config gives the
+    same data again (seeded), and the greedy rows are what plain greedy generation gives."""
+    from dflash_jax.train.pipeline import run
+
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 255, int(rng.integers(3, 9))).tolist() for _ in range(12)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in prompts))
+    datas = []
+    for name in ("a", "b"):
+        cfg = {"name": "tiny", "target": str(ZLAB / "target"),
+               "training": {"out_dir": str(tmp_path / name),
+                            "data": {"prompts_file": str(tmp_path / "prompts.jsonl"), "num_prompts": 12,
+                                     "max_new_tokens": 12, "generate_batch_size": 4, "chunk_batches": 2,
+                                     "sampled_responses": 1, "sample_temperature": 1.0}}}
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+        datas.append(data_mod.load_dataset(Path(run(tmp_path / f"{name}.yaml", ("prompts", "data"),
+                                                     progress=False)["data"])))
+    first, again = datas
+    assert len(first["lengths"]) == 24
+    for key in first:
+        np.testing.assert_array_equal(first[key], again[key])
+    rows = [(first["tokens"][i, :p].tolist(), first["tokens"][i, p:n].tolist())
+            for i, (p, n) in enumerate(zip(first["prompt_lengths"], first["lengths"]))]
+    # each generation batch of 4 prompts: their 4 greedy rows, then their 4 sampled rows
+    greedy = [r for k in range(0, 24, 8) for r in rows[k: k + 4]]
+    sampled = [r for k in range(0, 24, 8) for r in rows[k + 4: k + 8]]
+    assert [p for p, _ in greedy] == [p for p, _ in sampled]
+    assert sorted(map(tuple, (p for p, _ in greedy))) == sorted(map(tuple, prompts))
+    direct = generate(load_target(ZLAB / "target", "float32"), [p for p, _ in greedy], max_new_tokens=12)
+    assert [r for _, r in greedy] == direct.token_ids
+    assert sum(g != s for (_, g), (_, s) in zip(greedy, sampled)) >= 6
 
 
 def test_bad_training_input(tmp_path):

@@ -48,6 +48,10 @@ class DataSpec:
     generate_batch_size: int = 128
     prompts_file: str | None = None  # jsonl of {"prompt": …}; default: ShareGPT first turns
     chunk_batches: int = 8  # data is written in parts of this many generation batches (resumable)
+    # Besides its greedy answer, each prompt gets this many answers sampled at sample_temperature (still
+    # the target's own behaviour, but more varied rows for the same prompts: a fixed prompt set runs out).
+    sampled_responses: int = 0
+    sample_temperature: float = 0.8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +117,9 @@ def load_run_config(path: str | Path, out_dir: str | None = None) -> RunConfig:
     )
     if cfg.drafter.block_size < 2:
         raise ConfigError(f"{path}: training.drafter.block_size must be >= 2, got {cfg.drafter.block_size}")
+    if cfg.data.sampled_responses < 0 or (cfg.data.sampled_responses and not cfg.data.sample_temperature > 0):
+        raise ConfigError(f"{path}: training.data needs sampled_responses >= 0 and sample_temperature > 0, got "
+                          f"{cfg.data.sampled_responses} and {cfg.data.sample_temperature}")
     return cfg
 
 
@@ -183,11 +190,15 @@ class Pipeline:
                 bar.update(n_rows)
                 continue
             prompts, responses = [], []
-            for b in chunk:
-                out = generate(self.target, [ids[i] for i in b], max_new_tokens=d.max_new_tokens)
-                prompts += [ids[i] for i in b]
-                responses += out.token_ids
-                new_tokens += out.stats["new_tokens"]
+            for j, b in enumerate(chunk):
+                batch_prompts = [ids[i] for i in b]
+                for r in range(1 + d.sampled_responses):  # r = 0: greedy
+                    sampled = dict(temperature=d.sample_temperature, seed=(c * d.chunk_batches + j)
+                                   * (1 + d.sampled_responses) + r) if r else {}
+                    out = generate(self.target, batch_prompts, max_new_tokens=d.max_new_tokens, **sampled)
+                    prompts += batch_prompts
+                    responses += out.token_ids
+                    new_tokens += out.stats["new_tokens"]
                 bar.update(len(b))
                 bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):,.0f}")
             max_len = d.max_prompt_tokens + d.max_new_tokens
