@@ -24,7 +24,7 @@ from dflash_jax.loading import deepen_drafter, load_target
 from dflash_jax.checkpoints.export import export_drafter
 from dflash_jax.train import data as data_mod
 from dflash_jax.train.objective import (_multi_block_attention, block_inputs, drafter_forward_blocks, loss_weights,
-                                        repeated_blocks, sample_anchors, target_features)
+                                        repeated_blocks, sample_anchors, target_features, walked_tau)
 from dflash_jax.train.pipeline import load_run_config
 from dflash_jax.train.trainer import Trainer, TrainSettings
 
@@ -139,12 +139,27 @@ def test_training_raises_acceptance(tmp_path):
     drafter = random_drafter(target, block_size=8, num_layers=2, seed=0)
     probe = prompts[:16]
     before = speculative_generate(target, drafter, probe, max_new_tokens=40, stop_token_ids=[]).tau
-    s = TrainSettings(batch_size=8, max_anchors=32, max_steps=300, lr=3e-3, save_every=300, log_every=50)
-    history = Trainer(target, drafter, s, tmp_path).fit(data, progress=False)
+    s = TrainSettings(batch_size=8, max_anchors=32, max_steps=300, lr=3e-3, save_every=300, log_every=50,
+                      val_rows=8, val_every=150)
+    trainer = Trainer(target, drafter, s, tmp_path)
+    history = trainer.fit(data, progress=False)
     assert history[-1]["loss"] < history[0]["loss"]
     out = speculative_generate(target, drafter, probe, max_new_tokens=40, stop_token_ids=[])
     assert out.token_ids == generate(target, probe, max_new_tokens=40, stop_token_ids=[]).token_ids
     assert before < 1.1 and out.tau > 1.6, (before, out.tau)
+    # The held-out τ logged during training replays the cycles decoding those held-out prompts runs.
+    assert [r["step"] for r in history if "val_tau" in r] == [150, 300]
+    kept, sets = trainer.split_validation(data)
+    held = sets["val_tau"]
+    held_prompts = [held["tokens"][i, :p].tolist() for i, p in enumerate(held["prompt_lengths"])]
+    assert len(held_prompts) == 8 and len(kept["lengths"]) == len(data["lengths"]) - 8
+    replayed = trainer.replayed_cycles(trainer.params, held)
+    decoded = speculative_generate(target, drafter, held_prompts, max_new_tokens=40, stop_token_ids=[])
+    for got, want in zip(replayed, decoded.acceptance_lengths):
+        assert got[:-1] == want[:-1] and got[-1] <= want[-1]  # the row ends where max_new_tokens does
+    assert sum(map(len, replayed)) > 8 * 10  # real cycles, not one per row
+    assert history[-1]["val_tau"] == pytest.approx(walked_tau(replayed))
+    assert history[-1]["fit_tau"] > 1.0
 
 
 def test_export_round_trip(tmp_path):

@@ -166,6 +166,45 @@ def target_features(target: TargetModel, tokens: Int[Array, "Bs T"], capture: tu
     return jax.lax.stop_gradient(feats)
 
 
+def _leading(correct: Bool[Array, "Bs A L1"]) -> Int[Array, "Bs A"]:
+    """Leading correct slots of each block: the drafts a greedy verify would accept."""
+    return jnp.cumprod(correct.astype(jnp.int32), axis=-1).sum(-1)
+
+
+def anchor_acceptance(drafter: DFlashDrafter, target: TargetModel, batch: dict,
+                      block_size: int) -> Int[Array, "Bs A"]:
+    """For each anchor of ``batch``: the tokens a greedy decoding cycle anchored there would commit
+    (1 + leading correct drafts), labels being the row's own tokens. Inference gives exactly these numbers
+    at the anchors it visits (tests/test_lossless_smollm2.py checks this on the real pair)."""
+    cfg = drafter.config
+    features = target_features(target, batch["tokens"], cfg.target_layer_ids)
+    block_ids, positions, labels, label_ok = block_inputs(batch["tokens"], batch["lengths"], batch["anchors"],
+                                                          batch["valid"], block_size, cfg.mask_token_id)
+    hidden = drafter_forward_blocks(drafter, target, features, block_ids, positions, batch["anchors"])
+    guess = jnp.argmax(drafter.draft_logits(hidden[:, :, 1:], target), -1)
+    return _leading((guess == labels) & label_ok) + 1
+
+
+def walked_cycles(acceptance: np.ndarray, prompt_length: int, length: int) -> list[int]:
+    """Replay greedy decoding along one row: the first cycle is anchored at the first response token (the
+    prefill's), each next one where the previous cycle's commits end. ``acceptance [T]``: the tokens a
+    cycle anchored at each position commits (``anchor_acceptance``). Returns each cycle's committed tokens,
+    as decoding records them, except that the last cycle stops at the row's end (decoding's last cycle may
+    count drafts accepted past ``max_new_tokens``; the row has no labels there)."""
+    cycles, p = [], int(prompt_length)
+    while p <= length - 2:
+        a = min(int(acceptance[p]), int(length) - 1 - p)
+        cycles.append(a)
+        p += a
+    return cycles
+
+
+def walked_tau(cycles: list[list[int]]) -> float:
+    """Tokens committed per cycle over rows of ``walked_cycles`` (the τ evaluation reports)."""
+    n = sum(len(c) for c in cycles)
+    return sum(map(sum, cycles)) / n if n else 0.0
+
+
 def dflash_loss(drafter: DFlashDrafter, target: TargetModel, batch: dict, *, weights: jax.Array,
                 features: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """Weighted cross-entropy over block slots 1…L-1, plus accuracy metrics.
@@ -188,7 +227,7 @@ def dflash_loss(drafter: DFlashDrafter, target: TargetModel, batch: dict, *, wei
     w = weights[None, None, :] * label_ok
     loss = (ce * w).sum() / jnp.maximum(w.sum(), 1e-6)
     correct = (jnp.argmax(logits, -1) == labels) & label_ok
-    leading = jnp.cumprod(correct.astype(jnp.int32), axis=-1).sum(-1)
+    leading = _leading(correct)
     anchors_ok = batch["valid"]
     metrics = {
         "loss": loss,

@@ -25,8 +25,8 @@ from tqdm.auto import tqdm
 
 from dflash_jax.config import ConfigError
 from dflash_jax.loading import Drafter, Target
-from dflash_jax.train.objective import (cosine_with_warmup, default_gamma, dflash_loss, loss_weights,
-                                        repeated_blocks, sample_anchors)
+from dflash_jax.train.objective import (anchor_acceptance, cosine_with_warmup, default_gamma, dflash_loss,
+                                        loss_weights, repeated_blocks, sample_anchors, walked_cycles, walked_tau)
 
 log = logging.getLogger("dflash_jax")
 
@@ -52,6 +52,11 @@ class TrainSettings:
     repeat_anchor_weight: float = 1.0
     repeat_ngram: int = 8
     time_budget_s: float | None = None  # cap the planned steps so training fits this wall-clock budget
+    # Held-out rows (never trained on) whose decoding τ is replayed from teacher-forced blocks every
+    # val_every steps (default: save_every) and logged as val_tau, next to fit_tau on as many training rows:
+    # the τ evaluation would measure, and how far the drafter has specialised in its own training rows.
+    val_rows: int = 0
+    val_every: int | None = None
 
     def total_steps(self, num_rows: int) -> int:
         if self.max_steps is not None:
@@ -115,6 +120,9 @@ class Trainer:
             raise ConfigError(f"block size must be >= 2, got {dc.block_size}")
         if not 0.0 < settings.repeat_anchor_weight <= 1.0:
             raise ConfigError(f"repeat_anchor_weight must be in (0, 1], got {settings.repeat_anchor_weight}")
+        if settings.val_rows < 0 or (settings.val_every is not None and settings.val_every < 1):
+            raise ConfigError(f"val_rows must be >= 0 and val_every >= 1, got {settings.val_rows} and "
+                              f"{settings.val_every}")
         self.target, self.drafter, self.s = target, drafter, settings
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -125,6 +133,7 @@ class Trainer:
         self.params = jax.tree.map(lambda x: x.astype(jnp.float32), nnx.to_pure_dict(params))
         self.t_graph, self.t_state = nnx.split(target.model)
         self._step_fn = None
+        self._accept_fn = None
         self.completed = False  # set by fit: every planned step done
 
     # ---- the jitted step ------------------------------------------------------------------------
@@ -153,6 +162,56 @@ class Trainer:
                 return jitted(*args)
 
         self._step_fn = run
+
+        def accept(params, t_state, batch):
+            drafter = nnx.merge(d_graph, jax.tree.map(lambda x: x.astype(cdt), params))
+            return anchor_acceptance(drafter, nnx.merge(t_graph, t_state), batch, self.block_size)
+
+        accept_jitted = jax.jit(accept)
+
+        def run_accept(*args):
+            with jax.default_matmul_precision(precision):
+                return accept_jitted(*args)
+
+        self._accept_fn = run_accept
+
+    # ---- held-out τ -------------------------------------------------------------------------------
+    def split_validation(self, data: dict[str, np.ndarray]) -> tuple[dict, dict[str, dict]]:
+        """(training rows, {"val_tau": held-out rows, "fit_tau": as many training rows}); a fixed split."""
+        v = self.s.val_rows
+        if not v:
+            return data, {}
+        n = len(data["lengths"])
+        if v >= n:
+            raise ConfigError(f"val_rows={v} leaves no training rows (the data set has {n})")
+        perm = np.random.default_rng([self.s.seed, 104729]).permutation(n)
+        held, kept = np.sort(perm[:v]), np.sort(perm[v:])
+        rows = lambda idx: {k: x[idx] for k, x in data.items()}  # noqa: E731
+        return rows(kept), {"val_tau": rows(held), "fit_tau": rows(kept[:v])}
+
+    def replayed_cycles(self, params, rows: dict[str, np.ndarray]) -> list[list[int]]:
+        """Per row, the cycles greedy speculative decoding of its prompt would run (``walked_cycles``), from
+        every anchor's acceptance computed in training-shaped batches (no decoding loop)."""
+        if self._accept_fn is None:
+            self._build()
+        bs, a_max, n = self.s.batch_size, self.s.max_anchors, len(rows["lengths"])
+        acceptance = np.zeros(rows["tokens"].shape, np.int32)
+        for r0 in range(0, n, bs):
+            idx = np.minimum(np.arange(r0, r0 + bs), n - 1)  # the last batch repeats its last row
+            lengths, plens = rows["lengths"][idx].astype(np.int32), rows["prompt_lengths"][idx]
+            t = int(math.ceil((lengths.max() + self.block_size) / self.s.length_bucket) * self.s.length_bucket)
+            tokens = np.zeros((bs, t), np.int32)
+            width = min(t, rows["tokens"].shape[1])
+            tokens[:, :width] = rows["tokens"][idx, :width]
+            for a0 in range(0, int((lengths - 1 - plens).max(initial=0)), a_max):
+                anchors = plens[:, None] + a0 + np.arange(a_max)
+                valid = anchors <= lengths[:, None] - 2
+                anchors = np.where(valid, anchors, plens[:, None]).astype(np.int32)
+                got = np.asarray(self._accept_fn(params, self.t_state, {
+                    "tokens": tokens, "lengths": lengths, "anchors": anchors, "valid": valid}))
+                for i in range(min(bs, n - r0)):
+                    acceptance[r0 + i, anchors[i, valid[i]]] = got[i, valid[i]]
+        return [walked_cycles(acc, p, n) for acc, p, n in zip(acceptance, rows["prompt_lengths"], rows["lengths"])]
 
     def _plan(self, data, epochs_total: int) -> int:
         """Total steps: from epochs / max_steps, capped by ``time_budget_s`` using measured step times.
@@ -215,6 +274,8 @@ class Trainer:
 
             (self.out_dir / "plan.json").unlink(missing_ok=True)
             shutil.rmtree(self.out_dir / "checkpoints", ignore_errors=True)
+        data, val_sets = self.split_validation(data)
+        val_every = self.s.val_every or self.s.save_every
         total = self._plan(data, self.s.total_steps(len(data["lengths"])))
         self.schedule = cosine_with_warmup(self.s.lr, total, self.s.warmup_frac)
         opt_state = self.tx.init(self.params)
@@ -236,9 +297,9 @@ class Trainer:
         # over the steps this process ran since the previous row (one length bucket's batch alone is noisy).
         summed, counted = None, 0
 
-        def log_row(done: int, hist) -> None:
+        def log_row(done: int, hist, extra: dict) -> None:
             nonlocal summed, counted
-            m = {k: float(v) / counted for k, v in jax.device_get(summed).items()}
+            m = {k: float(v) / counted for k, v in jax.device_get(summed).items()} | extra
             rate = tokens_seen / max(time.perf_counter() - t0, 1e-9)
             # logged_steps: fewer than log_every in the first row after a resume or a timed stop
             row = {"step": done, **m, "logged_steps": counted, "lr": float(self.schedule(done)),
@@ -247,7 +308,8 @@ class Trainer:
             history.append(row)
             hist.write(json.dumps(row) + "\n")
             hist.flush()
-            bar.set_postfix(loss=f"{m['loss']:.3f}", tau=f"{m['tau']:.2f}", tok_s=f"{rate:,.0f}")
+            held = {"val_tau": f"{m['val_tau']:.2f}"} if "val_tau" in m else {}
+            bar.set_postfix(loss=f"{m['loss']:.3f}", tau=f"{m['tau']:.2f}", **held, tok_s=f"{rate:,.0f}")
 
         with self._history_path().open("a") as hist:
             for step in range(start, end):
@@ -259,8 +321,10 @@ class Trainer:
                 tokens_seen += int(batch["valid"].sum()) * (self.block_size - 1)
                 done = step + 1
                 out_of_time = stop_after_s is not None and time.perf_counter() - t0 >= stop_after_s
-                if done % self.s.log_every == 0 or done == end or out_of_time:
-                    log_row(done, hist)
+                extra = {name: walked_tau(self.replayed_cycles(params, rows)) for name, rows in val_sets.items()} \
+                    if done % val_every == 0 or done == end or out_of_time else {}
+                if done % self.s.log_every == 0 or done == end or out_of_time or extra:
+                    log_row(done, hist, extra)
                 if done % self.s.save_every == 0 or done == end or out_of_time:
                     mngr.save(done, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
                 bar.update(1)
@@ -299,7 +363,8 @@ def _running_mean(values: list[float], window: int) -> np.ndarray:
 
 
 def plot_history(history: list[dict], path: str | Path, title: str = "DFlash drafter training") -> Path:
-    """Loss and training-batch τ against steps, saved as PNG: each logged point faint, a running mean bold.
+    """Loss and training-batch τ against steps, saved as PNG: each logged point faint, a running mean bold;
+    the replayed τ of held-out and training rows (``val_rows``) as dashed red lines where logged.
 
     Batches are grouped by sequence length, so consecutive logged points come from different length buckets
     and jump around; the running mean over ~10% of the run shows the trend.
@@ -320,9 +385,14 @@ def plot_history(history: list[dict], path: str | Path, title: str = "DFlash dra
         ax.plot(steps, _running_mean(values, window), color=color, linewidth=2.0,
                 label=f"{label} (mean of {window} logs)")
         ax.set_ylabel(label, color=color)
+    for key, marker, label in (("val_tau", "o", "τ replayed on held-out rows"),
+                               ("fit_tau", "x", "τ replayed on training rows")):
+        points = [(r["step"], r[key]) for r in history if key in r]
+        if points:
+            ax2.plot(*zip(*points), color="tab:red", marker=marker, linestyle="--", linewidth=1.0, label=label)
     ax1.set_xlabel("step")
     ax1.set_title(title)
-    lines = ax1.get_lines()[1:] + ax2.get_lines()[1:]
+    lines = ax1.get_lines()[1:] + ax2.get_lines()[1:]  # the faint per-log lines stay out of the legend
     ax1.legend(lines, [ln.get_label() for ln in lines], loc="upper center", fontsize=8)
     fig.tight_layout()
     path = Path(path)
