@@ -3,12 +3,49 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
 log = logging.getLogger("dflash_jax")
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _auto(directory: Path, **kw):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False, **kw)
+
+
+def cache_dir() -> Path:
+    """Where converted tokenizers are kept: ``$DFLASH_JAX_CACHE`` or ``~/.cache/dflash_jax``."""
+    return Path(os.environ.get("DFLASH_JAX_CACHE") or Path.home() / ".cache" / "dflash_jax")
+
+
+def _from_gguf(path: Path):
+    """transformers builds a GGUF's tokenizer by parsing the whole file (~5 s for SmolLM2's 49k-token
+    vocabulary). The result is saved once as ordinary tokenizer files, keyed by the file's name, size and
+    mtime, and later loads read those (~0.3 s). If the cache cannot be written, loading still works."""
+    st = path.stat()
+    cached = cache_dir() / "tokenizers" / f"{path.name}-{st.st_size}-{st.st_mtime_ns}"
+    if (cached / "tokenizer.json").is_file():
+        try:
+            return _auto(cached)
+        except Exception as e:
+            log.info("ignoring the unreadable tokenizer cache %s (%s)", cached, e)
+    hf = _auto(path.parent, gguf_file=path.name)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".tmp-"))
+        hf.save_pretrained(str(tmp))
+        os.replace(tmp, cached)  # atomic: a concurrent load sees the whole directory or none
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True) if "tmp" in locals() else None
+        log.info("could not cache the tokenizer of %s in %s (%s)", path, cached, e)
+    return hf
 
 
 class TokenizerMissingError(ValueError):
@@ -26,11 +63,8 @@ class Tokenizer:
     def from_dir(directory: Path, gguf_file: str | None = None, **chat_kwargs) -> "Tokenizer | None":
         if gguf_file is None and not any((directory / f).is_file() for f in _TOKENIZER_FILES):
             return None
-        from transformers import AutoTokenizer
-
-        kw = {"gguf_file": gguf_file} if gguf_file else {}
         try:
-            hf = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False, **kw)
+            hf = _from_gguf(directory / gguf_file) if gguf_file else _auto(directory)
         except Exception as e:  # a broken tokenizer should not make the weights unusable
             log.warning("could not load a tokenizer from %s (%s); only token-id prompts will work", directory, e)
             return None

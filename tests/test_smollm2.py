@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from dflash_jax.loading import Target, embedded_gguf_path, load_target
+from dflash_jax.loading import Target, embedded_gguf_path
 
 pytestmark = pytest.mark.slow
 
@@ -26,8 +26,8 @@ IM_START, IM_END = 1, 2
 
 
 @pytest.fixture(scope="module")
-def target() -> Target:
-    return load_target("smollm2-135m", dtype="float32")
+def target(smollm2) -> Target:
+    return smollm2  # the session's float32 load (conftest)
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +147,24 @@ def test_chat_template_is_applied(target, prompt_ids):
     # decoding drops the markup; generation stops at <|im_end|>
     assert tok.decode(prompt_ids).endswith(f"user\n{PROMPT}\nassistant\n")
     assert IM_END in tok.eos_token_ids and IM_END in target.stop_token_ids
+
+
+def test_gguf_tokenizer_is_cached_as_plain_files(tmp_path, monkeypatch, target):
+    """The GGUF's tokenizer is converted once and then read from the cache; both encode and decode alike,
+    and an unreadable cache entry is ignored."""
+    from dflash_jax.tokenizer import Tokenizer
+
+    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path))
+    path = embedded_gguf_path()
+    converted = Tokenizer.from_dir(path.parent, gguf_file=path.name)
+    (entry,) = (tmp_path / "tokenizers").iterdir()
+    assert entry.name.startswith(path.name) and (entry / "tokenizer.json").is_file()
+    cached = Tokenizer.from_dir(path.parent, gguf_file=path.name)
+    chat = [{"role": "user", "content": "def f(x):\n    return x ** 2  # ünïcode, 中文, emoji 🙂"}]
+    ids = converted.encode(chat)
+    assert cached.encode(chat) == ids == target.tokenizer.encode(chat)
+    sample = list(range(0, converted.hf.vocab_size, 97))
+    assert cached.decode(sample) == converted.decode(sample)
+    assert cached.eos_token_ids == converted.eos_token_ids and cached.hf.chat_template == converted.hf.chat_template
+    (entry / "tokenizer.json").write_text("{not json")
+    assert Tokenizer.from_dir(path.parent, gguf_file=path.name).encode(chat) == ids

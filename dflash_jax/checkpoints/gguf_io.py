@@ -6,6 +6,8 @@ permuted for its interleaved RoPE; :func:`unpermute_qk` restores the HF (rotate-
 
 from __future__ import annotations
 
+import functools
+
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +34,20 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _reader(path: Path):
-    import gguf
-
+    """The parsed GGUF (metadata + tensor index, memory-mapped). Parsing the tokenizer's ~300k metadata
+    strings takes seconds, so the config and the tensors of one load share one parse."""
     if not path.is_file():
         raise CheckpointError(f"missing GGUF file {path}")
+    st = path.stat()
+    return _parsed(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=2)
+def _parsed(path: str, size: int, mtime_ns: int):  # size / mtime: a rewritten file is parsed afresh
+    import gguf
+
     try:
-        return gguf.GGUFReader(str(path))
+        return gguf.GGUFReader(path)
     except Exception as e:
         raise CheckpointError(f"corrupt GGUF file {path}: {e}") from None
 
