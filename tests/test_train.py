@@ -392,6 +392,17 @@ def test_data_stage_adds_seeded_sampled_responses(tmp_path):
     direct = generate(load_target(ZLAB / "target", "float32"), [p for p, _ in greedy], max_new_tokens=12)
     assert [r for _, r in greedy] == direct.token_ids
     assert sum(g != s for (_, g), (_, s) in zip(greedy, sampled)) >= 6
+    assert first["sampled"].tolist() == ([False] * 4 + [True] * 4) * 3
+    # Held-out τ rows are greedy rows, and their prompts' sampled rows are not trained on either.
+    target = load_target(ZLAB / "target", "float32")
+    trainer = Trainer(target, random_drafter(target, block_size=4, num_layers=1, mask_token_id=255),
+                      TrainSettings(val_rows=2), tmp_path / "t")
+    kept, sets = trainer.split_validation(first)
+    prompt_of = lambda d, i: tuple(d["tokens"][i, : d["prompt_lengths"][i]])  # noqa: E731
+    held = {prompt_of(sets["val_tau"], i) for i in range(2)}
+    assert not sets["val_tau"]["sampled"].any() and not sets["fit_tau"]["sampled"].any()
+    assert len(kept["lengths"]) == 24 - 4 and not held & {prompt_of(kept, i) for i in range(20)}
+    assert {prompt_of(sets["fit_tau"], i) for i in range(2)} <= {prompt_of(kept, i) for i in range(20)}
 
 
 def test_bad_training_input(tmp_path):

@@ -171,8 +171,10 @@ def evaluation_prompts() -> dict[str, list[str]]:
 # Tokenized datasets
 # --------------------------------------------------------------------------------------------------
 
-def save_dataset(path: Path, prompts: list[list[int]], responses: list[list[int]], max_len: int) -> dict:
-    """Pack prompt+response rows (truncated to ``max_len``) into an .npz; returns summary counts."""
+def save_dataset(path: Path, prompts: list[list[int]], responses: list[list[int]], max_len: int,
+                 sampled: Sequence[bool] | None = None) -> dict:
+    """Pack prompt+response rows (truncated to ``max_len``) into an .npz; returns summary counts.
+    ``sampled``: per row, whether its response was sampled rather than greedy (stored when given)."""
     rows = [(p + r)[:max_len] for p, r in zip(prompts, responses)]
     tokens = np.zeros((len(rows), max_len), np.int32)
     for i, row in enumerate(rows):
@@ -180,7 +182,9 @@ def save_dataset(path: Path, prompts: list[list[int]], responses: list[list[int]
     lengths = np.array([len(r) for r in rows], np.int32)
     prompt_lengths = np.array([min(len(p), max_len) for p in prompts], np.int32)
     keep = lengths - prompt_lengths >= 2  # at least one anchor needs p and p+1 in the response
-    np.savez_compressed(path, tokens=tokens[keep], lengths=lengths[keep], prompt_lengths=prompt_lengths[keep])
+    extra = {} if sampled is None else {"sampled": np.asarray(sampled, bool)[keep]}
+    np.savez_compressed(path, tokens=tokens[keep], lengths=lengths[keep], prompt_lengths=prompt_lengths[keep],
+                        **extra)
     return {"rows": int(keep.sum()), "dropped": int((~keep).sum()),
             "response_tokens": int((lengths - prompt_lengths)[keep].sum())}
 
@@ -190,7 +194,10 @@ def load_dataset(path: Path) -> dict[str, np.ndarray]:
     if not path.is_file():
         raise DataError(f"training data file {path} does not exist (run the data step first)")
     with np.load(path) as z:
-        data = {k: z[k] for k in ("tokens", "lengths", "prompt_lengths")}
+        data = {k: z[k] for k in ("tokens", "lengths", "prompt_lengths", "sampled") if k in z.files}
+    missing = {"tokens", "lengths", "prompt_lengths"} - set(data)
+    if missing:
+        raise DataError(f"training data file {path} lacks {sorted(missing)}")
     if len(data["tokens"]) == 0:
         raise DataError(f"training data file {path} has no rows")
     return data

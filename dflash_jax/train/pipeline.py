@@ -189,7 +189,7 @@ class Pipeline:
             if part.is_file():
                 bar.update(n_rows)
                 continue
-            prompts, responses = [], []
+            prompts, responses, sampled_rows = [], [], []
             for j, b in enumerate(chunk):
                 batch_prompts = [ids[i] for i in b]
                 for r in range(1 + d.sampled_responses):  # r = 0: greedy
@@ -198,12 +198,13 @@ class Pipeline:
                     out = generate(self.target, batch_prompts, max_new_tokens=d.max_new_tokens, **sampled)
                     prompts += batch_prompts
                     responses += out.token_ids
+                    sampled_rows += [r > 0] * len(b)
                     new_tokens += out.stats["new_tokens"]
                 bar.update(len(b))
                 bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):,.0f}")
             max_len = d.max_prompt_tokens + d.max_new_tokens
             tmp = part.with_name(part.stem + ".tmp.npz")
-            data_mod.save_dataset(tmp, prompts, responses, max_len)
+            data_mod.save_dataset(tmp, prompts, responses, max_len, sampled_rows if d.sampled_responses else None)
             tmp.rename(part)
         bar.close()
         summary = self._merge_parts(sorted(parts_dir.glob("part_*.npz")), final)
@@ -220,10 +221,13 @@ class Pipeline:
         plens = np.concatenate([x["prompt_lengths"] for x in loaded])
         if len(lengths) == 0:
             raise data_mod.DataError("self-distillation produced no usable rows")
+        extra = {"sampled": np.concatenate([x["sampled"] for x in loaded])} \
+            if all("sampled" in x for x in loaded) else {}
         tmp = final.with_name("data.tmp.npz")
-        np.savez_compressed(tmp, tokens=tokens, lengths=lengths, prompt_lengths=plens)
+        np.savez_compressed(tmp, tokens=tokens, lengths=lengths, prompt_lengths=plens, **extra)
         tmp.rename(final)
-        return {"rows": int(len(lengths)), "response_tokens": int((lengths - plens).sum()),
+        return {"rows": int(len(lengths)), **({"sampled_rows": int(extra["sampled"].sum())} if extra else {}),
+                "response_tokens": int((lengths - plens).sum()),
                 "prompt_tokens": int(plens.sum()), "max_len": int(width)}
 
     # ---- drafter ----------------------------------------------------------------------------------

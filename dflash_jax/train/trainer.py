@@ -177,17 +177,26 @@ class Trainer:
 
     # ---- held-out τ -------------------------------------------------------------------------------
     def split_validation(self, data: dict[str, np.ndarray]) -> tuple[dict, dict[str, dict]]:
-        """(training rows, {"val_tau": held-out rows, "fit_tau": as many training rows}); a fixed split."""
+        """(training rows, {"val_tau": held-out rows, "fit_tau": as many training rows}); a fixed split.
+
+        Only greedy rows are held out and replayed when the data marks sampled ones (``sampled``): greedy
+        decoding's τ is what evaluation measures. Rows with a held-out row's prompt (its sampled answers)
+        are not trained on either.
+        """
         v = self.s.val_rows
         if not v:
             return data, {}
         n = len(data["lengths"])
-        if v >= n:
-            raise ConfigError(f"val_rows={v} leaves no training rows (the data set has {n})")
-        perm = np.random.default_rng([self.s.seed, 104729]).permutation(n)
-        held, kept = np.sort(perm[:v]), np.sort(perm[v:])
+        greedy = np.flatnonzero(~data["sampled"]) if "sampled" in data else np.arange(n)
+        if v >= len(greedy):
+            raise ConfigError(f"val_rows={v} leaves no training rows (the data set has {len(greedy)} greedy rows)")
+        held = np.sort(np.random.default_rng([self.s.seed, 104729]).permutation(greedy)[:v])
+        prompt = lambda i: data["tokens"][i, : data["prompt_lengths"][i]].tobytes()  # noqa: E731
+        held_prompts = {prompt(i) for i in held}
+        kept = np.asarray([i for i in range(n) if prompt(i) not in held_prompts], np.int64)
         rows = lambda idx: {k: x[idx] for k, x in data.items()}  # noqa: E731
-        return rows(kept), {"val_tau": rows(held), "fit_tau": rows(kept[:v])}
+        fit = np.intersect1d(greedy, kept)[:v]
+        return rows(kept), {"val_tau": rows(held), "fit_tau": rows(fit)}
 
     def replayed_cycles(self, params, rows: dict[str, np.ndarray]) -> list[list[int]]:
         """Per row, the cycles greedy speculative decoding of its prompt would run (``walked_cycles``), from
