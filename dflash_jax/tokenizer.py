@@ -37,13 +37,15 @@ def _from_gguf(path: Path):
         except Exception as e:
             log.info("ignoring the unreadable tokenizer cache %s (%s)", cached, e)
     hf = _auto(path.parent, gguf_file=path.name)
+    tmp = None
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".tmp-"))
         hf.save_pretrained(str(tmp))
         os.replace(tmp, cached)  # atomic: a concurrent load sees the whole directory or none
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True) if "tmp" in locals() else None
+    except OSError as e:  # read-only home, a full disk, or another process cached it first
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         log.info("could not cache the tokenizer of %s in %s (%s)", path, cached, e)
     return hf
 

@@ -7,7 +7,6 @@ permuted for its interleaved RoPE; :func:`unpermute_qk` restores the HF (rotate-
 from __future__ import annotations
 
 import functools
-
 from pathlib import Path
 from typing import Any
 
