@@ -244,6 +244,11 @@ def test_every_pair_config_validates():
     assert configs["smollm2-135m"].drafter == "embedded"
     for c in configs.values():
         assert c.dtype in ("float32", "bfloat16") and c.mesh["tp"] >= 1
+    # the embedded pair's training recipe parses too (every key known, values in range)
+    from dflash_jax.train.pipeline import load_run_config
+
+    recipe = load_run_config(Path(__file__).parents[1] / "configs" / "smollm2-135m.yaml")
+    assert recipe.data.sampled_responses == 1 and recipe.train.val_rows > 0 and recipe.drafter.block_size == 16
 
 
 @pytest.mark.parametrize("raw,match", [

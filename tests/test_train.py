@@ -384,7 +384,7 @@ def test_data_stage_adds_seeded_sampled_responses(tmp_path):
         np.testing.assert_array_equal(first[key], again[key])
     rows = [(first["tokens"][i, :p].tolist(), first["tokens"][i, p:n].tolist())
             for i, (p, n) in enumerate(zip(first["prompt_lengths"], first["lengths"]))]
-    # each generation batch of 4 prompts: their 4 greedy rows, then their 4 sampled rows
+    # each generation batch of 4 prompts (one call of 8 rows): their 4 greedy rows, then their 4 sampled rows
     greedy = [r for k in range(0, 24, 8) for r in rows[k: k + 4]]
     sampled = [r for k in range(0, 24, 8) for r in rows[k + 4: k + 8]]
     assert [p for p, _ in greedy] == [p for p, _ in sampled]

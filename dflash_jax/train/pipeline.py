@@ -50,6 +50,7 @@ class DataSpec:
     chunk_batches: int = 8  # data is written in parts of this many generation batches (resumable)
     # Besides its greedy answer, each prompt gets this many answers sampled at sample_temperature (still
     # the target's own behaviour, but more varied rows for the same prompts: a fixed prompt set runs out).
+    # They are decoded in the same batch as the greedy answers: generate_batch_size × (1 + this) rows.
     sampled_responses: int = 0
     sample_temperature: float = 0.8
 
@@ -191,15 +192,18 @@ class Pipeline:
                 continue
             prompts, responses, sampled_rows = [], [], []
             for j, b in enumerate(chunk):
-                batch_prompts = [ids[i] for i in b]
-                for r in range(1 + d.sampled_responses):  # r = 0: greedy
-                    sampled = dict(temperature=d.sample_temperature, seed=(c * d.chunk_batches + j)
-                                   * (1 + d.sampled_responses) + r) if r else {}
-                    out = generate(self.target, batch_prompts, max_new_tokens=d.max_new_tokens, **sampled)
-                    prompts += batch_prompts
-                    responses += out.token_ids
-                    sampled_rows += [r > 0] * len(b)
-                    new_tokens += out.stats["new_tokens"]
+                # One call per batch: the greedy rows, then each sampled round's rows (temperature is per row;
+                # greedy rows of a sampling batch decode exactly greedily), so one compiled program serves both.
+                copies = 1 + d.sampled_responses
+                batch_prompts = [ids[i] for i in b] * copies
+                flags = [False] * len(b) + [True] * (len(b) * d.sampled_responses)
+                temps = [d.sample_temperature if f else 0.0 for f in flags]
+                out = generate(self.target, batch_prompts, max_new_tokens=d.max_new_tokens,
+                               temperature=temps, seed=c * d.chunk_batches + j)
+                prompts += batch_prompts
+                responses += out.token_ids
+                sampled_rows += flags
+                new_tokens += out.stats["new_tokens"]
                 bar.update(len(b))
                 bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):,.0f}")
             max_len = d.max_prompt_tokens + d.max_new_tokens
