@@ -69,7 +69,7 @@ def assert_training_objective_sees_the_same_blocks(target, drafter, out):
     import jax.numpy as jnp
     import numpy as np
 
-    from dflash_jax.train.objective import block_inputs, drafter_forward_blocks, target_features
+    from dflash_jax.train.objective import anchor_acceptance
 
     block = drafter.config.block_size
     for prompt, new, acc in zip(out.prompt_token_ids, out.token_ids, out.acceptance_lengths):
@@ -78,12 +78,8 @@ def assert_training_objective_sees_the_same_blocks(target, drafter, out):
         anchors = [len(prompt) + sum(acc[:c]) for c in range(len(acc))]
         cycles = [c for c in range(len(acc)) if anchors[c] + block <= seq.shape[1]]  # whole block labelled
         a = jnp.asarray([[anchors[c] for c in cycles]], jnp.int32)
-        tokens, lengths = jnp.asarray(seq), jnp.asarray([seq.shape[1]])
-        ids, pos, labels, _ = block_inputs(tokens, lengths, a, jnp.ones(a.shape, bool), block,
-                                           drafter.config.mask_token_id)
-        feats = target_features(target.model, tokens, drafter.config.target_layer_ids)
-        hidden = drafter_forward_blocks(drafter.model, target.model, feats, ids, pos, a)
-        guess = np.asarray(jnp.argmax(drafter.model.draft_logits(hidden[:, :, 1:], target.model), -1))
-        leading = np.cumprod(guess == np.asarray(labels), axis=-1).sum(-1)[0]
+        batch = {"tokens": jnp.asarray(seq), "lengths": jnp.asarray([seq.shape[1]]), "anchors": a,
+                 "valid": jnp.ones(a.shape, bool)}
+        accepted = np.asarray(anchor_acceptance(drafter.model, target.model, batch, block))[0]
         assert len(cycles) >= 5
-        assert (leading + 1).tolist() == [acc[c] for c in cycles]
+        assert accepted.tolist() == [acc[c] for c in cycles]

@@ -92,6 +92,17 @@ def _epoch_order(lengths_key: bytes, n: int, batch_size: int, seed: int, epoch: 
     return batches[rng.permutation(len(batches))]
 
 
+def padded_rows(data: dict[str, np.ndarray], rows: np.ndarray, s: TrainSettings, block_size: int):
+    """The rows' tokens zero-padded to a multiple of ``length_bucket`` that fits a block after the last
+    token (few distinct shapes, so few compiles), with their lengths and prompt lengths."""
+    lengths, prompt_lengths = data["lengths"][rows], data["prompt_lengths"][rows]
+    t = int(math.ceil((lengths.max() + block_size) / s.length_bucket) * s.length_bucket)
+    tokens = np.zeros((len(rows), t), np.int32)
+    width = min(t, data["tokens"].shape[1])
+    tokens[:, :width] = data["tokens"][rows, :width]
+    return tokens, lengths, prompt_lengths
+
+
 def batch_for_step(data: dict[str, np.ndarray], step: int, s: TrainSettings, block_size: int) -> dict:
     """Rows and anchors of step ``step`` (0-based), a pure function of (data, seed, step)."""
     n = len(data["lengths"])
@@ -99,11 +110,7 @@ def batch_for_step(data: dict[str, np.ndarray], step: int, s: TrainSettings, blo
     epoch, i = divmod(step, per_epoch)
     order = _epoch_order(data["lengths"].astype(np.int32).tobytes(), n, s.batch_size, s.seed, epoch)
     rows = order[i]
-    lengths, prompt_lengths = data["lengths"][rows], data["prompt_lengths"][rows]
-    t = int(math.ceil((lengths.max() + block_size) / s.length_bucket) * s.length_bucket)
-    tokens = np.zeros((s.batch_size, t), np.int32)
-    width = min(t, data["tokens"].shape[1])
-    tokens[:, :width] = data["tokens"][rows, :width]
+    tokens, lengths, prompt_lengths = padded_rows(data, rows, s, block_size)
     repeated = data["repeated"][rows] if s.repeat_anchor_weight != 1.0 else None
     anchors, valid = sample_anchors(np.random.default_rng([s.seed, 7919, step]), lengths, prompt_lengths,
                                     s.max_anchors, repeated, s.repeat_anchor_weight)
@@ -207,11 +214,8 @@ class Trainer:
         acceptance = np.zeros(rows["tokens"].shape, np.int32)
         for r0 in range(0, n, bs):
             idx = np.minimum(np.arange(r0, r0 + bs), n - 1)  # the last batch repeats its last row
-            lengths, plens = rows["lengths"][idx].astype(np.int32), rows["prompt_lengths"][idx]
-            t = int(math.ceil((lengths.max() + self.block_size) / self.s.length_bucket) * self.s.length_bucket)
-            tokens = np.zeros((bs, t), np.int32)
-            width = min(t, rows["tokens"].shape[1])
-            tokens[:, :width] = rows["tokens"][idx, :width]
+            tokens, lengths, plens = padded_rows(rows, idx, self.s, self.block_size)
+            lengths = lengths.astype(np.int32)
             for a0 in range(0, int((lengths - 1 - plens).max(initial=0)), a_max):
                 anchors = plens[:, None] + a0 + np.arange(a_max)
                 valid = anchors <= lengths[:, None] - 2
