@@ -405,6 +405,49 @@ def test_data_stage_adds_seeded_sampled_responses(tmp_path):
     assert {prompt_of(sets["fit_tau"], i) for i in range(2)} <= {prompt_of(kept, i) for i in range(20)}
 
 
+def test_code_prompts_from_python_sources(tmp_path):
+    """Documented public functions become HumanEval-style prompts cut after the docstring; private,
+    undocumented, test-folder, duplicate, excluded and unparsable code is skipped; the shuffle is seeded."""
+    pkg = tmp_path / "pkg"
+    (pkg / "tests").mkdir(parents=True)
+    (pkg / "mod.py").write_text(
+        "import os\n\n"
+        "@staticmethod\n"
+        "def area(w, h):\n"
+        "    \"\"\"Return the area of a w-by-h rectangle, in square units.\"\"\"\n"
+        "    return w * h\n\n"
+        "def _private(x):\n    \"\"\"A private helper with a long enough docstring here.\"\"\"\n\n"
+        "def undocumented(x):\n    return x\n\n"
+        "def terse(x):\n    \"\"\"Too short.\"\"\"\n\n"
+        "class Box:\n"
+        "    def volume(self, depth):\n"
+        "        \"\"\"Volume of the box when it is extruded to the given depth.\n\n"
+        "        Depth is in the same units as the sides.\n"
+        "        \"\"\"\n"
+        "        return depth\n")
+    (pkg / "copy.py").write_text((pkg / "mod.py").read_text())  # same functions again: deduplicated
+    (pkg / "tests" / "test_mod.py").write_text("def test_area():\n    \"\"\"A test, not a specification.\"\"\"\n")
+    (pkg / "broken.py").write_text("def oops(:\n")
+    prompts = data_mod.python_function_prompts([pkg])
+    area = data_mod.humaneval_chat_prompt(
+        'def area(w, h):\n    """Return the area of a w-by-h rectangle, in square units."""\n')
+    volume = data_mod.humaneval_chat_prompt(
+        'def volume(self, depth):\n    """Volume of the box when it is extruded to the given depth.\n\n'
+        '    Depth is in the same units as the sides.\n    """\n')
+    assert sorted(prompts) == sorted([area, volume])
+    assert data_mod.python_function_prompts([pkg], exclude=['def AREA(w, h):  """Return the area of a '
+                                                            'w-by-h rectangle, in square units."""']) == [volume]
+    assert data_mod.python_function_prompts([pkg], limit=1) == data_mod.python_function_prompts([pkg])[:1]
+    # The real sources: the standard library alone gives thousands, in the same order every time.
+    stdlib = data_mod.python_function_prompts(data_mod.python_sources(), limit=2000)
+    assert len(set(stdlib)) == 2000 and stdlib == data_mod.python_function_prompts(data_mod.python_sources(),
+                                                                                  limit=2000)
+    with pytest.raises(data_mod.DataError, match="no documented public functions"):
+        data_mod.python_function_prompts([pkg / "tests"], min_doc_chars=10**6)
+    with pytest.raises(data_mod.DataError, match="'no_such_package' is not installed"):
+        data_mod.python_sources(["no_such_package"])
+
+
 def test_bad_training_input(tmp_path):
     with pytest.raises(data_mod.DataError, match="does not exist"):
         data_mod.load_dataset(tmp_path / "nope.npz")

