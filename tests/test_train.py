@@ -26,7 +26,7 @@ from dflash_jax.train import data as data_mod
 from dflash_jax.train.objective import (_multi_block_attention, block_inputs, drafter_forward_blocks, loss_weights,
                                         repeated_blocks, sample_anchors, target_features, walked_tau)
 from dflash_jax.train.pipeline import load_run_config
-from dflash_jax.train.trainer import Trainer, TrainSettings
+from dflash_jax.train.trainer import Trainer, TrainSettings, batch_for_step
 
 
 def test_anchor_sampling():
@@ -260,12 +260,37 @@ def test_timed_stops_then_resume_equal_uninterrupted(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_time_budget_probe_times_one_compiled_shape(tmp_path):
+    """time_budget_s plans from a steady-state step: the probe runs one batch shape (the widest of the first
+    steps) repeatedly, never a sequence of different buckets whose compiles would pose as slow steps."""
+    target = tiny_target("qwen3", seed=1)
+    _, data = self_distilled(target, n=16, new=24)
+    data["lengths"] = (data["prompt_lengths"] + np.arange(16) % 4 * 6 + 6).astype(np.int32)  # 4 length buckets
+    s = TrainSettings(batch_size=4, max_anchors=8, epochs=4, length_bucket=8, time_budget_s=1e6)
+    trainer = Trainer(target, random_drafter(target, block_size=4, num_layers=1, seed=0), s, tmp_path)
+    trainer._build()
+    step_fn, widths = trainer._step_fn, []
+
+    def counting_step(params, opt_state, t_state, batch, lr):
+        widths.append(batch["tokens"].shape[1])
+        return step_fn(params, opt_state, t_state, batch, lr)
+
+    trainer._step_fn = counting_step
+    total = trainer._plan(data, s.total_steps(16))
+    first_widths = {batch_for_step(data, i, s, 4)["tokens"].shape[1] for i in range(16)}
+    assert len(first_widths) > 1  # the data does span several buckets
+    assert len(widths) == 6 and set(widths) == {max(first_widths)}
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert total == plan["total_steps"] == 16  # a generous budget keeps the planned epochs
+    assert plan["step_s"] > 0
+
+
 RESUME_SCRIPT = """
 import sys, numpy as np
 sys.path.insert(0, {tests!r})
 from conftest import tiny_target
 from dflash_jax import random_drafter
-from dflash_jax.train.trainer import Trainer, TrainSettings
+from dflash_jax.train.trainer import Trainer, TrainSettings, batch_for_step
 target = tiny_target("qwen3", seed=1)
 data = dict(np.load({data!r}))
 d = random_drafter(target, block_size=4, num_layers=1, seed=0)
