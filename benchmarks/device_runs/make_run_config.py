@@ -1,0 +1,30 @@
+"""Write runs/device/: the training config for the GPU machine (configs/smollm2-135m.yaml pointed at the
+device's paths, warm-started from the shipped drafter) and the held-out prompt files (the evaluation sets as
+posed to the model, and both together with ids for the batch command)."""
+
+import json
+from pathlib import Path
+
+import yaml
+
+from dflash_jax.train import data as data_mod
+
+out = Path("runs/device")
+out.mkdir(parents=True, exist_ok=True)
+cfg = yaml.safe_load(Path("configs/smollm2-135m.yaml").read_text())
+cfg["target"] = "/tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf"
+t = cfg["training"]
+t["out_dir"] = "/tmp/run"
+t["drafter"]["init_from"] = "dflash_jax/assets/smollm2-135m-dflash"
+for key in ("later_turns_min_chars", "code_prompts", "code_packages"):  # the prompts were made locally
+    t["data"].pop(key)
+t["data"].update(prompts_file="/tmp/prompts.jsonl", num_prompts=100000, generate_batch_size=512, chunk_batches=2)
+t["optim"].update(lr=3.0e-4, warmup_frac=0.02, epochs=3, val_rows=256, val_every=100000)
+t["eval"]["sets"] = [str(out / "humaneval.jsonl"), str(out / "mtbench.jsonl")]
+(out / "smollm2-135m.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+sets = data_mod.evaluation_prompts()
+for name, prompts in sets.items():
+    (out / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+rows = [{"id": f"{name}-{i}", "prompt": p} for name, prompts in sets.items() for i, p in enumerate(prompts)]
+(out / "batch_prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+print({name: len(p) for name, p in sets.items()}, "→", out)
