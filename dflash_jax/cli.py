@@ -50,6 +50,12 @@ def _train(args: argparse.Namespace) -> int:
     stages = tuple(args.stages.split(",")) if args.stages else STAGES
     result = run(args.config, stages, out_dir=args.out_dir, progress=not args.no_progress,
                  stop_after_s=args.stop_after_s)
+    if "data_incomplete" in result:
+        d = result["data_incomplete"]
+        print(f"data stage stopped (--stop-after-s) with {d['chunks_done']} of {d['chunks_total']} chunks "
+              f"({d['rows']} rows) merged into {result['out_dir']}/data.npz; `--stages train` trains on them, and "
+              f"running the data stage again generates the rest.")
+        return 0
     if "stopped_at" in result:
         print(f"training stopped at step {result['stopped_at']} (--stop-after-s); the weights reached are "
               f"exported to {result['out_dir']}/drafter. Run the same command again to resume.")
@@ -103,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--stages", help="comma-separated subset of prompts,data,train,export,eval")
     train.add_argument("--out-dir", help="override training.out_dir")
     train.add_argument("--stop-after-s", type=float,
-                       help="stop training after this many seconds of this call (checkpointed; the next call "
-                            "resumes the same schedule), e.g. to fit time-limited jobs")
+                       help="stop this call's data generation and training after this many seconds in all "
+                            "(finished data chunks and a training checkpoint are kept; the same command "
+                            "continues), e.g. to fit time-limited jobs")
     train.add_argument("--no-progress", action="store_true")
     train.set_defaults(func=_train)
     gen = sub.add_parser("generate", help="batch offline generation: JSONL/text prompts in, JSONL out (resumable)")

@@ -353,9 +353,20 @@ def test_pipeline_on_token_id_prompts(tmp_path):
                         "export_dtype": "float32"}}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     out = tmp_path / "run"
-    # A time-limited first call: training stops (checkpointed, weights exported) and the later stages wait.
+    # Time-limited calls: a zero budget still writes one data chunk per call; the finished chunks are merged
+    # into data.npz (marked incomplete) and the later stages wait.
     stopped = run(tmp_path / "cfg.yaml", progress=False, stop_after_s=0.0)
-    assert stopped["stopped_at"] == 1 and "eval" not in stopped
+    assert stopped["data_incomplete"]["chunks_done"] == 1 and stopped["data_incomplete"]["rows"] == 16
+    assert "stopped_at" not in stopped and not (out / "checkpoints").exists()
+    partial = data_mod.load_dataset(out / "data.npz")
+    # The second call completes the data; training then stops (checkpointed, weights exported).
+    stopped = run(tmp_path / "cfg.yaml", progress=False, stop_after_s=0.0)
+    assert "data_incomplete" not in stopped and stopped["stopped_at"] == 1 and "eval" not in stopped
+    full = data_mod.load_dataset(out / "data.npz")
+    assert len(full["lengths"]) == 32
+    rows_of = lambda d: {d["tokens"][i, :n].tobytes() for i, n in enumerate(d["lengths"])}  # noqa: E731
+    parts = [rows_of(dict(np.load(f))) for f in sorted((out / "data_parts").glob("part_*.npz"))]
+    assert len(parts) == 2 and rows_of(partial) in parts and rows_of(full) == parts[0] | parts[1]
     assert (out / "drafter" / "model.safetensors").is_file()
     assert json.loads((out / "train_summary.json").read_text())["completed"] is False
     result = run(tmp_path / "cfg.yaml", progress=False)

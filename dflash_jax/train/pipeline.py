@@ -173,11 +173,25 @@ class Pipeline:
                 for p in tqdm(prompts, desc="tokenize", unit="prompt", mininterval=2)]
 
     # ---- stage: data ------------------------------------------------------------------------------
-    def data(self) -> Path:
+    def data_complete(self) -> bool:
+        """Whether ``data.npz`` holds every chunk (a data stage stopped by ``stop_after_s`` leaves the
+        finished chunks merged in ``data.npz`` with ``"complete": false`` in ``data_summary.json``)."""
+        summary = self.out / "data_summary.json"
+        if not (self.out / "data.npz").is_file():
+            return False
+        return not summary.is_file() or json.loads(summary.read_text()).get("complete", True)
+
+    def data(self, stop_after_s: float | None = None) -> Path:
+        """Self-distill every prompt (resuming from the parts already written).
+
+        ``stop_after_s``: stop once this call has generated that long (after the chunk in progress, so at
+        least one chunk is written); the finished chunks are merged into ``data.npz`` all the same, which the
+        train stage can use, and the next call generates the rest.
+        """
         from dflash_jax import generate
 
         final = self.out / "data.npz"
-        if final.is_file():
+        if self.data_complete():
             return final
         d = self.cfg.data
         ids = self._token_ids(data_mod.read_prompt_file(self.prompts()))
@@ -193,14 +207,18 @@ class Pipeline:
         # prompt length and source, which can be trained on (resuming fills in the rest).
         chunk_order = np.random.default_rng(0).permutation(len(chunks))
         bar = tqdm(total=len(order), desc="self-distill", unit="prompt", dynamic_ncols=True)
-        t0, new_tokens = time.perf_counter(), 0
+        t0, new_tokens, stopped = time.perf_counter(), 0, False
+        part_of = lambda c: parts_dir / f"part_{c:05d}.npz"  # noqa: E731
         for c in map(int, chunk_order):
             chunk = chunks[c]
-            part = parts_dir / f"part_{c:05d}.npz"
+            part = part_of(c)
             n_rows = sum(len(b) for b in chunk)
             if part.is_file():
                 bar.update(n_rows)
                 continue
+            if stop_after_s is not None and new_tokens and time.perf_counter() - t0 >= stop_after_s:
+                stopped = True
+                break
             prompts, responses, sampled_rows = [], [], []
             for j, b in enumerate(chunk):
                 # One call per batch: the greedy rows, then each sampled round's rows (temperature is per row;
@@ -222,9 +240,15 @@ class Pipeline:
             data_mod.save_dataset(tmp, prompts, responses, max_len, sampled_rows if d.sampled_responses else None)
             tmp.rename(part)
         bar.close()
-        summary = self._merge_parts(sorted(parts_dir.glob("part_*.npz")), final)
-        summary["generation_s"] = time.perf_counter() - t0
+        done = [part_of(c) for c in range(len(chunks)) if part_of(c).is_file()]
+        summary = self._merge_parts(done, final)
+        summary.update(generation_s=time.perf_counter() - t0, chunks_done=len(done), chunks_total=len(chunks),
+                       complete=len(done) == len(chunks))
         (self.out / "data_summary.json").write_text(json.dumps(summary, indent=1))
+        if stopped:
+            log.warning("data stage stopped after %.0f s (stop_after_s) with %d of %d chunks; data.npz holds "
+                        "them; run the data stage again to generate the rest", summary["generation_s"],
+                        len(done), len(chunks))
         return final
 
     @staticmethod
@@ -270,7 +294,9 @@ class Pipeline:
         ``stop_after_s``: stop this call after that many seconds of training (checkpointed, and the weights
         reached are exported); ``self.train_summary["completed"]`` then says whether every planned step is done.
         """
-        data = data_mod.load_dataset(self.data())
+        # The data made so far, also by a data stage that was stopped early (the data stage completes it).
+        final = self.out / "data.npz"
+        data = data_mod.load_dataset(final if final.is_file() else self.data())
         drafter = self.new_drafter()
         trainer = Trainer(self.target, drafter, self.cfg.train, self.out)
         t0 = time.perf_counter()
@@ -343,8 +369,12 @@ class Pipeline:
 
 def run(config: str | Path, stages: tuple[str, ...] = STAGES, out_dir: str | None = None,
         progress: bool = True, stop_after_s: float | None = None) -> dict:
-    """Run the given stages in order. ``stop_after_s`` caps this call's training (see ``Pipeline.train``);
-    a stopped training skips the later stages and says so in ``result["stopped_at"]``."""
+    """Run the given stages in order.
+
+    ``stop_after_s`` caps this call's data generation and training together (see ``Pipeline.data`` and
+    ``Pipeline.train``): a data stage that stops with chunks missing skips the later stages and says so in
+    ``result["data_incomplete"]``; a stopped training skips the later stages and says so in
+    ``result["stopped_at"]``. Running the same call again continues both."""
     unknown = [s for s in stages if s not in STAGES]
     if unknown:
         raise ConfigError(f"unknown stages {unknown} (known: {STAGES})")
@@ -353,10 +383,15 @@ def run(config: str | Path, stages: tuple[str, ...] = STAGES, out_dir: str | Non
     drafter = None
     if "prompts" in stages:
         result["prompts"] = str(p.prompts())
+    t0 = time.perf_counter()
     if "data" in stages:
-        result["data"] = str(p.data())
+        result["data"] = str(p.data(stop_after_s=stop_after_s))
+        if not p.data_complete():
+            result["data_incomplete"] = json.loads((p.out / "data_summary.json").read_text())
+            return result
     if "train" in stages:
-        drafter = p.train(progress=progress, stop_after_s=stop_after_s)
+        left = None if stop_after_s is None else max(0.0, stop_after_s - (time.perf_counter() - t0))
+        drafter = p.train(progress=progress, stop_after_s=left)
         if not p.train_summary["completed"]:
             result["stopped_at"] = p.train_summary["steps"]
             return result
