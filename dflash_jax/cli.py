@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import textwrap
 
@@ -92,10 +93,28 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _use_compile_cache(args: argparse.Namespace) -> None:
+    """Keep compiled XLA programs on disk (``$DFLASH_JAX_CACHE/xla``, default ``~/.cache/dflash_jax/xla``), so
+    a later run with the same shapes loads them instead of compiling: the batch command's length buckets, a
+    resumed training's steps, the demo. JAX's own ``JAX_COMPILATION_CACHE_DIR`` wins when set. Programs that
+    compile in under a second are not kept (JAX's default threshold)."""
+    if args.no_compile_cache or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    import jax
+
+    from dflash_jax.tokenizer import cache_dir
+
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dflash-jax", description="DFlash speculative decoding in JAX")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--no-compile-cache", action="store_true",
+                        help="do not keep compiled programs in $DFLASH_JAX_CACHE/xla for later runs")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the embedded model pair on a few prompts (speculative vs autoregressive)")
+    demo = sub.add_parser("demo", parents=[common],
+                          help="run the embedded model pair on a few prompts (speculative vs autoregressive)")
     demo.add_argument("--pair", default="smollm2-135m")
     demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     demo.add_argument("--max-new-tokens", type=int, default=96)
@@ -104,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="auto: the backend's kernels (GPU/TPU), the XLA reference elsewhere")
     demo.add_argument("--prompt", action="append", help="a prompt (repeatable); default: three built-in prompts")
     demo.set_defaults(func=_demo)
-    train = sub.add_parser("train", help="train a DFlash drafter: data → train → export → eval (resumable)")
+    train = sub.add_parser("train", parents=[common], help="train a DFlash drafter: data → train → export → eval (resumable)")
     train.add_argument("--config", required=True, help="configs/<pair>.yaml with a 'training' section")
     train.add_argument("--stages", help="comma-separated subset of prompts,data,train,export,eval")
     train.add_argument("--out-dir", help="override training.out_dir")
@@ -114,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                             "continues), e.g. to fit time-limited jobs")
     train.add_argument("--no-progress", action="store_true")
     train.set_defaults(func=_train)
-    gen = sub.add_parser("generate", help="batch offline generation: JSONL/text prompts in, JSONL out (resumable)")
+    gen = sub.add_parser("generate", parents=[common], help="batch offline generation: JSONL/text prompts in, JSONL out (resumable)")
     gen.add_argument("--config", default="smollm2-135m", help="pair name or YAML (default: the embedded pair)")
     gen.add_argument("--target", help="target checkpoint (instead of --config)")
     gen.add_argument("--drafter", help="drafter checkpoint (with --target)")
@@ -141,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=_generate)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _use_compile_cache(args)
     return args.func(args)
 
 

@@ -21,7 +21,8 @@ def _auto(directory: Path, **kw):
 
 
 def cache_dir() -> Path:
-    """Where converted tokenizers are kept: ``$DFLASH_JAX_CACHE`` or ``~/.cache/dflash_jax``."""
+    """Where converted tokenizers (and, from the CLI, compiled programs) are kept: ``$DFLASH_JAX_CACHE`` or
+    ``~/.cache/dflash_jax``."""
     return Path(os.environ.get("DFLASH_JAX_CACHE") or Path.home() / ".cache" / "dflash_jax")
 
 

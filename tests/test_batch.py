@@ -236,6 +236,33 @@ def test_sigkill_at_random_moments_then_resume(tmp_path):
         assert got[r["id"]]["token_ids"] == toks
 
 
+def test_cli_keeps_compiled_programs_on_disk(tmp_path):
+    """The CLI writes compiled programs to $DFLASH_JAX_CACHE/xla and a second process loads them (same
+    tokens); --no-compile-cache writes none; JAX's own JAX_COMPILATION_CACHE_DIR takes precedence."""
+    inp = write_jsonl(tmp_path / "in.jsonl", token_rows(4, seed=5))
+    base = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    # Tiny programs compile in well under JAX's 1 s threshold for keeping them: keep everything here.
+    base.update(JAX_PLATFORMS="cpu", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+
+    def generate_cli(name: str, cache: Path, *extra: str, **env: str) -> dict:
+        out = tmp_path / f"{name}.jsonl"
+        subprocess.run([sys.executable, "-m", "dflash_jax.cli", "generate", "--target", str(ZLAB / "target"),
+                        "--drafter", str(ZLAB / "drafter_fitted"), "--input", str(inp), "--output", str(out),
+                        "--max-new-tokens", "8", "--no-progress", "--no-speedup-estimate", *extra],
+                       env={**base, "DFLASH_JAX_CACHE": str(cache), **env}, check=True, capture_output=True)
+        return {i: r["token_ids"] for i, r in read_out(out).items()}
+
+    first = generate_cli("first", tmp_path / "a")
+    entries = sorted(p.name for p in (tmp_path / "a" / "xla").glob("*-cache"))
+    assert any(e.startswith("jit_decode") for e in entries)
+    assert generate_cli("second", tmp_path / "a") == first
+    assert sorted(p.name for p in (tmp_path / "a" / "xla").glob("*-cache")) == entries  # all found: none added
+    assert generate_cli("off", tmp_path / "b", "--no-compile-cache") == first
+    assert not (tmp_path / "b" / "xla").exists()
+    assert generate_cli("jax", tmp_path / "c", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "own")) == first
+    assert not (tmp_path / "c" / "xla").exists() and list((tmp_path / "own").glob("*-cache"))
+
+
 def test_every_pair_config_validates():
     configs = {c.name: c for c in all_pair_configs()}
     assert {"smollm2-135m", "qwen3-4b", "qwen3-8b", "llama3.1-8b-instruct"} <= set(configs)
