@@ -405,16 +405,16 @@ def test_data_stage_adds_seeded_sampled_responses(tmp_path):
     prompts = [rng.integers(0, 255, int(rng.integers(3, 9))).tolist() for _ in range(12)]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in prompts))
     datas = []
-    for name in ("a", "b"):
+    for name, seed in (("a", 0), ("b", 0), ("c", 1)):
         cfg = {"name": "tiny", "target": str(ZLAB / "target"),
                "training": {"out_dir": str(tmp_path / name),
                             "data": {"prompts_file": str(tmp_path / "prompts.jsonl"), "num_prompts": 12,
                                      "max_new_tokens": 12, "generate_batch_size": 4, "chunk_batches": 2,
-                                     "sampled_responses": 1, "sample_temperature": 1.0}}}
+                                     "sampled_responses": 1, "sample_temperature": 1.0, "seed": seed}}}
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
         datas.append(data_mod.load_dataset(Path(run(tmp_path / f"{name}.yaml", ("prompts", "data"),
                                                      progress=False)["data"])))
-    first, again = datas
+    first, again, reseeded = datas
     assert len(first["lengths"]) == 24
     for key in first:
         np.testing.assert_array_equal(first[key], again[key])
@@ -429,6 +429,11 @@ def test_data_stage_adds_seeded_sampled_responses(tmp_path):
     assert [r for _, r in greedy] == direct.token_ids
     assert sum(g != s for (_, g), (_, s) in zip(greedy, sampled)) >= 6
     assert first["sampled"].tolist() == ([False] * 4 + [True] * 4) * 3
+    # Another data seed: the same greedy rows, other sampled ones.
+    row_set = lambda d, flag: {d["tokens"][i, :n].tobytes() for i, n in enumerate(d["lengths"])  # noqa: E731
+                               if d["sampled"][i] == flag}
+    assert row_set(reseeded, False) == row_set(first, False)
+    assert len(row_set(reseeded, True) & row_set(first, True)) <= 3
     # Held-out τ rows are greedy rows, and their prompts' sampled rows are not trained on either.
     target = load_target(ZLAB / "target", "float32")
     trainer = Trainer(target, random_drafter(target, block_size=4, num_layers=1, mask_token_id=255),

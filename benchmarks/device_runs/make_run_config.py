@@ -2,6 +2,7 @@
 device's paths, warm-started from the shipped drafter) and the held-out prompt files (the evaluation sets as
 posed to the model, and both together with ids for the batch command)."""
 
+import argparse
 import json
 from pathlib import Path
 
@@ -9,6 +10,10 @@ import yaml
 
 from dflash_jax.train import data as data_mod
 
+ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+ap.add_argument("--data-seed", type=int, default=0,
+                help="training.data.seed: another value samples other answers (and another chunk order)")
+args = ap.parse_args()
 out = Path("runs/device")
 out.mkdir(parents=True, exist_ok=True)
 cfg = yaml.safe_load(Path("configs/smollm2-135m.yaml").read_text())
@@ -18,7 +23,8 @@ t["out_dir"] = "/tmp/run"
 t["drafter"]["init_from"] = "dflash_jax/assets/smollm2-135m-dflash"
 for key in ("later_turns_min_chars", "code_prompts", "code_packages"):  # the prompts were made locally
     t["data"].pop(key)
-t["data"].update(prompts_file="/tmp/prompts.jsonl", num_prompts=100000, generate_batch_size=512, chunk_batches=2)
+t["data"].update(prompts_file="/tmp/prompts.jsonl", num_prompts=100000, generate_batch_size=512, chunk_batches=2,
+                 seed=args.data_seed)
 t["optim"].update(lr=3.0e-4, warmup_frac=0.02, epochs=3, val_rows=256, val_every=100000)
 t["eval"]["sets"] = [str(out / "humaneval.jsonl"), str(out / "mtbench.jsonl")]
 (out / "smollm2-135m.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))

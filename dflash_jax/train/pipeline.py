@@ -53,6 +53,9 @@ class DataSpec:
     # They are decoded in the same batch as the greedy answers: generate_batch_size × (1 + this) rows.
     sampled_responses: int = 0
     sample_temperature: float = 0.8
+    # Seeds the chunk order and the sampled answers: another seed gives other sampled rows for the same
+    # prompts and, for a data stage stopped early, another sample of the prompts (greedy rows do not change).
+    seed: int = 0
     # Also this many HumanEval-style code prompts (documented public functions of the standard library and
     # of ``code_packages``, see data.python_function_prompts); ShareGPT has few "write this function" asks.
     code_prompts: int = 0
@@ -205,7 +208,7 @@ class Pipeline:
         chunks = [batches[i: i + d.chunk_batches] for i in range(0, len(batches), d.chunk_batches)]
         # Chunks run in a seeded random order: a data stage stopped part-way leaves parts that sample every
         # prompt length and source, which can be trained on (resuming fills in the rest).
-        chunk_order = np.random.default_rng(0).permutation(len(chunks))
+        chunk_order = np.random.default_rng(d.seed).permutation(len(chunks))
         bar = tqdm(total=len(order), desc="self-distill", unit="prompt", dynamic_ncols=True)
         t0, new_tokens, stopped = time.perf_counter(), 0, False
         part_of = lambda c: parts_dir / f"part_{c:05d}.npz"  # noqa: E731
@@ -228,7 +231,7 @@ class Pipeline:
                 flags = [False] * len(b) + [True] * (len(b) * d.sampled_responses)
                 temps = [d.sample_temperature if f else 0.0 for f in flags]
                 out = generate(self.target, batch_prompts, max_new_tokens=d.max_new_tokens,
-                               temperature=temps, seed=c * d.chunk_batches + j)
+                               temperature=temps, seed=d.seed * 1_000_003 + c * d.chunk_batches + j)
                 prompts += batch_prompts
                 responses += out.token_ids
                 sampled_rows += flags
