@@ -290,7 +290,7 @@ import sys, numpy as np
 sys.path.insert(0, {tests!r})
 from conftest import tiny_target
 from dflash_jax import random_drafter
-from dflash_jax.train.trainer import Trainer, TrainSettings, batch_for_step
+from dflash_jax.train.trainer import Trainer, TrainSettings
 target = tiny_target("qwen3", seed=1)
 data = dict(np.load({data!r}))
 d = random_drafter(target, block_size=4, num_layers=1, seed=0)
@@ -335,6 +335,12 @@ def test_sigkill_then_resume(tmp_path):
     assert history[-1]["step"] == 60
 
 
+def row_bytes(data: dict, where: np.ndarray | None = None) -> set[bytes]:
+    """A dataset's rows (tokens up to each length) as a set, optionally only where ``where`` is true."""
+    keep = np.ones(len(data["lengths"]), bool) if where is None else where
+    return {data["tokens"][i, :n].tobytes() for i, n in enumerate(data["lengths"]) if keep[i]}
+
+
 def test_pipeline_on_token_id_prompts(tmp_path):
     """prompts → data → train → export → eval through the same code the CLI runs (tiny z-lab target)."""
     from dflash_jax.train.pipeline import run
@@ -364,9 +370,8 @@ def test_pipeline_on_token_id_prompts(tmp_path):
     assert "data_incomplete" not in stopped and stopped["stopped_at"] == 1 and "eval" not in stopped
     full = data_mod.load_dataset(out / "data.npz")
     assert len(full["lengths"]) == 32
-    rows_of = lambda d: {d["tokens"][i, :n].tobytes() for i, n in enumerate(d["lengths"])}  # noqa: E731
-    parts = [rows_of(dict(np.load(f))) for f in sorted((out / "data_parts").glob("part_*.npz"))]
-    assert len(parts) == 2 and rows_of(partial) in parts and rows_of(full) == parts[0] | parts[1]
+    parts = [row_bytes(dict(np.load(f))) for f in sorted((out / "data_parts").glob("part_*.npz"))]
+    assert len(parts) == 2 and row_bytes(partial) in parts and row_bytes(full) == parts[0] | parts[1]
     assert (out / "drafter" / "model.safetensors").is_file()
     assert json.loads((out / "train_summary.json").read_text())["completed"] is False
     result = run(tmp_path / "cfg.yaml", progress=False)
@@ -430,10 +435,8 @@ def test_data_stage_adds_seeded_sampled_responses(tmp_path):
     assert sum(g != s for (_, g), (_, s) in zip(greedy, sampled)) >= 6
     assert first["sampled"].tolist() == ([False] * 4 + [True] * 4) * 3
     # Another data seed: the same greedy rows, other sampled ones.
-    row_set = lambda d, flag: {d["tokens"][i, :n].tobytes() for i, n in enumerate(d["lengths"])  # noqa: E731
-                               if d["sampled"][i] == flag}
-    assert row_set(reseeded, False) == row_set(first, False)
-    assert len(row_set(reseeded, True) & row_set(first, True)) <= 3
+    assert row_bytes(reseeded, ~reseeded["sampled"]) == row_bytes(first, ~first["sampled"])
+    assert len(row_bytes(reseeded, reseeded["sampled"]) & row_bytes(first, first["sampled"])) <= 3
     # Held-out τ rows are greedy rows, and their prompts' sampled rows are not trained on either.
     target = load_target(ZLAB / "target", "float32")
     trainer = Trainer(target, random_drafter(target, block_size=4, num_layers=1, mask_token_id=255),

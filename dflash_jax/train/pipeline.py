@@ -55,6 +55,7 @@ class DataSpec:
     sample_temperature: float = 0.8
     # Seeds the chunk order and the sampled answers: another seed gives other sampled rows for the same
     # prompts and, for a data stage stopped early, another sample of the prompts (greedy rows do not change).
+    # Parts already written in out_dir are kept whatever their seed: use a new out_dir for a new seed.
     seed: int = 0
     # Also this many HumanEval-style code prompts (documented public functions of the standard library and
     # of ``code_packages``, see data.python_function_prompts); ShareGPT has few "write this function" asks.
@@ -176,11 +177,15 @@ class Pipeline:
                 for p in tqdm(prompts, desc="tokenize", unit="prompt", mininterval=2)]
 
     # ---- stage: data ------------------------------------------------------------------------------
+    @property
+    def data_path(self) -> Path:
+        return self.out / "data.npz"
+
     def data_complete(self) -> bool:
         """Whether ``data.npz`` holds every chunk (a data stage stopped by ``stop_after_s`` leaves the
         finished chunks merged in ``data.npz`` with ``"complete": false`` in ``data_summary.json``)."""
         summary = self.out / "data_summary.json"
-        if not (self.out / "data.npz").is_file():
+        if not self.data_path.is_file():
             return False
         return not summary.is_file() or json.loads(summary.read_text()).get("complete", True)
 
@@ -193,7 +198,7 @@ class Pipeline:
         """
         from dflash_jax import generate
 
-        final = self.out / "data.npz"
+        final = self.data_path
         if self.data_complete():
             return final
         d = self.cfg.data
@@ -210,7 +215,7 @@ class Pipeline:
         # prompt length and source, which can be trained on (resuming fills in the rest).
         chunk_order = np.random.default_rng(d.seed).permutation(len(chunks))
         bar = tqdm(total=len(order), desc="self-distill", unit="prompt", dynamic_ncols=True)
-        t0, new_tokens, stopped = time.perf_counter(), 0, False
+        t0, new_tokens = time.perf_counter(), 0
         part_of = lambda c: parts_dir / f"part_{c:05d}.npz"  # noqa: E731
         for c in map(int, chunk_order):
             chunk = chunks[c]
@@ -220,7 +225,6 @@ class Pipeline:
                 bar.update(n_rows)
                 continue
             if stop_after_s is not None and new_tokens and time.perf_counter() - t0 >= stop_after_s:
-                stopped = True
                 break
             prompts, responses, sampled_rows = [], [], []
             for j, b in enumerate(chunk):
@@ -248,7 +252,7 @@ class Pipeline:
         summary.update(generation_s=time.perf_counter() - t0, chunks_done=len(done), chunks_total=len(chunks),
                        complete=len(done) == len(chunks))
         (self.out / "data_summary.json").write_text(json.dumps(summary, indent=1))
-        if stopped:
+        if not summary["complete"]:  # only a stop leaves chunks undone
             log.warning("data stage stopped after %.0f s (stop_after_s) with %d of %d chunks; data.npz holds "
                         "them; run the data stage again to generate the rest", summary["generation_s"],
                         len(done), len(chunks))
@@ -298,8 +302,7 @@ class Pipeline:
         reached are exported); ``self.train_summary["completed"]`` then says whether every planned step is done.
         """
         # The data made so far, also by a data stage that was stopped early (the data stage completes it).
-        final = self.out / "data.npz"
-        data = data_mod.load_dataset(final if final.is_file() else self.data())
+        data = data_mod.load_dataset(self.data_path if self.data_path.is_file() else self.data())
         drafter = self.new_drafter()
         trainer = Trainer(self.target, drafter, self.cfg.train, self.out)
         t0 = time.perf_counter()
