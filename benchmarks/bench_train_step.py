@@ -6,12 +6,13 @@ alone, the loss forward (features + drafter + lm_head + cross-entropy), and the 
 sequences of ``--seq-len`` tokens (prompt ``--prompt-len``). Throughput is reported as trained block
 tokens (anchors × block size) per second, the figure that decides how much training a budget buys.
 
-Each row also carries XLA's cost analysis of the compiled pieces (TFLOP and GB accessed by the feature
-forward, and by the drafter-side loss forward and forward + backward given the features): where the bytes
-go, on whatever backend compiles them. ``--cost-only`` skips the timing (useful on a CPU).
+Each row also carries XLA's cost analysis of the compiled pieces (TFLOP, GB accessed and GB of temporaries,
+by the feature forward, and by the drafter-side loss forward and forward + backward given the features): where
+the bytes go, on whatever backend compiles them. ``--cost-only`` skips the timing (useful on a CPU).
 
     python benchmarks/bench_train_step.py --settings 32x128,64x64,16x256 --out bench_train_step.json
     python benchmarks/bench_train_step.py --settings 32x128 --cost-only     # no accelerator needed
+    python benchmarks/bench_train_step.py --settings 32x128 --ce-chunk-rows 8192   # the chunked cross-entropy
 """
 
 from __future__ import annotations
@@ -41,17 +42,22 @@ from dflash_jax.train.objective import dflash_loss, target_features  # noqa: E40
 from dflash_jax.train.trainer import Trainer, TrainSettings, batch_for_step  # noqa: E402
 
 
-def cost(fn, *args) -> tuple[float, float]:
-    """(TFLOP, GB accessed) of ``fn`` compiled for these arguments (XLA's estimate; nothing runs)."""
-    c = jax.jit(fn).lower(*args).compile().cost_analysis()
+def cost(fn, *args) -> tuple[float, float, float]:
+    """(TFLOP, GB accessed, GB of temporaries) of ``fn`` compiled for these arguments (XLA's estimates;
+    nothing runs). XLA's cost analysis counts a loop body once, so with ``--ce-chunk-rows`` the TFLOP and GB
+    figures leave out all chunks but one; the temporaries (peak scratch memory) are whole."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    c = compiled.cost_analysis()
     c = c[0] if isinstance(c, list) else c
-    return c.get("flops", 0.0) / 1e12, c.get("bytes accessed", 0.0) / 1e9
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    return c.get("flops", 0.0) / 1e12, c.get("bytes accessed", 0.0) / 1e9, temp / 1e9
 
 
 def drafter_loss(trainer: Trainer, target, params, batch, features):
     """The step's loss as a function of the drafter's fp32 master parameters (cast to the compute dtype)."""
     drafter = nnx.merge(trainer.d_graph, jax.tree.map(lambda x: x.astype(trainer.compute_dtype), params))
-    return dflash_loss(drafter, target.model, batch, weights=trainer.weights, features=features)[0]
+    return dflash_loss(drafter, target.model, batch, weights=trainer.weights, features=features,
+                       ce_chunk_rows=trainer.s.ce_chunk_rows)[0]
 
 
 def median_time(fn, reps: int) -> float:
@@ -80,6 +86,8 @@ def main() -> int:
     ap.add_argument("--out", default="bench_train_step.json")
     ap.add_argument("--quick", action="store_true", help="a 4-layer target and short sequences (CPU smoke test)")
     ap.add_argument("--cost-only", action="store_true", help="XLA cost analysis only, no timing")
+    ap.add_argument("--ce-chunk-rows", type=int, default=None,
+                    help="TrainSettings.ce_chunk_rows: the cross-entropy's lm_head in chunks of this many slots")
     args = ap.parse_args()
     cfg = dataclasses.replace(SMOLLM2_135M, num_layers=4) if args.quick else SMOLLM2_135M
     target = random_target(cfg, jnp.float32)  # the trained drafter's target runs in float32
@@ -87,7 +95,8 @@ def main() -> int:
     for setting in args.settings.split(","):
         bs, anchors = (int(x) for x in setting.split("x"))
         drafter = random_drafter(target, num_layers=args.layers, block_size=16, mask_token_id=16, dtype="float32")
-        s = TrainSettings(batch_size=bs, max_anchors=anchors, compute_dtype="bfloat16")
+        s = TrainSettings(batch_size=bs, max_anchors=anchors, compute_dtype="bfloat16",
+                          ce_chunk_rows=args.ce_chunk_rows)
         with tempfile.TemporaryDirectory() as tmp:
             trainer = Trainer(target, drafter, s, tmp)
             trainer._build()
@@ -102,7 +111,9 @@ def main() -> int:
                          "loss_forward": cost(loss, trainer.params, batch, f_struct),
                          "loss_forward_backward": cost(jax.grad(loss), trainer.params, batch, f_struct)}
             row = dict(batch=bs, anchors=anchors, seq_len=int(batch["tokens"].shape[1]),
-                       **{f"{k}_TFLOP": v[0] for k, v in costs.items()}, **{f"{k}_GB": v[1] for k, v in costs.items()})
+                       ce_chunk_rows=args.ce_chunk_rows, **{f"{k}_TFLOP": v[0] for k, v in costs.items()},
+                       **{f"{k}_GB": v[1] for k, v in costs.items()},
+                       **{f"{k}_temp_GB": v[2] for k, v in costs.items()})
             if not args.cost_only:
                 params = jax.tree.map(jnp.copy, trainer.params)
                 opt_state = trainer.tx.init(params)
@@ -126,14 +137,14 @@ def main() -> int:
         print(json.dumps(row), flush=True)
     Path(args.out).write_text(json.dumps({"device": jax.devices()[0].device_kind, "rows": rows}, indent=1))
     print(f"\n{jax.devices()[0].device_kind}: SmolLM2-135M-shaped target, {args.layers}-layer drafter, block 16")
-    print("| seqs × anchors | T | features GB | loss fwd GB (no features) | loss fwd+bwd GB | features ms | "
-          "loss fwd ms | step ms | block tokens/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| seqs × anchors | T | features GB | loss fwd GB (no features) | loss fwd+bwd GB | fwd+bwd temporaries GB | "
+          "features ms | loss fwd ms | step ms | block tokens/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         timed = (f"{r['features_ms']:.1f} | {r['loss_forward_ms']:.1f} | {r['step_ms']:.1f} | "
                  f"{r['block_tokens_per_s']:,.0f}") if "step_ms" in r else "– | – | – | –"
         print(f"| {r['batch']}×{r['anchors']} | {r['seq_len']} | {r['features_GB']:.1f} | {r['loss_forward_GB']:.1f} | "
-              f"{r['loss_forward_backward_GB']:.1f} | {timed} |")
+              f"{r['loss_forward_backward_GB']:.1f} | {r['loss_forward_backward_temp_GB']:.1f} | {timed} |")
     return 0
 
 

@@ -205,11 +205,39 @@ def walked_tau(cycles: list[list[int]]) -> float:
     return sum(map(sum, cycles)) / n if n else 0.0
 
 
+def slot_cross_entropy(drafter: DFlashDrafter, target: TargetModel, hidden: Float[Array, "Bs A L1 D"],
+                       labels: Int[Array, "Bs A L1"], chunk_rows: int | None = None
+                       ) -> tuple[Float[Array, "Bs A L1"], Bool[Array, "Bs A L1"]]:
+    """Cross-entropy of each draft slot's logits against its label, and whether its top-1 is the label.
+
+    ``chunk_rows`` None materializes every slot's float32 logits at once, [Bs, A, L-1, V] (12 GB for the
+    SmolLM2 recipe's 32 × 128 anchors × 15 slots × 49,152 words), and the backward pass keeps them. With
+    ``chunk_rows``, slots go through the lm_head that many at a time under ``jax.checkpoint``: only one
+    chunk's logits exist at once, and the backward pass recomputes them (one more lm_head matmul per chunk).
+    Same numbers either way, up to summation order."""
+
+    def per_slot(h, y):
+        logits = drafter.draft_logits(h, target)
+        ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
+        return ce, jnp.argmax(logits, -1) == y
+
+    if chunk_rows is None:
+        return per_slot(hidden, labels)
+    n = labels.size
+    chunks = -(-n // chunk_rows)
+    pad = chunks * chunk_rows - n
+    h = jnp.pad(hidden.reshape(n, hidden.shape[-1]), ((0, pad), (0, 0))).reshape(chunks, chunk_rows, -1)
+    y = jnp.pad(labels.reshape(n), (0, pad)).reshape(chunks, chunk_rows)
+    ce, correct = jax.lax.map(jax.checkpoint(lambda hy: per_slot(*hy)), (h, y))
+    return ce.reshape(-1)[:n].reshape(labels.shape), correct.reshape(-1)[:n].reshape(labels.shape)
+
+
 def dflash_loss(drafter: DFlashDrafter, target: TargetModel, batch: dict, *, weights: jax.Array,
-                features: jax.Array | None = None) -> tuple[jax.Array, dict]:
+                features: jax.Array | None = None, ce_chunk_rows: int | None = None) -> tuple[jax.Array, dict]:
     """Weighted cross-entropy over block slots 1…L-1, plus accuracy metrics.
 
     ``batch``: tokens [Bs, T], lengths [Bs], anchors [Bs, A], valid [Bs, A]. ``weights``: [L-1].
+    ``ce_chunk_rows``: see ``slot_cross_entropy``.
     Metrics: ``acc`` (top-1 per labelled slot) and ``tau`` — the acceptance length greedy decoding would get
     on these blocks, 1 + the number of leading correct slots, averaged over anchors.
     """
@@ -220,13 +248,10 @@ def dflash_loss(drafter: DFlashDrafter, target: TargetModel, batch: dict, *, wei
     block_ids, positions, labels, label_ok = block_inputs(batch["tokens"], batch["lengths"], batch["anchors"],
                                                           batch["valid"], l, cfg.mask_token_id)
     hidden = drafter_forward_blocks(drafter, target, features, block_ids, positions, batch["anchors"])
-    logits = drafter.draft_logits(hidden[:, :, 1:], target)  # [Bs, A, L-1, V] float32
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    gold = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
-    ce = logz - gold
+    ce, top1 = slot_cross_entropy(drafter, target, hidden[:, :, 1:], labels, ce_chunk_rows)
     w = weights[None, None, :] * label_ok
     loss = (ce * w).sum() / jnp.maximum(w.sum(), 1e-6)
-    correct = (jnp.argmax(logits, -1) == labels) & label_ok
+    correct = top1 & label_ok
     leading = _leading(correct)
     anchors_ok = batch["valid"]
     metrics = {

@@ -57,6 +57,10 @@ class TrainSettings:
     # the τ evaluation would measure, and how far the drafter has specialised in its own training rows.
     val_rows: int = 0
     val_every: int | None = None
+    # Draft slots per lm_head chunk of the cross-entropy (objective.slot_cross_entropy); None = all at once.
+    # Chunks hold one chunk's float32 logits instead of every slot's, at the price of recomputing them
+    # in the backward pass.
+    ce_chunk_rows: int | None = None
 
     def total_steps(self, num_rows: int) -> int:
         if self.max_steps is not None:
@@ -127,6 +131,8 @@ class Trainer:
             raise ConfigError(f"block size must be >= 2, got {dc.block_size}")
         if not 0.0 < settings.repeat_anchor_weight <= 1.0:
             raise ConfigError(f"repeat_anchor_weight must be in (0, 1], got {settings.repeat_anchor_weight}")
+        if settings.ce_chunk_rows is not None and settings.ce_chunk_rows < 1:
+            raise ConfigError(f"ce_chunk_rows must be >= 1 (or unset), got {settings.ce_chunk_rows}")
         if settings.val_rows < 0 or (settings.val_every is not None and settings.val_every < 1):
             raise ConfigError(f"val_rows must be >= 0 and val_every >= 1, got {settings.val_rows} and "
                               f"{settings.val_every}")
@@ -151,7 +157,7 @@ class Trainer:
         def loss_fn(params, t_state, batch):
             drafter = nnx.merge(d_graph, jax.tree.map(lambda x: x.astype(cdt), params))
             target = nnx.merge(t_graph, t_state)
-            return dflash_loss(drafter, target, batch, weights=weights)
+            return dflash_loss(drafter, target, batch, weights=weights, ce_chunk_rows=self.s.ce_chunk_rows)
 
         def step(params, opt_state, t_state, batch, lr):
             grads, metrics = jax.grad(loss_fn, has_aux=True)(params, t_state, batch)
