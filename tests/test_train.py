@@ -25,8 +25,7 @@ from dflash_jax.loading import deepen_drafter, load_target
 from dflash_jax.checkpoints.export import export_drafter
 from dflash_jax.train import data as data_mod
 from dflash_jax.train.objective import (_multi_block_attention, block_inputs, dflash_loss, drafter_forward_blocks,
-                                        loss_weights,
-                                        repeated_blocks, sample_anchors, target_features, walked_tau)
+                                        loss_weights, repeated_blocks, sample_anchors, target_features, walked_tau)
 from dflash_jax.train.pipeline import load_run_config
 from dflash_jax.train.trainer import Trainer, TrainSettings, batch_for_step
 
@@ -549,8 +548,8 @@ def test_bad_training_input(tmp_path):
     with pytest.raises(ConfigError, match="unknown keys"):
         load_run_config(tmp_path / "c.yaml")
     with pytest.raises(ConfigError, match="ce_chunk_rows must be >= 1"):
-        Trainer(tiny_target("qwen3"), random_drafter(tiny_target("qwen3"), block_size=4), TrainSettings(ce_chunk_rows=0),
-                tmp_path / "y")
+        small = tiny_target("qwen3")
+        Trainer(small, random_drafter(small, block_size=4), TrainSettings(ce_chunk_rows=0), tmp_path / "y")
     # A drafter checkpoint made for another target shape cannot be trained or loaded against this target.
     other = tiny_target("qwen3", hidden_size=48, vocab_size=256, num_layers=6)
     with pytest.raises(ConfigError, match="hidden_size"):

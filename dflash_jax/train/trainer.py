@@ -153,11 +153,12 @@ class Trainer:
     def _build(self):
         tx = make_optimizer(self.s)
         d_graph, t_graph, weights, cdt = self.d_graph, self.t_graph, self.weights, self.compute_dtype
+        ce_chunk_rows = self.s.ce_chunk_rows
 
         def loss_fn(params, t_state, batch):
             drafter = nnx.merge(d_graph, jax.tree.map(lambda x: x.astype(cdt), params))
             target = nnx.merge(t_graph, t_state)
-            return dflash_loss(drafter, target, batch, weights=weights, ce_chunk_rows=self.s.ce_chunk_rows)
+            return dflash_loss(drafter, target, batch, weights=weights, ce_chunk_rows=ce_chunk_rows)
 
         def step(params, opt_state, t_state, batch, lr):
             grads, metrics = jax.grad(loss_fn, has_aux=True)(params, t_state, batch)
