@@ -25,7 +25,9 @@ from common import copy_bandwidth  # noqa: E402
 
 # (name, D_in, D_out): the target's per-layer projections (q, kv, o, gate+up, down) and the lm_head.
 SHAPES = [("q_proj", 4096, 4096), ("kv_proj", 4096, 1024), ("gate_proj", 4096, 12288), ("down_proj", 12288, 4096),
-          ("lm_head", 4096, 151936)]
+          ("lm_head", 4096, 151936),
+          # the same weights fused (one product instead of three / two): does fusing reach the floor at 1 row?
+          ("qkv_fused", 4096, 6144), ("gate_up_fused", 4096, 24576)]
 
 
 def time_matmul(m: int, d_in: int, d_out: int, iters: int, reps: int) -> float:

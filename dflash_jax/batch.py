@@ -134,7 +134,7 @@ class _Batch:
     rows: list[Row]
     job: generation.Job
     dispatched: Any = None  # Future of the dispatch thread; its result is ``state``
-    state: Any = None
+    state: Any = None  # the final packed view (generation.launch)
     launched: float | None = None  # dispatch start
     ready: float | None = None
 
@@ -161,7 +161,7 @@ class _ReadyWatcher(threading.Thread):
                 if not self.queue:
                     return
                 batch = self.queue.pop(0)
-            jax.block_until_ready(batch.state.num_new)
+            jax.block_until_ready(batch.state)  # the batch's packed view
             with self.cv:
                 batch.ready = time.perf_counter()
                 self.cv.notify_all()

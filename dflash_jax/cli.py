@@ -1,4 +1,4 @@
-"""Command line: ``dflash-jax demo``, ``dflash-jax generate`` and ``dflash-jax train``."""
+"""Command line: ``dflash-jax demo``, ``generate`` (batch), ``chat`` (interactive) and ``train``."""
 
 from __future__ import annotations
 
@@ -69,10 +69,9 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
-    import json
-
-    from dflash_jax.batch import run_batch
+def _load_models(args: argparse.Namespace):
+    """(target, drafter or None) from ``--config`` or ``--target/--drafter``, ``--dtype``, ``--mesh``,
+    ``--autoregressive``."""
     from dflash_jax.loading import load_drafter, load_pair, load_target
     from dflash_jax.sharding import make_mesh, parse_mesh
 
@@ -82,8 +81,25 @@ def _generate(args: argparse.Namespace) -> int:
         drafter = load_drafter(args.drafter, target) if args.drafter else None
     else:
         target, drafter = load_pair(args.config, dtype=args.dtype, mesh=mesh)
-    if args.autoregressive:
-        drafter = None
+    return target, None if args.autoregressive else drafter
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from dflash_jax.chat import run_chat
+
+    print(f"Loading {args.target or args.config} …", flush=True)
+    target, drafter = _load_models(args)
+    return run_chat(target, drafter, system=args.system, max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                    block_size=args.block_size, attention_impl=args.attention_impl)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import json
+
+    from dflash_jax.batch import run_batch
+
+    target, drafter = _load_models(args)
     summary = run_batch(target, drafter, args.input, args.output, max_new_tokens=args.max_new_tokens,
                         batch_size=args.batch_size, block_size=args.block_size, temperature=args.temperature,
                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, limit=args.limit, resume=args.resume,
@@ -105,6 +121,22 @@ def _use_compile_cache(args: argparse.Namespace) -> None:
     from dflash_jax.tokenizer import cache_dir
 
     jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "xla"))
+
+
+def _model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default="smollm2-135m", help="pair name or YAML (default: the embedded pair)")
+    parser.add_argument("--target", help="target checkpoint (instead of --config)")
+    parser.add_argument("--drafter", help="drafter checkpoint (with --target)")
+    parser.add_argument("--autoregressive", action="store_true", help="no drafter: plain decoding")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the pair config's")
+    parser.add_argument("--mesh", help="e.g. 'tp=2,dp=4': tensor × data parallel over the local devices")
+
+
+def _sampling_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0: off")
+    parser.add_argument("--top-p", type=float, default=1.0, help="1: off")
+    parser.add_argument("--seed", type=int, default=0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,21 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--no-progress", action="store_true")
     train.set_defaults(func=_train)
     gen = sub.add_parser("generate", parents=[common], help="batch offline generation: JSONL/text prompts in, JSONL out (resumable)")
-    gen.add_argument("--config", default="smollm2-135m", help="pair name or YAML (default: the embedded pair)")
-    gen.add_argument("--target", help="target checkpoint (instead of --config)")
-    gen.add_argument("--drafter", help="drafter checkpoint (with --target)")
-    gen.add_argument("--autoregressive", action="store_true", help="no drafter: plain decoding")
+    _model_options(gen)
     gen.add_argument("--input", required=True, help="JSONL (id + prompt|messages|token_ids) or text, one per line")
     gen.add_argument("--output", required=True, help="JSONL records, appended per finished batch")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the pair config's")
-    gen.add_argument("--mesh", help="e.g. 'tp=2,dp=4': tensor × data parallel over the local devices")
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--batch-size", type=int, default=32)
     gen.add_argument("--block-size", type=int)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
+    _sampling_options(gen)
     gen.add_argument("--limit", type=int, help="only the first N prompts of the input")
     gen.add_argument("--resume", action="store_true", help="continue an existing output, skipping finished ids")
     gen.add_argument("--skip-bad", action="store_true", help="write bad rows to <output>.errors.jsonl and go on")
@@ -158,6 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--no-speedup-estimate", action="store_true",
                      help="skip re-running one batch both ways (speculative vs autoregressive) for the summary")
     gen.set_defaults(func=_generate)
+    chat = sub.add_parser("chat", parents=[common], help="interactive chat with streamed answers (τ and tokens/s "
+                                                         "after each)")
+    _model_options(chat)
+    chat.add_argument("--system", help="a system message at the start of the conversation")
+    chat.add_argument("--max-new-tokens", type=int, default=512, help="per answer")
+    _sampling_options(chat)
+    chat.add_argument("--block-size", type=int)
+    chat.add_argument("--attention-impl", default="auto", choices=IMPLS)
+    chat.set_defaults(func=_chat)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     _use_compile_cache(args)

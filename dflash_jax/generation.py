@@ -16,12 +16,11 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from dflash_jax import attention
 from dflash_jax.decode import loop
 from dflash_jax.decode.sampling import SamplingParams
-from dflash_jax.decode.state import LoopSpec
+from dflash_jax.decode.state import DecodeView, LoopSpec
 from dflash_jax.loading import Drafter, Target, as_drafter, as_target
 from dflash_jax.tokenizer import TokenizerMissingError
 
@@ -40,11 +39,18 @@ class GenerationOutput:
 
 
 # --------------------------------------------------------------------------------------------------
-# Compilation cache: one executable per (program, static settings, model graphs, argument shapes).
+# Compiled programs: one (prefill, decode) pair per (static settings, model structures, argument shapes).
 # --------------------------------------------------------------------------------------------------
 
-_EXECUTABLES: dict[Any, Any] = {}
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    prefill: Any  # (params, ints, floats) → (state, packed view)
+    decode: Any  # (params, state, max_cycles) → (state, packed view); the state is donated
+
+
+_PROGRAMS: dict[tuple, Programs] = {}
 _COMPILE_COUNT = 0
+ALL_CYCLES = np.int32(np.iinfo(np.int32).max)  # decode's max_cycles for "until every row is done"
 
 
 def compile_count() -> int:
@@ -52,26 +58,23 @@ def compile_count() -> int:
     return _COMPILE_COUNT
 
 
-def _signature(tree) -> tuple:
-    leaves, treedef = jax.tree.flatten(tree)
-    return treedef, tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in leaves)
-
-
-def _executable(fn, static: dict, graphdefs, args: tuple, donate: tuple[int, ...] = (), mesh=None):
+def _programs(key: tuple, graphdefs: tuple, params: tuple, pre_args: tuple, spec: LoopSpec, static: dict,
+              mask_id: int) -> Programs:
+    """The cached programs for ``key`` (small and cheap to hash: the model structures enter as the integers
+    of :class:`~dflash_jax.loading.SplitModel`), compiled on first use."""
     global _COMPILE_COUNT
-    # The default matmul precision is read at trace time (float32 dots: TF32 vs IEEE), so it keys programs too.
-    key = (fn.__name__, tuple(sorted(static.items())), graphdefs, _signature(args),
-           jax.config.jax_default_matmul_precision)
-    exe = _EXECUTABLES.get(key)
-    if exe is None:
-        jitted = jax.jit(functools.partial(fn, **static), static_argnums=0,
-                         donate_argnums=tuple(d + 1 for d in donate))
+    programs = _PROGRAMS.get(key)
+    if programs is None:
         # Trace under our (auto-axes) mesh, whatever mesh context the caller is in (e.g. an explicit one).
-        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-            exe = jitted.lower(graphdefs, *args).compile()
-        _EXECUTABLES[key] = exe
-        _COMPILE_COUNT += 1
-    return exe
+        with jax.set_mesh(spec.plan.mesh) if spec.plan else contextlib.nullcontext():
+            pre = jax.jit(functools.partial(loop.prefill_fn, spec=spec, **static),
+                          static_argnums=0).lower(graphdefs, *pre_args).compile()
+            dec = jax.jit(functools.partial(loop.decode_fn, spec=spec, mask_token_id=mask_id), static_argnums=0,
+                          donate_argnums=2).lower(graphdefs, params, pre.out_info[0],
+                                                  jax.ShapeDtypeStruct((), jnp.int32)).compile()
+        programs = _PROGRAMS[key] = Programs(pre, dec)
+        _COMPILE_COUNT += 2
+    return programs
 
 
 # --------------------------------------------------------------------------------------------------
@@ -92,7 +95,8 @@ def bucket(n: int, minimum: int = 16) -> int:
 
 def _tokenize(target: Target, prompts: Sequence[Prompt], chat: bool) -> list[list[int]]:
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
-        raise TypeError("prompts must be a list of prompts (strings, token-id lists or chat message lists)")
+        raise TypeError(f"prompts must be a list of prompts (strings, token-id lists or chat message lists), "
+                        f"got {type(prompts).__name__}")
     if len(prompts) == 0:
         raise ValueError("prompts is empty: give at least one prompt")
     vocab = target.config.vocab_size
@@ -107,18 +111,22 @@ def _tokenize(target: Target, prompts: Sequence[Prompt], chat: bool) -> list[lis
                 raise ValueError(f"prompt {i} is empty")
             ids = target.tokenizer.encode(p, chat=chat)
         else:
-            ids = [int(t) for t in np.asarray(p).reshape(-1)]
+            arr = np.asarray(p)
+            if arr.size and arr.dtype.kind not in "iu":
+                raise ValueError(f"prompt {i} must be text, a chat message list or token ids, got {p!r:.80}")
+            ids = arr.astype(np.int64).reshape(-1)
+            bad = ids[(ids < 0) | (ids >= vocab)]
+            if bad.size:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5].tolist()}")
+            ids = ids.tolist()
         if not ids:
             raise ValueError(f"prompt {i} is empty")
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         out.append(ids)
     return out
 
 
 def check_max_new_tokens(max_new_tokens: int) -> None:
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens <= 0:
+    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
 
 
@@ -131,19 +139,30 @@ def _per_row(value, n: int, name: str, dtype) -> np.ndarray:
     return arr.astype(dtype)
 
 
-def sampling_params(n: int, temperature, top_k, top_p) -> SamplingParams:
-    """Validated per-row sampling settings (HF meanings: temperature 0 = greedy, top_k 0 / top_p 1 = off),
-    as host arrays: they reach the device once, padded to the batch's compiled shape (see ``prepare``)."""
-    t = _per_row(temperature, n, "temperature", np.float32)
-    k = _per_row(top_k, n, "top_k", np.float64)
-    p = _per_row(top_p, n, "top_p", np.float32)
-    if (t < 0).any() or not np.isfinite(t).all():
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {t[(t < 0) | ~np.isfinite(t)][0]}")
-    if (k < 0).any() or (k != np.round(k)).any():
-        raise ValueError(f"top_k must be a non-negative integer (0 = off), got {k[(k < 0) | (k != np.round(k))][0]}")
-    if ((p <= 0) | (p > 1) | ~np.isfinite(p)).any():
-        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {p[(p <= 0) | (p > 1) | ~np.isfinite(p)][0]}")
-    return SamplingParams(t, k.astype(np.int32), p)
+def _setting(value, n: int, name: str, default: float, valid, expected: str) -> np.ndarray:
+    """One sampling setting per row from a number, ``None`` (= ``default``, as HF and vLLM callers pass it)
+    or one value per prompt; an error names the value that was given."""
+    items = list(value) if isinstance(value, (list, tuple, np.ndarray)) else [value] * n
+    if len(items) != n:
+        raise ValueError(f"{name} must be a number or one value per prompt ({n} prompts), got {len(items)} "
+                         f"values: {value!r}")
+    out = np.empty(n, np.float64)
+    for i, v in enumerate(items):
+        v = default if v is None else v
+        number = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_))
+        if not (number and np.isfinite(v) and valid(v)):
+            raise ValueError(f"{name} must be {expected}, got {v!r}")
+        out[i] = v
+    return out
+
+
+def sampling_params(n: int, temperature=None, top_k=None, top_p=None) -> SamplingParams:
+    """Validated per-row sampling settings (HF meanings: temperature 0 = greedy, top_k 0 / top_p 1 = off;
+    ``None`` = off), as host arrays: they reach the device once, padded to the batch's compiled shape."""
+    t = _setting(temperature, n, "temperature", 0.0, lambda v: v >= 0, ">= 0 (0 or None = greedy)")
+    k = _setting(top_k, n, "top_k", 0, lambda v: v >= 0 and v == int(v), "a non-negative integer (0 or None = off)")
+    p = _setting(top_p, n, "top_p", 1.0, lambda v: 0 < v <= 1, "in (0, 1] (1 or None = off)")
+    return SamplingParams(t.astype(np.float32), k.astype(np.int32), p.astype(np.float32))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -152,7 +171,8 @@ def sampling_params(n: int, temperature, top_k, top_p) -> SamplingParams:
 
 @dataclasses.dataclass
 class Job:
-    """One batch prepared on the host: shapes bucketed, programs compiled (or fetched from the cache).
+    """One batch prepared on the host: shapes bucketed, programs compiled (or fetched from the cache), inputs
+    on the device.
 
     :func:`launch` dispatches it without waiting (JAX async dispatch), so the host can prepare the next batch
     while the device decodes this one; :func:`collect` fetches the results.
@@ -162,22 +182,32 @@ class Job:
     drafter: Drafter | None
     ids: list[list[int]]  # real rows only
     stops: tuple[int, ...]
-    graphdefs: tuple
-    params: tuple
-    pre_args: tuple
+    params: tuple  # (target params, drafter params or None): the programs' first argument
+    pre_args: tuple  # the prefill program's arguments
     spec: LoopSpec
-    capacity: int
-    mask_id: int
-    pre_exe: Any = None
+    programs: Programs
+    token_capacity: int  # O: width of the tokens buffer (unpacks the programs' packed views)
     compile_s: float = 0.0
 
 
+@functools.lru_cache(maxsize=256)
+def _loop_spec(block_size: int, new_cap: int, capture: tuple, impl: str, sampled: bool, draft_sampling: bool,
+               top_k: bool, top_p: bool, mesh, target_cfg, drafter_cfg) -> LoopSpec:
+    from dflash_jax import sharding as shd
+
+    return LoopSpec(block_size=block_size, new_capacity=new_cap, capture=capture, impl=impl,
+                    prefill_chunk=PREFILL_CHUNK, sampling=sampled, draft_sampling=sampled and draft_sampling,
+                    top_k=top_k, top_p=top_p, plan=shd.make_plan(mesh, target_cfg, drafter_cfg))
+
+
 def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, max_new_tokens, block_size: int,
-            stop_token_ids=None, attention_impl: str = "auto", temperature=0.0, top_k=0, top_p=1.0, seed: int = 0,
-            draft_sampling: bool = False, pad_batch_to: int | None = None) -> Job:
+            stop_token_ids=None, attention_impl: str = "auto", temperature=None, top_k=None, top_p=None,
+            seed: int = 0, draft_sampling: bool = False, pad_batch_to: int | None = None) -> Job:
     """Validate and bucket one batch of token-id prompts. ``max_new_tokens``: one value or one per row.
 
     ``pad_batch_to`` adds finished dummy rows so that every batch of a run has the same compiled shape.
+    Host work only, no per-parameter Python: the models' splits are cached on their handles and the
+    programs are looked up by a small key.
     """
     cfg = target.config
     n = len(ids)
@@ -185,10 +215,10 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
     for m in np.unique(max_new):
         check_max_new_tokens(int(m))
     sp = sampling_params(n, temperature, top_k, top_p)
-    lens = [len(p) for p in ids]
-    worst = int(np.max(np.asarray(lens) + max_new))
-    if worst > cfg.max_position_embeddings:
-        i = int(np.argmax(np.asarray(lens) + max_new))
+    lens = np.asarray([len(p) for p in ids])
+    worst = lens + max_new
+    if worst.max() > cfg.max_position_embeddings:
+        i = int(np.argmax(worst))
         raise ValueError(f"prompt of {lens[i]} tokens + max_new_tokens {int(max_new[i])} exceeds the model's "
                          f"maximum length {cfg.max_position_embeddings}")
     stops = target.stop_token_ids if stop_token_ids is None else tuple(int(s) for s in stop_token_ids)
@@ -202,110 +232,127 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
     b = max(n, pad_batch_to or 0)
     b = -(-b // dp) * dp  # batch rows split evenly over dp
     pad = b - n
-    p = bucket(max(lens))
+    p = bucket(int(lens.max()))
     new_cap = bucket(int(max_new.max()))
     capacity = -(-(p + new_cap + block_size) // 16) * 16
     prompt = np.zeros((b, p), np.int32)
     for i, row in enumerate(ids):
         prompt[i, : len(row)] = row
-    lens_arr = np.asarray(lens + [1] * pad, np.int32)  # dummy rows: one token, one new token, discarded
-    max_arr = np.concatenate([max_new, np.ones(pad, np.int64)]).astype(np.int32)
+    lens_arr = np.concatenate([lens, np.ones(pad, np.int64)]).astype(np.int32)  # dummy rows: one token, one
+    max_arr = np.concatenate([max_new, np.ones(pad, np.int64)]).astype(np.int32)  # new token, discarded
     stop_arr = np.full((bucket(max(len(stops), 1), 8),), -1, np.int32)
     stop_arr[: len(stops)] = stops
+    sampled = bool((sp.temperature > 0).any())
     if pad:  # on the host: eager device ops would compile anew for each partial batch's row count
         sp = SamplingParams(*(np.concatenate([x, np.repeat(x[-1:], pad)]) for x in
                               (sp.temperature, sp.top_k, sp.top_p)))
 
-    impl = attention.resolve_impl(attention_impl, target.model.dtype)
-    capture = drafter.config.target_layer_ids if drafter is not None else ()
-    sampled = bool((np.asarray(sp.temperature) > 0).any())
-    spec = LoopSpec(block_size=block_size, new_capacity=new_cap, capture=tuple(capture), impl=impl,
-                    prefill_chunk=PREFILL_CHUNK,
-                    sampling=sampled, draft_sampling=sampled and draft_sampling,
-                    top_k=sampled and bool((np.asarray(sp.top_k) > 0).any()),
-                    top_p=sampled and bool((np.asarray(sp.top_p) < 1).any()),
-                    plan=shd.make_plan(target.mesh, cfg, drafter.config.layers if drafter is not None else None))
-    with jax.set_mesh(spec.plan.mesh) if spec.plan else contextlib.nullcontext():  # see _executable
-        rng = jax.random.split(jax.random.key(seed), b) if sampled else None
-        tgd, tparams = nnx.split(target.model)
-        if drafter is not None:
-            dgd, dparams = nnx.split(drafter.model)
-            mask_id = drafter.config.mask_token_id
-        else:
-            dgd, dparams, mask_id = None, None, 0
-        graphdefs, params = (tgd, dgd), (tparams, dparams)
-        rows = (lambda x: jax.device_put(x, spec.plan.rows(np.ndim(x)))) if spec.plan else jnp.asarray
-        pre_args = (params, rows(prompt), rows(lens_arr), rows(max_arr), jnp.asarray(stop_arr),
-                    rows(rng) if rng is not None else None,
-                    jax.tree.map(rows, sp) if sampled else None)
-    job = Job(target, drafter, ids, stops, graphdefs, params, pre_args, spec, capacity, mask_id)
+    spec = _loop_spec(block_size, new_cap, tuple(drafter.config.target_layer_ids) if drafter is not None else (),
+                      attention.resolve_impl(attention_impl, target.model.dtype), sampled, bool(draft_sampling),
+                      sampled and bool((sp.top_k > 0).any()), sampled and bool((sp.top_p < 1).any()),
+                      target.mesh, cfg, drafter.config.layers if drafter is not None else None)
+    tsplit = target.split()
+    dsplit = drafter.split() if drafter is not None else None
+    mask_id = drafter.config.mask_token_id if drafter is not None else 0
+    graphdefs = (tsplit.static, dsplit.static if dsplit else None)
+    params = (tsplit.leaves, dsplit.leaves if dsplit else None)
+    ints, floats = pack_inputs(prompt, lens_arr, max_arr, stop_arr, seed, sp if sampled else None)
+    # One host-to-device copy per vector (each copy costs ~0.25 ms on a GPU, whatever its size).
+    placement = spec.plan.replicated() if spec.plan else None
+    pre_args = (params, *jax.device_put((ints, floats), placement))
+    shapes = dict(batch=b, prompt_len=p, num_stops=len(stop_arr))
+    key = (spec, capacity, mask_id, tuple(shapes.values()), tsplit.structure, dsplit.structure if dsplit else None,
+           jax.config.jax_default_matmul_precision)
     t0 = time.perf_counter()
-    job.pre_exe = _executable(loop.prefill_fn, {"spec": spec, "capacity": capacity}, graphdefs, pre_args,
-                              mesh=spec.plan.mesh if spec.plan else None)
-    job.compile_s = time.perf_counter() - t0
-    return job
+    programs = _programs(key, graphdefs, params, pre_args, spec, dict(capacity=capacity, **shapes), mask_id)
+    return Job(target, drafter, ids, stops, params, pre_args, spec, programs, spec.new_capacity + spec.block_size,
+               time.perf_counter() - t0)
 
 
-def _decode_exe(job: Job, state):
-    t0 = time.perf_counter()
-    exe = _executable(loop.decode_fn, {"spec": job.spec, "mask_token_id": job.mask_id}, job.graphdefs,
-                      (job.params, state), donate=(1,), mesh=job.spec.plan.mesh if job.spec.plan else None)
-    job.compile_s += time.perf_counter() - t0
-    return exe
+def pack_inputs(prompt: np.ndarray, lens: np.ndarray, max_new: np.ndarray, stops: np.ndarray, seed: int,
+                sp: SamplingParams | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """The prefill's inputs as two flat vectors (see :func:`dflash_jax.decode.loop.unpack_inputs`)."""
+    seed_bits = np.asarray([seed % 2**32], np.uint32).view(np.int32)
+    ints = np.concatenate([prompt.reshape(-1), lens, max_new, stops, seed_bits]).astype(np.int32)
+    floats = None if sp is None else np.concatenate([sp.temperature, sp.top_k, sp.top_p]).astype(np.float32)
+    return ints, floats
 
 
 def compile_decode(job: Job) -> None:
-    """Compile (or fetch) the decode program of ``job`` now, from the prefill program's output shapes, so
-    that ``launch`` finds it ready (callers that must not compile between device work, e.g. the batch
-    command, call this first)."""
-    _decode_exe(job, job.pre_exe.out_info)
+    """Kept for callers that must not compile between device work (the batch command): ``prepare`` now
+    compiles the prefill and decode programs together, so this only checks they exist."""
+    assert job.programs.decode is not None
 
 
-def launch(job: Job):
-    """Dispatch prefill + decode; returns the (not yet computed) final DecodeState."""
-    state = job.pre_exe(*job.pre_args)
-    return _decode_exe(job, state)(job.params, state)
+def launch(job: Job, max_cycles: int | np.integer = ALL_CYCLES):
+    """Dispatch prefill + decode; returns the (not yet computed) final packed view (see :func:`collect`)."""
+    state, _ = job.programs.prefill(*job.pre_args)
+    return job.programs.decode(job.params, state, np.int32(max_cycles))[1]
 
 
-def collect(job: Job, state, stats: dict | None = None) -> GenerationOutput:
-    """Fetch a finished batch's results (blocks until the device is done with it)."""
+def finish_reasons(token_ids: list[list[int]], stops: Sequence[int]) -> list[str]:
+    stop_set = set(stops)
+    return ["stop" if t and t[-1] in stop_set else "length" for t in token_ids]
+
+
+def fetch_view(job: Job, packed) -> DecodeView:
+    """A program's packed view on the host (one device-to-host copy; blocks until it is computed)."""
+    return DecodeView.unpack(np.asarray(packed), job.token_capacity)
+
+
+def collect(job: Job, packed, stats: dict | None = None) -> GenerationOutput:
+    """A finished batch's results from its final packed view (or a :class:`DecodeView` already fetched)."""
+    view = packed if isinstance(packed, DecodeView) else fetch_view(job, packed)
     n = len(job.ids)
-    tokens, num_new, acc, cycles = jax.device_get((state.tokens, state.num_new, state.acc_lens, state.num_cycles))
-    token_ids = [tokens[i, : num_new[i]].tolist() for i in range(n)]
-    acc_lens = [acc[i, : cycles[i]].tolist() for i in range(n)]
-    stop_set = set(job.stops)
-    finish = ["stop" if t and t[-1] in stop_set else "length" for t in token_ids]
+    token_ids = [view.tokens[i, : view.num_new[i]].tolist() for i in range(n)]
+    acc_lens = [view.acc_lens[i, : view.num_cycles[i]].tolist() for i in range(n)]
     tok = job.target.tokenizer
     texts = [tok.decode(t) if tok else None for t in token_ids]
     all_acc = [a for row in acc_lens for a in row]
     stats = dict(stats or {})
     stats.setdefault("compile_s", job.compile_s)
-    stats["new_tokens"] = int(num_new[:n].sum())
-    stats["cycles"] = int(cycles[:n].max(initial=0))
+    stats["new_tokens"] = int(view.num_new[:n].sum())
+    stats["cycles"] = int(view.num_cycles[:n].max(initial=0))
     return GenerationOutput(token_ids, texts, acc_lens, float(np.mean(all_acc)) if all_acc else 0.0, stats,
-                            job.ids, finish)
+                            job.ids, finish_reasons(token_ids, job.stops))
+
+
+def make_job(target: Target, drafter: Drafter | None, prompts, *, chat: bool, **kw) -> Job:
+    """Validate every argument (before tokenizing), tokenize, prepare."""
+    n = len(prompts) if isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)) else 0
+    sampling_params(max(n, 1), kw.get("temperature"), kw.get("top_k"), kw.get("top_p"))
+    check_max_new_tokens(kw["max_new_tokens"])
+    return prepare(target, drafter, _tokenize(target, prompts, chat), **kw)
 
 
 def _run(target: Target, drafter: Drafter | None, prompts, *, chat: bool, **kw) -> GenerationOutput:
-    """Tokenize, prepare, then run prefill and decode with a sync between them (for the timing stats)."""
-    n = len(prompts) if isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)) else 0
-    sampling_params(max(n, 1), kw.get("temperature", 0.0), kw.get("top_k", 0), kw.get("top_p", 1.0))
-    check_max_new_tokens(kw["max_new_tokens"])
-    ids = _tokenize(target, prompts, chat)
-    job = prepare(target, drafter, ids, **kw)
+    """Prepare, then run prefill and decode with a sync between them (for the timing stats)."""
+    job = make_job(target, drafter, prompts, chat=chat, **kw)
     t1 = time.perf_counter()
-    state = jax.block_until_ready(job.pre_exe(*job.pre_args))
+    state, packed = job.programs.prefill(*job.pre_args)
+    packed.block_until_ready()
     t2 = time.perf_counter()
-    exe = _decode_exe(job, state)
+    state, packed = job.programs.decode(job.params, state, ALL_CYCLES)
+    packed.block_until_ready()
     t3 = time.perf_counter()
-    state = jax.block_until_ready(exe(job.params, state))
-    t4 = time.perf_counter()
-    prefill_s, decode_s = t2 - t1, t4 - t3
-    out = collect(job, state, {"prefill_s": prefill_s, "decode_s": decode_s, "compile_s": job.compile_s})
-    total, b = out.stats["new_tokens"], len(ids)
+    prefill_s, decode_s = t2 - t1, t3 - t2
+    out = collect(job, packed, {"prefill_s": prefill_s, "decode_s": decode_s, "compile_s": job.compile_s})
+    total, b = out.stats["new_tokens"], len(job.ids)
     out.stats["tokens_per_s"] = total / max(prefill_s + decode_s, 1e-9)
     out.stats["decode_tokens_per_s"] = (total - b) / max(decode_s, 1e-9)
     return out
+
+
+def speculative_settings(target, drafter, block_size: int | None) -> tuple[Target, Drafter, int]:
+    """The handles and the checked block size (default: the drafter's trained size)."""
+    target, drafter = as_target(target), as_drafter(drafter)
+    drafter.config.check_target(target.config)
+    trained = drafter.config.block_size
+    size = trained if block_size is None else block_size
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or not 2 <= size <= trained:
+        raise ValueError(f"block_size must be in [2, {trained}] for this drafter (an integer; trained block size "
+                         f"{trained}), got {block_size!r}")
+    return target, drafter, int(size)
 
 
 def speculative_generate(
@@ -318,9 +365,9 @@ def speculative_generate(
     stop_token_ids: Sequence[int] | None = None,
     chat_template: bool = True,
     attention_impl: str = "auto",
-    temperature: float | Sequence[float] = 0.0,
-    top_k: int | Sequence[int] = 0,
-    top_p: float | Sequence[float] = 1.0,
+    temperature: float | Sequence[float] | None = 0.0,
+    top_k: int | Sequence[int] | None = 0,
+    top_p: float | Sequence[float] | None = 1.0,
     seed: int = 0,
     draft_sampling: bool = False,
 ) -> GenerationOutput:
@@ -331,16 +378,11 @@ def speculative_generate(
     ``block_size`` (default: the drafter's trained size) may be any value in ``2 … trained size``.
     ``stop_token_ids`` defaults to the target's end-of-turn ids; pass ``[]`` to disable stopping.
     ``temperature`` / ``top_k`` / ``top_p``: HF meanings, a value for all prompts or one per prompt
-    (temperature 0 = greedy). ``seed`` makes sampled runs reproducible. ``draft_sampling``: draw drafts
-    from the drafter's own distribution (accept with min(1, p/q)) instead of taking its argmax.
+    (temperature 0 = greedy; ``None`` = off). ``seed`` makes sampled runs reproducible. ``draft_sampling``:
+    draw drafts from the drafter's own distribution (accept with min(1, p/q)) instead of taking its argmax.
+    :func:`dflash_jax.speculative_stream` takes the same arguments and yields the output as it is made.
     """
-    target, drafter = as_target(target), as_drafter(drafter)
-    drafter.config.check_target(target.config)
-    trained = drafter.config.block_size
-    block_size = trained if block_size is None else int(block_size)
-    if not 2 <= block_size <= trained:
-        raise ValueError(f"block_size must be in [2, {trained}] for this drafter (trained block size "
-                         f"{trained}), got {block_size}")
+    target, drafter, block_size = speculative_settings(target, drafter, block_size)
     return _run(target, drafter, prompts, max_new_tokens=max_new_tokens, block_size=block_size,
                 stop_token_ids=stop_token_ids, chat=chat_template, attention_impl=attention_impl,
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, draft_sampling=draft_sampling)
@@ -354,13 +396,14 @@ def generate(
     stop_token_ids: Sequence[int] | None = None,
     chat_template: bool = True,
     attention_impl: str = "auto",
-    temperature: float | Sequence[float] = 0.0,
-    top_k: int | Sequence[int] = 0,
-    top_p: float | Sequence[float] = 1.0,
+    temperature: float | Sequence[float] | None = 0.0,
+    top_k: int | Sequence[int] | None = 0,
+    top_p: float | Sequence[float] | None = 1.0,
     seed: int = 0,
 ) -> GenerationOutput:
     """Plain autoregressive decoding with the same target code (the speed and correctness baseline);
-    greedy by default, sampling with the same options as :func:`speculative_generate`."""
+    greedy by default, sampling with the same options as :func:`speculative_generate`
+    (:func:`dflash_jax.stream_generate` streams it)."""
     return _run(as_target(target), None, prompts, max_new_tokens=max_new_tokens, block_size=1,
                 stop_token_ids=stop_token_ids, chat=chat_template, attention_impl=attention_impl,
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)

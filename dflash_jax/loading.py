@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from dflash_jax.checkpoints.safetensors_io import (CheckpointError, load_into, r
 from dflash_jax.config import (ConfigError, DrafterConfig, ModelConfig, default_target_layer_ids,
                                drafter_config_from_hf, model_config_from_hf, read_config_json)
 from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.split import SplitModel, split_model
 from dflash_jax.models.target import TargetModel
 from dflash_jax.tokenizer import Tokenizer
 from dflash_jax import sharding as shd
@@ -49,8 +51,23 @@ def parse_dtype(dtype: Any):
     raise ValueError(f"dtype {dtype!r} is not supported (use 'float32' or 'bfloat16')")
 
 
+class _Handle:
+    """Keeps its model split for the jitted programs (``nnx.split`` walks the whole module graph: tens of
+    milliseconds per call for a 30-layer model). The split is redone when ``model`` is replaced or any of
+    its weights is set (``nnx.update``, ``variable.value = …``); change a module's structure in place
+    (adding or removing submodules) only through a new ``model``."""
+
+    def split(self) -> SplitModel:
+        cached = self.__dict__.get("_split")
+        if cached is not None and cached[0] is self.model and cached[1].is_current():
+            return cached[1]
+        s = split_model(self.model)
+        self.__dict__["_split"] = (self.model, s)
+        return s
+
+
 @dataclasses.dataclass
-class Target:
+class Target(_Handle):
     """A loaded target model with its tokenizer (``None`` when the checkpoint ships none)."""
 
     model: TargetModel
@@ -65,7 +82,7 @@ class Target:
 
 
 @dataclasses.dataclass
-class Drafter:
+class Drafter(_Handle):
     """A loaded DFlash drafter. ``trained=False`` marks random weights (acceptance ≈ 1)."""
 
     model: DFlashDrafter
@@ -78,12 +95,27 @@ class Drafter:
         return self.model.config
 
 
+# Bare modules passed to the public functions get one handle each (kept while the module lives), so their
+# split is cached like a loaded model's.
+_HANDLES: "weakref.WeakKeyDictionary[nnx.Module, Target | Drafter]" = weakref.WeakKeyDictionary()
+
+
 def as_target(t: Target | TargetModel) -> Target:
-    return t if isinstance(t, Target) else Target(t, None, "target", t.config.eos_token_ids)
+    if isinstance(t, Target):
+        return t
+    handle = _HANDLES.get(t)
+    if not isinstance(handle, Target):
+        handle = _HANDLES[t] = Target(t, None, "target", t.config.eos_token_ids)
+    return handle
 
 
 def as_drafter(d: Drafter | DFlashDrafter) -> Drafter:
-    return d if isinstance(d, Drafter) else Drafter(d, "drafter")
+    if isinstance(d, Drafter):
+        return d
+    handle = _HANDLES.get(d)
+    if not isinstance(handle, Drafter):
+        handle = _HANDLES[d] = Drafter(d, "drafter")
+    return handle
 
 
 def resolve_checkpoint(source: str | Path) -> Path:

@@ -133,6 +133,9 @@ class Plan:
     def rows(self, ndim: int) -> NamedSharding:
         return NamedSharding(self.mesh, P("dp", *([None] * (ndim - 1))))
 
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
 
 def make_plan(mesh: Mesh | None, target_cfg: ModelConfig, drafter_cfg: ModelConfig | None) -> Plan | None:
     if mesh is None:

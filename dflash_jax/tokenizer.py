@@ -93,3 +93,29 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
+
+
+class IncrementalDetokenizer:
+    """Text of a growing id sequence, piece by piece: the pieces concatenated equal ``decode(all ids)``.
+
+    Each push decodes the ids so far and hands out what was not handed out yet, holding back a trailing
+    incomplete character (U+FFFD: its bytes span tokens still to come) and trailing whitespace (a tokenizer
+    that cleans up spaces, " ." → ".", may still drop it). ``final=True`` hands out the rest.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, ids: Sequence[int], final: bool = False) -> str:
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids)
+        if not final:
+            text = text.rstrip("\ufffd")
+            text = text[: len(text.rstrip())]
+        if not text.startswith(self.emitted) or len(text) <= len(self.emitted):
+            return ""  # nothing new (or an earlier piece would change: wait for more ids)
+        piece = text[len(self.emitted):]
+        self.emitted = text
+        return piece

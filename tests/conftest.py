@@ -90,3 +90,12 @@ def smollm2():
     from dflash_jax import load_target
 
     return load_target("smollm2-135m", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_drafter(smollm2):
+    """The shipped SmolLM2 drafter, for the session's SmolLM2 target."""
+    from dflash_jax import load_drafter
+    from dflash_jax.loading import _ASSETS
+
+    return load_drafter(_ASSETS / "smollm2-135m-dflash", smollm2)

@@ -80,7 +80,7 @@ def test_every_program_is_compiled_before_the_first_batch(pair, tmp_path, monkey
     from dflash_jax import batch, generation
 
     jax.clear_caches()  # eager-op programs too, whatever earlier tests built
-    monkeypatch.setattr(generation, "_EXECUTABLES", {})
+    monkeypatch.setattr(generation, "_PROGRAMS", {})
     counts, late_xla_compiles = [], []
     real_launch = generation.launch
     monkeypatch.setattr(generation, "launch", lambda job: (counts.append(generation.compile_count()),

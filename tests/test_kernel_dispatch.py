@@ -104,7 +104,7 @@ def test_a_kernel_that_fails_to_compile_falls_back(pair, reference, monkeypatch,
     always = lambda *args: None  # noqa: E731 — shape rules that accept everything
     monkeypatch.setattr(attention, "_kernels", lambda impl: attention.KernelSet(True, always, always, broken, broken))
     monkeypatch.setattr(attention, "_PROBED", {})
-    monkeypatch.setattr(generation, "_EXECUTABLES", {})  # trace afresh: the programs above used real kernels
+    monkeypatch.setattr(generation, "_PROGRAMS", {})  # trace afresh: the programs above used real kernels
     target, drafter = pair
     with caplog.at_level(logging.WARNING, logger="dflash_jax"):
         out = speculative_generate(target, drafter, PROMPTS, attention_impl="pallas", **KW)

@@ -128,7 +128,7 @@ def test_long_prompts_prefilled_in_chunks_give_the_same_tokens(family, monkeypat
     for chunk in (16, 1024):
         monkeypatch.setattr(generation, "PREFILL_CHUNK", chunk)
         job = generation.prepare(target, drafter, oracle_prompts, max_new_tokens=12, block_size=4)
-        states.append(job.pre_exe(*job.pre_args))
+        states.append(job.programs.prefill(*job.pre_args)[0])
     for name in ("target_cache", "draft_cache"):
         a, b = getattr(states[0], name), getattr(states[1], name)
         for x, y in zip(a.k + a.v, b.k + b.v):

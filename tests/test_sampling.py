@@ -128,7 +128,7 @@ def _residual_keeps_draft(keys, block, p, q):
 def test_the_test_detects_biased_samplers(pair, monkeypatch, biased):
     target, drafter = pair
     monkeypatch.setattr(sampling, "accept_sampled", biased)
-    monkeypatch.setattr(generation, "_EXECUTABLES", {})  # force a fresh trace with the biased rule
+    monkeypatch.setattr(generation, "_PROGRAMS", {})  # force a fresh trace with the biased rule
     probs = exact_distribution(target, 1.0, 0, 1.0)
     samples = draw(lambda *a, **k: speculative_generate(target, drafter, *a, **k), temperature=1.0, seed=1)
     assert chi2_pvalue(samples, probs) < 1e-6

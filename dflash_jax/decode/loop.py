@@ -17,12 +17,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+import numpy as np
 from jaxtyping import Array, Int
 
 from dflash_jax.decode import sampling
-from dflash_jax.decode.state import DecodeState, LoopSpec
+from dflash_jax.decode.state import DecodeState, DecodeView, LoopSpec
 from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.split import merge_model
 from dflash_jax.models.target import KVCache, TargetModel
 from dflash_jax.sharding import Plan, constrain
 
@@ -75,14 +76,16 @@ def prefill(
     stop_ids: Int[Array, "Z"],
     spec: LoopSpec,
     capacity: int,
-    rng: jax.Array | None = None,
+    seed: Int[Array, ""] | None = None,
     sampling_params: sampling.SamplingParams | None = None,
 ) -> DecodeState:
     """Target over the (right-padded) prompts; first token; drafter context for all prompt positions.
 
-    ``rng``: one PRNG key per row (needed when ``spec.sampling``); ``sampling_params``: per-row settings.
+    ``seed``: the PRNG seed (needed when ``spec.sampling``; row ``b`` draws from the ``b``-th key of its split);
+    ``sampling_params``: per-row settings.
     """
     b, p = prompt.shape
+    rng = jax.random.split(jax.random.key(seed), b) if spec.sampling else None
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     empty = _shard_cache(target.new_cache(b, capacity), spec.plan, spec.plan and spec.plan.target_kv)
     chunk = spec.prefill_chunk
@@ -228,30 +231,56 @@ def cycle(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState
 
 
 def decode(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, spec: LoopSpec,
-           mask_token_id: int) -> DecodeState:
-    return jax.lax.while_loop(
-        lambda s: ~jnp.all(s.done),
-        lambda s: cycle(target, drafter, s, spec, mask_token_id),
-        state,
-    )
+           mask_token_id: int, max_cycles: Int[Array, ""]) -> DecodeState:
+    """Cycles until every row is done, or ``max_cycles`` cycles (a runtime value: a stream runs the loop in
+    segments with the very program a whole call runs, so both commit identical tokens)."""
+    def body(carry):
+        s, i = carry
+        return cycle(target, drafter, s, spec, mask_token_id), i + 1
+
+    state, _ = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done) & (c[1] < max_cycles), body,
+                                  (state, jnp.zeros((), jnp.int32)))
+    return state
 
 
 # --------------------------------------------------------------------------------------------------
 # Pure entry points (graph definitions static, parameters as pytrees) for jit / AOT compilation.
 # --------------------------------------------------------------------------------------------------
 
-def _merge(graphdefs, params):
-    target = nnx.merge(graphdefs[0], params[0])
-    drafter = nnx.merge(graphdefs[1], params[1]) if graphdefs[1] is not None else None
+def _merge(statics, params):
+    """(target, drafter) modules from their splits (:func:`dflash_jax.loading.split_model`): ``statics`` are
+    static arguments, ``params`` the parameter leaves."""
+    target = merge_model(statics[0], params[0])
+    drafter = merge_model(statics[1], params[1]) if statics[1] is not None else None
     return target, drafter
 
 
-def prefill_fn(graphdefs, params, prompt, prompt_len, max_new, stop_ids, rng, sampling_params, *, spec: LoopSpec,
-               capacity: int):
-    target, drafter = _merge(graphdefs, params)
-    return prefill(target, drafter, prompt, prompt_len, max_new, stop_ids, spec, capacity, rng, sampling_params)
+def unpack_inputs(ints: Int[Array, "N"], floats: jax.Array | None, spec: LoopSpec, batch: int, prompt_len: int,
+                  num_stops: int) -> tuple:
+    """The prefill's inputs from the host's two packed vectors (one host-to-device copy each): ``ints`` =
+    prompt [B·P] | prompt_len [B] | max_new [B] | stop ids [Z] | seed; ``floats`` (sampling only) =
+    temperature [B] | top_k [B] | top_p [B]. Inverse of :func:`dflash_jax.generation.pack_inputs`."""
+    b, p, z = batch, prompt_len, num_stops
+    cuts = np.cumsum([b * p, b, b, z])
+    prompt, lens, max_new, stops, seed = jnp.split(ints, cuts)
+    sp = None
+    if spec.sampling:
+        t, k, top_p = jnp.split(floats, 3)
+        sp = sampling.SamplingParams(t, k.astype(jnp.int32), top_p)
+    return (prompt.reshape(b, p), lens, max_new, stops, jax.lax.bitcast_convert_type(seed[0], jnp.uint32), sp)
 
 
-def decode_fn(graphdefs, params, state, *, spec: LoopSpec, mask_token_id: int):
+def prefill_fn(graphdefs, params, ints, floats, *, spec: LoopSpec, capacity: int, batch: int, prompt_len: int,
+               num_stops: int):
+    """→ (state, its packed view)."""
     target, drafter = _merge(graphdefs, params)
-    return decode(target, drafter, state, spec, mask_token_id)
+    prompt, lens, max_new, stops, seed, sp = unpack_inputs(ints, floats, spec, batch, prompt_len, num_stops)
+    state = prefill(target, drafter, prompt, lens, max_new, stops, spec, capacity, seed, sp)
+    return state, DecodeView.pack(state)
+
+
+def decode_fn(graphdefs, params, state, max_cycles, *, spec: LoopSpec, mask_token_id: int):
+    """→ (state, its packed view) after at most ``max_cycles`` cycles."""
+    target, drafter = _merge(graphdefs, params)
+    state = decode(target, drafter, state, spec, mask_token_id, max_cycles)
+    return state, DecodeView.pack(state)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Int
 
 from dflash_jax.decode.sampling import SamplingParams
@@ -51,3 +53,28 @@ class DecodeState:
     draft_cache: KVCache | None
     rng: jax.Array | None = None  # one PRNG key per row (sampling only)
     sampling: SamplingParams | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeView:
+    """What the host reads of a state (numpy arrays). The programs return it packed into one int32 array
+    beside the state (:meth:`pack`): one device-to-host copy per call or stream segment, and the state itself
+    can be donated to the next segment while the host reads the copy."""
+
+    tokens: np.ndarray  # [B, O]
+    acc_lens: np.ndarray  # [B, C]
+    num_new: np.ndarray  # [B]
+    done: np.ndarray  # [B] bool
+    num_cycles: np.ndarray  # [B]
+
+    @staticmethod
+    def pack(state: DecodeState) -> Int[Array, "B O+C+3"]:
+        i32 = lambda x: x.astype(jnp.int32)[:, None]  # noqa: E731
+        return jnp.concatenate([state.tokens, state.acc_lens, i32(state.num_new), i32(state.done),
+                                i32(state.num_cycles)], axis=1)
+
+    @staticmethod
+    def unpack(packed: np.ndarray, token_capacity: int) -> "DecodeView":
+        """``token_capacity``: O, the tokens buffer's width."""
+        o = token_capacity
+        return DecodeView(packed[:, :o], packed[:, o:-3], packed[:, -3], packed[:, -2].astype(bool), packed[:, -1])

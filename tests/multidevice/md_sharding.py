@@ -55,10 +55,10 @@ def test_collectives_per_cycle_are_only_what_tp_needs():
     """tp=2: per cycle, 2 all-reduces per layer (after o_proj and down_proj) for the 4 target and 2 drafter
     layers, one per embedding lookup of the draft and verify blocks (the table is vocab-sharded), and an
     all-gather of (max, index) for each of the two vocab-sharded argmaxes — nothing touches the caches."""
-    generation._EXECUTABLES.clear()
+    generation._PROGRAMS.clear()
     t, d = pair(make_mesh(tp=2, dp=1))
     speculative_generate(t, d, PROMPTS[:2], max_new_tokens=8, stop_token_ids=[])
-    decode = [e for k, e in generation._EXECUTABLES.items() if k[0] == "decode_fn"]
+    decode = [p.decode for p in generation._PROGRAMS.values()]
     assert len(decode) == 1
     hlo = decode[0].as_text()
     counts = count_collectives(hlo)

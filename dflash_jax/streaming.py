@@ -1,0 +1,233 @@
+"""Streaming: :func:`speculative_stream` and :func:`stream_generate` yield the output while it is made.
+
+The device runs the same prefill and decode programs as a whole call (:mod:`dflash_jax.generation`), the decode
+loop in segments of a few cycles (its ``max_cycles`` is a runtime argument, so streamed and whole calls commit
+identical tokens, greedy or sampled). A worker thread dispatches the segments back to back — the next one
+before it fetches the previous one's :class:`DecodeView` (one small copy) — and passes the views on; the
+caller's thread turns new token ids into text. On a GPU a decode call returns only when its while loop is done,
+which is why dispatching lives on its own thread: the device never waits for the host's text work.
+
+The worker stays at most two segments ahead of the reader, so a caller that stops reading (``break``,
+``close()``, or dropping the iterator) stops the device work within two segments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+import weakref
+from typing import Any, Sequence
+
+import numpy as np
+
+from dflash_jax import generation
+from dflash_jax.generation import GenerationOutput, Job, Prompt
+from dflash_jax.loading import Drafter, Target, as_target
+from dflash_jax.tokenizer import IncrementalDetokenizer
+
+# Cycles per segment: short first segments for an early first chunk, then `segment_cycles` each.
+_FIRST_SEGMENTS = (1, 2, 4)
+
+
+@dataclasses.dataclass
+class StreamChunk:
+    """What one segment added, per prompt."""
+
+    token_ids: list[list[int]]  # new ids since the previous chunk
+    texts: list[str | None]  # new text since the previous chunk (None without a tokenizer)
+    finished: list[bool]  # the prompt's generation has ended (in this chunk or before)
+    finish_reasons: list[str | None]  # "stop" / "length" once finished, else None
+
+
+_END = object()
+
+
+class TokenStream:
+    """Iterator of :class:`StreamChunk`. ``output`` is the :class:`GenerationOutput` once the stream ended
+    (identical to the non-streamed call's, plus ``stats['time_to_first_token_s']``); ``close()`` (or leaving a
+    ``with`` block, or dropping the iterator) stops the device work."""
+
+    def __init__(self, job: Job, segment_cycles: int):
+        if isinstance(segment_cycles, bool) or not isinstance(segment_cycles, (int, np.integer)) \
+                or segment_cycles < 1:
+            raise ValueError(f"segment_cycles must be a positive integer, got {segment_cycles!r}")
+        self.output: GenerationOutput | None = None
+        self._job = job
+        n = len(job.ids)
+        tok = job.target.tokenizer
+        self._seen = np.zeros(n, np.int64)  # tokens already yielded, per prompt
+        self._finished = np.zeros(n, bool)
+        self._text = [IncrementalDetokenizer(tok) if tok else None for _ in range(n)]
+        self._queue: queue.Queue = queue.Queue(maxsize=2)
+        self._stop = threading.Event()
+        self._t0 = time.perf_counter()
+        self._first_token_s: float | None = None
+        self._segments = [0]  # decode segments dispatched (the worker counts)
+        self._worker = threading.Thread(target=_dispatch_segments, name="dflash-stream", daemon=True,
+                                        args=(job, int(segment_cycles), self._queue, self._stop, self._segments))
+        self._worker.start()
+        # Dropping the iterator stops the worker (it holds no reference to this object).
+        self._finalizer = weakref.finalize(self, _stop_worker, self._stop, self._queue, self._worker)
+
+    def __iter__(self) -> "TokenStream":
+        return self
+
+    @property
+    def segments(self) -> int:
+        """Decode segments dispatched so far."""
+        return self._segments[0]
+
+    def __next__(self) -> StreamChunk:
+        while True:
+            if self.output is not None or self._stop.is_set():
+                raise StopIteration
+            item = self._queue.get()
+            if item is _END:
+                self.close()
+                raise StopIteration
+            if isinstance(item, BaseException):
+                self.close()
+                raise item
+            chunk = self._chunk(item)
+            if chunk is not None:
+                return chunk
+
+    def _chunk(self, view) -> StreamChunk | None:
+        """New tokens and text of every prompt since the previous chunk; None when nothing happened."""
+        n = len(self._job.ids)
+        tokens, num_new, done = view.tokens, view.num_new[:n], view.done[:n]  # numpy (fetched by the worker)
+        ids = [tokens[i, self._seen[i]: num_new[i]].tolist() for i in range(n)]
+        newly_done = done & ~self._finished
+        if not any(ids) and not newly_done.any():
+            return None
+        if self._first_token_s is None:
+            self._first_token_s = time.perf_counter() - self._t0
+        texts = [d.push(new, final=bool(f)) if d is not None else None
+                 for d, new, f in zip(self._text, ids, done)]
+        self._seen = np.asarray(num_new, np.int64)
+        self._finished = np.asarray(done, bool)
+        reasons = generation.finish_reasons([tokens[i, num_new[i] - 1: num_new[i]].tolist() for i in range(n)],
+                                            self._job.stops)
+        if self._finished.all():
+            self._finish(view)
+        return StreamChunk(ids, texts, self._finished.tolist(),
+                           [r if f else None for r, f in zip(reasons, self._finished)])
+
+    def _finish(self, view) -> None:
+        wall = time.perf_counter() - self._t0
+        out = generation.collect(self._job, view)
+        total, b = out.stats["new_tokens"], len(self._job.ids)
+        prefill_s = self._first_token_s or 0.0
+        out.stats.update(time_to_first_token_s=self._first_token_s, wall_s=wall, prefill_s=prefill_s,
+                         decode_s=wall - prefill_s, tokens_per_s=total / max(wall, 1e-9),
+                         decode_tokens_per_s=(total - b) / max(wall - prefill_s, 1e-9), segments=self.segments)
+        self.output = out
+        self.close()
+
+    def close(self) -> None:
+        """Stop the device work (at most one segment still runs) and release the stream's state."""
+        self._finalizer()
+
+    def __enter__(self) -> "TokenStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _stop_worker(stop: threading.Event, q: queue.Queue, worker: threading.Thread) -> None:
+    stop.set()
+    while worker.is_alive():  # unblock a worker waiting for room in the queue
+        try:
+            q.get(timeout=0.05)
+        except queue.Empty:
+            pass
+    worker.join()
+
+
+def _dispatch_segments(job: Job, segment_cycles: int, out: queue.Queue, stop: threading.Event,
+                       count: list[int]) -> None:
+    """Worker thread: prefill, then decode segments back to back until every row is done or ``stop``."""
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    try:
+        state, packed = job.programs.prefill(*job.pre_args)
+        segments = iter(_FIRST_SEGMENTS)
+        while True:
+            # Dispatch the next segment before fetching this one's view: on a CPU the device then works while the
+            # view is copied and read; on a GPU the call returns once its segment is done (the view waits a
+            # segment). A segment after the last one does nothing (every row is done; its loop never runs).
+            cycles = min(next(segments, segment_cycles), segment_cycles)
+            nxt = job.programs.decode(job.params, state, np.int32(cycles))
+            count[0] += 1
+            view = generation.fetch_view(job, packed)
+            if not put(view) or view.done[: len(job.ids)].all():
+                break
+            state, packed = nxt
+        put(_END)
+    except BaseException as e:  # handed to the reader's thread
+        put(e)
+
+
+def speculative_stream(
+    target: Target,
+    drafter: Drafter,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int = 256,
+    *,
+    block_size: int | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    chat_template: bool = True,
+    attention_impl: str = "auto",
+    temperature: float | Sequence[float] | None = 0.0,
+    top_k: int | Sequence[int] | None = 0,
+    top_p: float | Sequence[float] | None = 1.0,
+    seed: int = 0,
+    draft_sampling: bool = False,
+    segment_cycles: int = 8,
+) -> TokenStream:
+    """:func:`dflash_jax.speculative_generate` as an iterator of :class:`StreamChunk`: concatenated, the chunks'
+    ids and texts equal the non-streamed result (greedy, and sampled with the same seed). ``segment_cycles``:
+    decode cycles per device call once the first few chunks are out (fewer: more chunks; more: less host work).
+
+    ```
+    for chunk in speculative_stream(target, drafter, ["Tell me a story."]):
+        print(chunk.texts[0], end="", flush=True)
+    ```
+    """
+    target, drafter, block_size = generation.speculative_settings(target, drafter, block_size)
+    job = generation.make_job(target, drafter, prompts, chat=chat_template, max_new_tokens=max_new_tokens,
+                              block_size=block_size, stop_token_ids=stop_token_ids, attention_impl=attention_impl,
+                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                              draft_sampling=draft_sampling)
+    return TokenStream(job, segment_cycles)
+
+
+def stream_generate(
+    target: Target,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int = 256,
+    *,
+    stop_token_ids: Sequence[int] | None = None,
+    chat_template: bool = True,
+    attention_impl: str = "auto",
+    temperature: float | Sequence[float] | None = 0.0,
+    top_k: int | Sequence[int] | None = 0,
+    top_p: float | Sequence[float] | None = 1.0,
+    seed: int = 0,
+    segment_cycles: int = 8,
+) -> TokenStream:
+    """:func:`dflash_jax.generate` (autoregressive) as an iterator of :class:`StreamChunk`."""
+    job = generation.make_job(as_target(target), None, prompts, chat=chat_template, max_new_tokens=max_new_tokens,
+                              block_size=1, stop_token_ids=stop_token_ids, attention_impl=attention_impl,
+                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    return TokenStream(job, segment_cycles)
