@@ -20,8 +20,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/dflash-jax demo
 
+# Two worker processes (the machines have two cores); test files stay whole on one worker (module fixtures).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV)

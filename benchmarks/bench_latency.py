@@ -156,7 +156,7 @@ def ar_step(target, batch: int, prompt_len: int, max_new: int, repeats: int) -> 
                              for r in (generate(target, prompts, **kw) for _ in range(repeats)))
 
 
-def qwen8b_case(repeats: int) -> dict:
+def qwen8b_case(repeats: int, steps: bool = True) -> dict:
     target = random_target(QWEN3_8B, jnp.bfloat16)
     drafter = random_drafter(target, block_size=16, num_layers=5)
     bw = copy_bandwidth()
@@ -168,6 +168,8 @@ def qwen8b_case(repeats: int) -> dict:
         fn()
         calls = [timed_call(lambda _: fn(), None) for _ in range(10 * repeats)]
         res[f"{name}_overhead_ms_median"] = 1e3 * statistics.median(c["overhead"] for c in calls)
+    if not steps:
+        return res
     ctx = 128 + 128
     kv = lambda b: 2 * QWEN3_8B.num_layers * b * ctx * QWEN3_8B.num_kv_heads * QWEN3_8B.head_dim * 2  # noqa: E731
     for padded in (True, False):
@@ -223,8 +225,18 @@ def segments_case(repeats: int, cycles: int = 8) -> dict:
             pass
         return time.perf_counter() - t0 - s.output.stats["time_to_first_token_s"], s.segments
 
+    def empty_calls():  # the decode program's fixed cost: calls whose loop runs no cycle
+        job = generation.make_job(target, drafter, prompts, chat=False, block_size=16, **kw)
+        state, packed = job.programs.prefill(*job.pre_args)
+        packed.block_until_ready()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            state, packed = job.programs.decode(job.params, state, np.int32(0))
+            np.asarray(packed)
+        return (time.perf_counter() - t0) / 20, 20
+
     res = {}
-    for name, fn in (("whole", whole), ("segmented", segmented), ("stream", stream)):
+    for name, fn in (("whole", whole), ("segmented", segmented), ("stream", stream), ("empty_call", empty_calls)):
         fn()
         runs = [fn() for _ in range(3 * repeats)]
         res[name] = dict(decode_ms=1e3 * statistics.median(r[0] for r in runs), segments=runs[0][1])
@@ -278,6 +290,7 @@ def main() -> int:
     ap.add_argument("--limit", type=int, help="only this many prompts (spread over the file)")
     ap.add_argument("--profile", action="store_true", help="print a host-side profile of 20 speculative calls")
     ap.add_argument("--qwen8b", action="store_true")
+    ap.add_argument("--skip-steps", action="store_true", help="with --qwen8b: per-call overhead only")
     ap.add_argument("--depths", help="e.g. 4,32,64: narrow targets of these depths")
     ap.add_argument("--segments", action="store_true", help="where a stream's extra time goes (random weights)")
     ap.add_argument("--out", default="bench_latency.json")
@@ -302,7 +315,7 @@ def main() -> int:
                                     args.profile)
         print(json.dumps(results["pair"], indent=1), flush=True)
     if args.qwen8b:
-        results["qwen8b"] = qwen8b_case(args.repeats)
+        results["qwen8b"] = qwen8b_case(args.repeats, steps=not args.skip_steps)
         print(json.dumps(results["qwen8b"], indent=1), flush=True)
     Path(args.out).write_text(json.dumps(results, indent=1))
     return 0

@@ -1,4 +1,5 @@
-"""Lossless on the real SmolLM2-135M-Instruct weights with a random drafter (block sizes 2/4/8/16)."""
+"""Lossless on the real SmolLM2-135M-Instruct weights: a random drafter (block sizes 4 and 16; every block size
+from 2 to 16 is covered on tiny models in test_lossless.py) and the shipped trained drafter."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def reference(smollm2):
             for stops in (True, False)}
 
 
-@pytest.mark.parametrize("block_size", [2, 16])
+@pytest.mark.parametrize("block_size", [16])
 def test_batch4_with_stop_tokens(smollm2, drafter, reference, block_size):
     out = speculative_generate(smollm2, drafter, PROMPTS, max_new_tokens=MAX_NEW, block_size=block_size)
     ref = reference[True]
@@ -39,7 +40,7 @@ def test_batch4_with_stop_tokens(smollm2, drafter, reference, block_size):
     assert "stop" in ref.finish_reasons  # the short answer ends with <|im_end|> inside the budget
 
 
-@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("block_size", [4])
 def test_batch1_without_stop_tokens(smollm2, drafter, reference, block_size):
     out = speculative_generate(smollm2, drafter, PROMPTS[3:], max_new_tokens=MAX_NEW, block_size=block_size,
                                stop_token_ids=[])
@@ -47,12 +48,9 @@ def test_batch1_without_stop_tokens(smollm2, drafter, reference, block_size):
     assert len(out.token_ids[0]) == MAX_NEW
 
 
-def test_shipped_drafter_is_lossless_with_real_acceptance(smollm2):
+def test_shipped_drafter_is_lossless_with_real_acceptance(smollm2, smollm2_drafter):
     """The embedded trained drafter accepts several tokens per cycle and changes nothing."""
-    from dflash_jax import load_drafter
-    from dflash_jax.loading import _ASSETS
-
-    drafter = load_drafter(_ASSETS / "smollm2-135m-dflash", smollm2)
+    drafter = smollm2_drafter
     assert drafter.trained and drafter.config.block_size == 16
     prompts = ["Write a Python function that checks whether a number is prime.", PROMPTS[3]]
     out = speculative_generate(smollm2, drafter, prompts, max_new_tokens=48)
