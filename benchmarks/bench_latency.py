@@ -100,7 +100,7 @@ def summarise(calls: list[dict]) -> dict:
 
 
 def pair_case(gguf: str, prompts_path: Path, dtype: str, max_new: int, repeats: int, limit: int | None,
-              profile: bool = False) -> dict:
+              profile: bool = False, segment_cycles: int = 8) -> dict:
     target = load_target(gguf, dtype=dtype)
     drafter = load_drafter(_ASSETS / "smollm2-135m-dflash", target)
     rows = json.loads(prompts_path.read_text())
@@ -108,11 +108,12 @@ def pair_case(gguf: str, prompts_path: Path, dtype: str, max_new: int, repeats: 
         rows = [r for i, r in enumerate(rows) if i % max(len(rows) // limit, 1) == 0][:limit]
     prompts = [r["ids"] for r in rows]
     kw = dict(max_new_tokens=max_new)
+    skw = dict(kw, segment_cycles=segment_cycles)
     runs = {
         "spec": lambda p: timed_call(lambda x: speculative_generate(target, drafter, x, **kw), [p]),
         "ar": lambda p: timed_call(lambda x: generate(target, x, **kw), [p]),
-        "spec_stream": lambda p: timed_stream(lambda: speculative_stream(target, drafter, [p], **kw)),
-        "ar_stream": lambda p: timed_stream(lambda: stream_generate(target, [p], **kw)),
+        "spec_stream": lambda p: timed_stream(lambda: speculative_stream(target, drafter, [p], **skw)),
+        "ar_stream": lambda p: timed_stream(lambda: stream_generate(target, [p], **skw)),
     }
     t0 = time.perf_counter()
     for p in prompts:  # compile every bucket; warm up
@@ -133,7 +134,8 @@ def pair_case(gguf: str, prompts_path: Path, dtype: str, max_new: int, repeats: 
         res[f"{mode}_stream_cost"] = 1 - res[mode]["wall_ms_per_token"] / res[f"{mode}_stream"]["wall_ms_per_token"]
         res[f"{mode}_stream_identical"] = all(a["ids"] == b["ids"] for a, b in zip(calls[mode], calls[f"{mode}_stream"]))
     res["spec_ar_identical_fraction"] = float(np.mean([a["ids"] == b["ids"] for a, b in zip(calls["spec"], calls["ar"])]))
-    res["setting"] = dict(dtype=dtype, max_new=max_new, prompts=len(prompts), repeats=repeats)
+    res["setting"] = dict(dtype=dtype, max_new=max_new, prompts=len(prompts), repeats=repeats,
+                          segment_cycles=segment_cycles, switch_interval_s=sys.getswitchinterval())
     if profile:  # where a call's host time goes: the functions with the most own time over 20 calls
         import cProfile
         import pstats
@@ -289,6 +291,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--limit", type=int, help="only this many prompts (spread over the file)")
     ap.add_argument("--profile", action="store_true", help="print a host-side profile of 20 speculative calls")
+    ap.add_argument("--segment-cycles", type=int, default=8, help="the streams' segment_cycles")
+    ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for this run (threads)")
     ap.add_argument("--qwen8b", action="store_true")
     ap.add_argument("--skip-steps", action="store_true", help="with --qwen8b: per-call overhead only")
     ap.add_argument("--depths", help="e.g. 4,32,64: narrow targets of these depths")
@@ -299,6 +303,8 @@ def main() -> int:
     if args.make_prompts:
         make_prompts(args.make_prompts, args.per_set)
         return 0
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     dev = jax.devices()[0]
     info = dict(device=str(dev.device_kind), platform=dev.platform, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
                 xla_flags=os.environ.get("XLA_FLAGS", ""),
@@ -312,7 +318,7 @@ def main() -> int:
         results["segments"] = segments_case(args.repeats)
     if args.gguf:
         results["pair"] = pair_case(args.gguf, args.prompts, args.dtype, args.max_new, args.repeats, args.limit,
-                                    args.profile)
+                                    args.profile, args.segment_cycles)
         print(json.dumps(results["pair"], indent=1), flush=True)
     if args.qwen8b:
         results["qwen8b"] = qwen8b_case(args.repeats, steps=not args.skip_steps)
