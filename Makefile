@@ -20,9 +20,8 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/dflash-jax demo
 
-# Two worker processes (the machines have two cores); test files stay whole on one worker (module fixtures).
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q
 
 clean:
 	rm -rf $(VENV)

@@ -192,8 +192,6 @@ def segments_case(repeats: int, cycles: int = 8) -> dict:
     """Where a stream's extra time goes, on a SmolLM2-shaped target with random weights and a random drafter
     (every cycle commits one token: 255 cycles per call): one whole decode call, the same decode run in
     segments from this thread (fetching each segment's view), and the stream (worker thread)."""
-    import sys as _sys
-
     target = random_target(SMOLLM2_135M, jnp.bfloat16)
     drafter = random_drafter(target, block_size=16, num_layers=2)
     prompts = [list(range(1, 65))]
@@ -219,10 +217,10 @@ def segments_case(repeats: int, cycles: int = 8) -> dict:
             if generation.fetch_view(job, packed).done.all():
                 return time.perf_counter() - t0, n
 
-    def stream():
+    def stream(segment_cycles=cycles):
         job = generation.make_job(target, drafter, prompts, chat=False, block_size=16, **kw)
         t0 = time.perf_counter()
-        s = streaming.TokenStream(job, cycles)
+        s = streaming.TokenStream(job, segment_cycles)
         for _ in s:
             pass
         return time.perf_counter() - t0 - s.output.stats["time_to_first_token_s"], s.segments
@@ -238,18 +236,15 @@ def segments_case(repeats: int, cycles: int = 8) -> dict:
         return (time.perf_counter() - t0) / 20, 20
 
     res = {}
-    for name, fn in (("whole", whole), ("segmented", segmented), ("stream", stream), ("empty_call", empty_calls)):
+    for name, fn in (("whole", whole), ("segmented", segmented), ("stream", stream),
+                     ("stream_adaptive", lambda: stream(None)), ("empty_call", empty_calls)):
         fn()
         runs = [fn() for _ in range(3 * repeats)]
         res[name] = dict(decode_ms=1e3 * statistics.median(r[0] for r in runs), segments=runs[0][1])
         print(name, json.dumps(res[name]), flush=True)
-    default = _sys.getswitchinterval()
-    _sys.setswitchinterval(1e-4)
-    runs = [stream() for _ in range(3 * repeats)]
-    _sys.setswitchinterval(default)
-    res["stream_switch_100us"] = dict(decode_ms=1e3 * statistics.median(r[0] for r in runs), segments=runs[0][1])
-    for name in ("segmented", "stream", "stream_switch_100us"):
+    for name in ("segmented", "stream", "stream_adaptive"):
         res[name]["extra_ms_per_segment"] = (res[name]["decode_ms"] - res["whole"]["decode_ms"]) / res[name]["segments"]
+        res[name]["cost_vs_whole"] = res[name]["decode_ms"] / res["whole"]["decode_ms"] - 1
     print(json.dumps(res, indent=1), flush=True)
     return res
 

@@ -1,16 +1,8 @@
-"""Shared fixtures: tiny random models, the z-lab golden fixture, and an 'oracle' drafter for lossless tests.
-
-`make test` runs the suite on two worker processes (pytest-xdist). The processes of one run share an on-disk
-cache of compiled programs (a fresh folder per run, removed at its end), so a program that tests in both
-workers need is compiled once.
-"""
+"""Shared fixtures: tiny random models, the z-lab golden fixture, and an 'oracle' drafter for lossless tests."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import jax
@@ -23,23 +15,6 @@ from dflash_jax.config import DrafterConfig, ModelConfig, RopeConfig
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.target import TargetModel
-
-
-
-_CACHE_ENV = "DFLASH_JAX_TEST_XLA_CACHE"
-
-
-def pytest_configure(config):
-    if not hasattr(config, "workerinput"):  # the main process: workers start later and inherit the variable
-        os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="dflash_jax_tests_xla_")
-    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-
-
-def pytest_unconfigure(config):
-    if not hasattr(config, "workerinput"):
-        shutil.rmtree(os.environ.pop(_CACHE_ENV), ignore_errors=True)
-
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ZLAB = FIXTURES / "zlab_tiny"
