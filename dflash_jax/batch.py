@@ -233,30 +233,8 @@ def run_batch(
         block_size = trained if block_size is None else int(block_size)
         if not 2 <= block_size <= trained:
             raise ValueError(f"block_size must be in [2, {trained}] for this drafter, got {block_size}")
-    rows, bad = read_rows(input_path)
-    if limit is not None:  # the first `limit` prompt rows of the file, good or bad
-        cutoff = _nth_line(rows, bad, limit)
-        rows, bad = [r for r in rows if r.line <= cutoff], [b for b in bad if b["line"] <= cutoff]
-    # Over-long / untokenizable prompts are found now, before any generation.
-    for r in rows:
-        try:
-            r.ids = _tokenize_row(target, r)
-            if len(r.ids) + max_new_tokens > target.config.max_position_embeddings:
-                raise ValueError(f"prompt of {len(r.ids)} tokens + max_new_tokens {max_new_tokens} exceeds the "
-                                 f"model's maximum length {target.config.max_position_embeddings}")
-        except ValueError as e:
-            bad.append({"line": r.line, "id": r.id, "error": str(e)})
-    bad_lines = {b["line"] for b in bad}
-    rows = [r for r in rows if r.line not in bad_lines]
-    errors_path = output.with_name(output.name + ".errors.jsonl")
-    if bad:
-        bad.sort(key=lambda b: b["line"])
-        listing = "; ".join(f"line {b['line']}: {b['error']}" for b in bad[:20])
-        if not skip_bad:
-            raise BadInputError(f"{len(bad)} bad input row(s) — nothing was generated (use --skip-bad to "
-                                f"continue without them): {listing}")
-        errors_path.write_text("".join(json.dumps(b) + "\n" for b in bad))
-        log.warning("%d bad row(s) written to %s", len(bad), errors_path)
+    rows, bad = _read_and_tokenize(target, input_path, limit, max_new_tokens)
+    _report_bad_rows(bad, output, skip_bad)
     if output.exists() and not resume:
         raise FileExistsError(f"{output} exists: pass --resume to continue it, or choose another output path")
     done = finished_ids(output) if resume else set()
@@ -271,13 +249,70 @@ def run_batch(
     # batches would leave the device idle (on a GPU one decode program takes seconds to compile).
     t_start = time.perf_counter()
     compile_s = _compile_ahead(target, drafter, batches, kw, batch_size, seed, progress)
+    acc_hist = np.zeros(max(block_size or 1, 1) + 1, np.int64)  # cycles per acceptance length
+    launched, totals = _decode_and_write(target, drafter, batches, output, kw, batch_size, seed, acc_hist,
+                                         t_start, progress)
+    summary = _summary(input_path, output, launched, totals, acc_hist, t_start, compile_s, len(done), len(bad),
+                       len(batches), batch_size, kw["block_size"])
+    if speedup_estimate and drafter is not None and batches:
+        full = [b for b in batches if len(b) == batch_size] or batches
+        summary["speedup_estimate"] = _speedup_estimate(target, drafter, full[len(full) // 2], kw, seed)
+    summary_path = Path(summary_path) if summary_path else output.with_name(output.name + ".summary.json")
+    summary_path.write_text(json.dumps(summary, indent=1) + "\n")
+    if acc_hist.sum():
+        plot_acceptance(acc_hist, histogram_path or output.with_name(output.name + ".acceptance.png"),
+                        title=f"{Path(target.name).name}: acceptance lengths (τ {summary['tau']:.2f})")
+    return summary
+
+
+def _read_and_tokenize(target: Target, input_path, limit: int | None, max_new_tokens: int
+                       ) -> tuple[list[Row], list[dict]]:
+    """The good rows, tokenized, and the bad ones: over-long and untokenizable prompts are found here,
+    before any generation."""
+    rows, bad = read_rows(input_path)
+    if limit is not None:  # the first `limit` prompt rows of the file, good or bad
+        cutoff = _nth_line(rows, bad, limit)
+        rows, bad = [r for r in rows if r.line <= cutoff], [b for b in bad if b["line"] <= cutoff]
+    for r in rows:
+        try:
+            r.ids = _tokenize_row(target, r)
+            if len(r.ids) + max_new_tokens > target.config.max_position_embeddings:
+                raise ValueError(f"prompt of {len(r.ids)} tokens + max_new_tokens {max_new_tokens} exceeds the "
+                                 f"model's maximum length {target.config.max_position_embeddings}")
+        except ValueError as e:
+            bad.append({"line": r.line, "id": r.id, "error": str(e)})
+    bad_lines = {b["line"] for b in bad}
+    return [r for r in rows if r.line not in bad_lines], bad
+
+
+def _report_bad_rows(bad: list[dict], output: Path, skip_bad: bool) -> None:
+    """Stop with the list of bad rows, or (``skip_bad``) write them to ``<output>.errors.jsonl``."""
+    if not bad:
+        return
+    bad.sort(key=lambda b: b["line"])
+    listing = "; ".join(f"line {b['line']}: {b['error']}" for b in bad[:20])
+    if not skip_bad:
+        raise BadInputError(f"{len(bad)} bad input row(s) — nothing was generated (use --skip-bad to "
+                            f"continue without them): {listing}")
+    errors_path = output.with_name(output.name + ".errors.jsonl")
+    errors_path.write_text("".join(json.dumps(b) + "\n" for b in bad))
+    log.warning("%d bad row(s) written to %s", len(bad), errors_path)
+
+
+def _decode_and_write(target: Target, drafter: Drafter | None, batches: list[list[Row]], output: Path, kw: dict,
+                      batch_size: int, seed: int, acc_hist: np.ndarray, t_start: float, progress: bool
+                      ) -> tuple[list["_Batch"], dict]:
+    """Decode every batch and append its records (fsync'd) in order; ``acc_hist`` is filled in place.
+
+    Batches are prepared here and dispatched in order from their own thread, ``_QUEUE_AHEAD`` queued behind
+    the one being collected, so the device does not wait for the host's writing.
+    """
     watcher = _ReadyWatcher()
     watcher.start()
-    acc_hist: np.ndarray = np.zeros(max(block_size or 1, 1) + 1, np.int64)
     totals = {"prompts": 0, "tokens": 0}
     launched: list[_Batch] = []
-    bar = tqdm(total=len(todo), disable=not progress, desc="generate", unit="prompt", dynamic_ncols=True)
-
+    bar = tqdm(total=sum(map(len, batches)), disable=not progress, desc="generate", unit="prompt",
+               dynamic_ncols=True)
     dispatcher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dflash-dispatch")
 
     def dispatch(b: _Batch):
@@ -306,58 +341,57 @@ def run_batch(
                 b = launched[i]
                 res = generation.collect(b.job, b.dispatched.result())
                 watcher.wait_ready(b)
-                lines = []
-                for r, toks, text, acc, fin in zip(b.rows, res.token_ids, res.texts, res.acceptance_lengths,
-                                                   res.finish_reasons):
-                    acc_hist += np.bincount(acc, minlength=len(acc_hist))[: len(acc_hist)] if acc else 0
-                    lines.append(json.dumps({
-                        "id": r.id, "text": text, "token_ids": toks, "num_tokens": len(toks),
-                        "finish_reason": fin,
-                        "acceptance": {"cycles": len(acc), "tau": float(np.mean(acc)) if acc else None},
-                        "batch": i}) + "\n")
-                out.write("".join(lines))
+                out.write("".join(_records(b, res, i, acc_hist)))
                 out.flush()
                 os.fsync(out.fileno())
                 totals["prompts"] += len(b.rows)
                 totals["tokens"] += res.stats["new_tokens"]
-                wall = time.perf_counter() - t_start
                 bar.update(len(b.rows))
-                # τ as in the summary: tokens committed per cycle (the prefill's first token is not a cycle)
-                tau = (np.arange(len(acc_hist)) * acc_hist).sum() / max(acc_hist.sum(), 1)
-                bar.set_postfix(tok_s=f"{totals['tokens'] / wall:,.0f}", tau=f"{tau:.2f}")
+                bar.set_postfix(tok_s=f"{totals['tokens'] / (time.perf_counter() - t_start):,.0f}",
+                                tau=f"{_tau(acc_hist) or 0:.2f}")
     finally:
         dispatcher.shutdown(wait=True, cancel_futures=True)
         watcher.stop()
         bar.close()
+    return launched, totals
+
+
+def _records(b: "_Batch", res: generation.GenerationOutput, index: int, acc_hist: np.ndarray) -> list[str]:
+    """One JSON line per row of a finished batch; its acceptance lengths are added to ``acc_hist``."""
+    lines = []
+    for r, toks, text, acc, fin in zip(b.rows, res.token_ids, res.texts, res.acceptance_lengths, res.finish_reasons):
+        acc_hist += np.bincount(acc, minlength=len(acc_hist))[: len(acc_hist)] if acc else 0
+        lines.append(json.dumps({
+            "id": r.id, "text": text, "token_ids": toks, "num_tokens": len(toks), "finish_reason": fin,
+            "acceptance": {"cycles": len(acc), "tau": float(np.mean(acc)) if acc else None},
+            "batch": index}) + "\n")
+    return lines
+
+
+def _tau(acc_hist: np.ndarray) -> float | None:
+    """Tokens committed per cycle (the prefill's first token is not a cycle)."""
+    n = acc_hist.sum()
+    return float((np.arange(len(acc_hist)) * acc_hist).sum() / n) if n else None
+
+
+def _summary(input_path, output: Path, launched: list["_Batch"], totals: dict, acc_hist: np.ndarray,
+             t_start: float, compile_s: float, skipped: int, bad: int, batches: int, batch_size: int,
+             block_size: int) -> dict:
     wall = time.perf_counter() - t_start
-    idle = 0.0
-    for prev, nxt in zip(launched, launched[1:]):
-        idle += max(0.0, nxt.launched - prev.ready)
+    idle = sum(max(0.0, nxt.launched - prev.ready) for prev, nxt in zip(launched, launched[1:]))
     span = (launched[-1].ready - launched[0].launched) if launched else 0.0
-    cycles_hist = acc_hist.tolist()
-    n_cycles = int(acc_hist.sum())
-    summary = {
+    return {
         "input": str(input_path), "output": str(output), "prompts": totals["prompts"],
-        "skipped_done": len(done), "bad_rows": len(bad), "new_tokens": totals["tokens"],
+        "skipped_done": skipped, "bad_rows": bad, "new_tokens": totals["tokens"],
         "wall_s": wall, "tokens_per_s": totals["tokens"] / max(wall, 1e-9),
         "prompts_per_s": totals["prompts"] / max(wall, 1e-9),
-        "tau": float((np.arange(len(acc_hist)) * acc_hist).sum() / n_cycles) if n_cycles else None,
-        "acceptance_histogram": cycles_hist, "batches": len(batches), "batch_size": batch_size,
-        "block_size": block_size if drafter is not None else 1,
+        "tau": _tau(acc_hist), "acceptance_histogram": acc_hist.tolist(), "batches": batches,
+        "batch_size": batch_size, "block_size": block_size,
         "device_idle_fraction": idle / span if span > 0 else 0.0,
         # per batch: [dispatch start, device done] in seconds from the run's start (compile included)
         "batch_timeline_s": [[round(b.launched - t_start, 4), round(b.ready - t_start, 4)] for b in launched],
         "compile_s": compile_s + sum(b.job.compile_s for b in launched),  # the latter ~0: cache hits
     }
-    if speedup_estimate and drafter is not None and batches:
-        full = [b for b in batches if len(b) == batch_size] or batches
-        summary["speedup_estimate"] = _speedup_estimate(target, drafter, full[len(full) // 2], kw, seed)
-    summary_path = Path(summary_path) if summary_path else output.with_name(output.name + ".summary.json")
-    summary_path.write_text(json.dumps(summary, indent=1) + "\n")
-    if n_cycles:
-        plot_acceptance(acc_hist, histogram_path or output.with_name(output.name + ".acceptance.png"),
-                        title=f"{Path(target.name).name}: acceptance lengths (τ {summary['tau']:.2f})")
-    return summary
 
 
 def _speedup_estimate(target: Target, drafter: Drafter, rows: list[Row], kw: dict, seed: int) -> dict:

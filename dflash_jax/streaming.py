@@ -28,10 +28,11 @@ from dflash_jax.loading import Drafter, Target, as_target
 from dflash_jax.tokenizer import IncrementalDetokenizer
 
 # Cycles per segment: short first segments for an early first chunk, then `segment_cycles` each, or, by
-# default, as many as take about SEGMENT_S: each device call has a fixed cost (1.7 ms measured on the H200
-# for a 30-layer model: ~400 parameter buffers to hand over), so segments of ~50 ms keep it under ~4%.
+# default, as many as take about SEGMENT_S. Each device call has a fixed cost (1.6-1.7 ms measured on the
+# H200 for a SmolLM2-shaped pair, ~400 parameter buffers handed over): a 256-token stream cost 5.6% more
+# decode time than a whole call with 50 ms segments and 3.4% with 100 ms (RESULTS.md, 2026-12-02).
 _FIRST_SEGMENTS = (1, 2, 4)
-SEGMENT_S = 0.05
+SEGMENT_S = 0.1
 _MAX_SEGMENT_CYCLES = 1024
 
 
@@ -232,7 +233,7 @@ def speculative_stream(
     """:func:`dflash_jax.speculative_generate` as an iterator of :class:`StreamChunk`: concatenated, the chunks'
     ids and texts equal the non-streamed result (greedy, and sampled with the same seed). ``segment_cycles``:
     decode cycles per device call once the first few chunks are out; ``None`` (default): as many as take about
-    ``SEGMENT_S`` = 50 ms (fewer cycles: more, smaller chunks; more: less overhead).
+    ``SEGMENT_S`` = 100 ms (fewer cycles: more, smaller chunks; more: less overhead).
 
     ```
     for chunk in speculative_stream(target, drafter, ["Tell me a story."]):

@@ -15,7 +15,8 @@ from conftest import tiny_config
 
 def test_multidevice_suite():
     here = Path(__file__).parent
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            str(here / "multidevice" / "md_sharding.py")], env=env, capture_output=True, text=True,
                           timeout=1200, cwd=here.parent)
