@@ -229,10 +229,7 @@ def run_batch(
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     if drafter is not None:
-        trained = drafter.config.block_size
-        block_size = trained if block_size is None else int(block_size)
-        if not 2 <= block_size <= trained:
-            raise ValueError(f"block_size must be in [2, {trained}] for this drafter, got {block_size}")
+        target, drafter, block_size = generation.speculative_settings(target, drafter, block_size)
     rows, bad = _read_and_tokenize(target, input_path, limit, max_new_tokens)
     _report_bad_rows(bad, output, skip_bad)
     if output.exists() and not resume:

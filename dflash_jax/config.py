@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
-FAMILIES = ("llama", "qwen3")
+FAMILIES = ("llama", "qwen3", "qwen3_moe")
 
 
 class ConfigError(ValueError):
@@ -42,7 +42,7 @@ class RopeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only transformer of the LLaMA-3 / Qwen3 families (target models)."""
+    """A decoder-only transformer of the LLaMA-3 / Qwen3 / Qwen3-MoE families (target models)."""
 
     family: str
     vocab_size: int
@@ -60,10 +60,22 @@ class ModelConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # qwen3_moe only: top-k routed SwiGLU experts in the layers that is_moe_layer picks
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @property
     def qk_norm(self) -> bool:
-        return self.family == "qwen3"
+        return self.family in ("qwen3", "qwen3_moe")
+
+    def is_moe_layer(self, i: int) -> bool:
+        """transformers' rule: every ``decoder_sparse_step``-th layer is sparse unless in ``mlp_only_layers``."""
+        return (self.family == "qwen3_moe" and self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
 
     @property
     def groups(self) -> int:
@@ -81,12 +93,34 @@ class ModelConfig:
                               f"num_key_value_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.family == "qwen3_moe":
+            self._validate_moe()
         return self
+
+    def _validate_moe(self) -> None:
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"config field {name} must be positive, got {getattr(self, name)}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"config field num_experts_per_tok ({self.num_experts_per_tok}) exceeds "
+                              f"num_experts ({self.num_experts})")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ConfigError(f"config field mlp_only_layers has {bad}, out of range for {self.num_layers} layers")
+
+
+DRAFTER_KINDS = ("dflash", "dspark")
 
 
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
-    """A z-lab DFlash drafter: Qwen3-style layers over injected target features (SPEC §2, §4)."""
+    """A z-lab DFlash drafter: Qwen3-style layers over injected target features (SPEC §2, §4); or a DSpark
+    drafter (SPEC §7): the same trunk plus a sequential (Markov) head and a confidence head.
+
+    ``block_size`` counts the drafter's block inputs: DFlash's L inputs give L-1 drafts (verify width L);
+    DSpark's anchor predicts too, so its γ inputs give γ drafts (verify width γ+1). :attr:`verify_width`
+    is what one cycle verifies either way.
+    """
 
     layers: ModelConfig  # the drafter's own transformer shape (vocab = the target's)
     block_size: int
@@ -99,10 +133,30 @@ class DrafterConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    kind: str = "dflash"  # dflash | dspark
+    # DSpark only:
+    markov_rank: int = 256  # r: width of the Markov head's token embedding
+    draft_vocab_size: int | None = None  # drafts over a reduced vocabulary (ids mapped by the drafter's d2t)
+    confidence_head: bool = True  # some released DSpark checkpoints carry none
+    confidence_temperatures: tuple[float, ...] | None = None  # STS: one T_k per draft position
 
     @property
     def num_features(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def sequential(self) -> bool:
+        """DSpark: drafts left to right through the Markov head, the anchor itself predicting the first."""
+        return self.kind == "dspark"
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens one cycle verifies at the trained block size: the anchor plus every draft."""
+        return self.block_size + 1 if self.sequential else self.block_size
+
+    @property
+    def draft_vocab(self) -> int:
+        return self.draft_vocab_size or self.layers.vocab_size
 
     def layer_window(self, i: int) -> int | None:
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
@@ -112,8 +166,20 @@ class DrafterConfig:
 
     def validate(self) -> "DrafterConfig":
         self.layers.validate()
-        if self.block_size < 2:
-            raise ConfigError(f"drafter block_size must be >= 2, got {self.block_size}")
+        if self.kind not in DRAFTER_KINDS:
+            raise ConfigError(f"drafter kind {self.kind!r} is not supported (expected one of {DRAFTER_KINDS})")
+        if self.block_size < (1 if self.sequential else 2):
+            raise ConfigError(f"drafter block_size must be >= {1 if self.sequential else 2}, got {self.block_size}")
+        if self.sequential:
+            if self.markov_rank <= 0:
+                raise ConfigError(f"DSpark markov_rank must be positive, got {self.markov_rank}")
+            if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.layers.vocab_size:
+                raise ConfigError(f"draft_vocab_size {self.draft_vocab_size} must be in [1, vocab_size "
+                                  f"{self.layers.vocab_size}]")
+            temps = self.confidence_temperatures
+            if temps is not None and (len(temps) != self.block_size or any(not t > 0 for t in temps)):
+                raise ConfigError(f"confidence_temperatures must be {self.block_size} positive numbers (one per "
+                                  f"draft position), got {list(temps)}")
         if len(self.layer_types) != self.layers.num_layers:
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries for "
                               f"{self.layers.num_layers} drafter layers")
@@ -209,12 +275,12 @@ def parse_rope(cfg: Mapping[str, Any]) -> RopeConfig:
 
 def _family(cfg: Mapping[str, Any], where: str) -> str:
     mt = str(cfg.get("model_type", "")).lower()
-    if mt in ("qwen3",):
-        return "qwen3"
+    if mt in ("qwen3", "qwen3_moe"):
+        return mt
     if mt in ("llama",):
         return "llama"
     raise ConfigError(f"{where}: model_type {cfg.get('model_type')!r} is not supported "
-                      f"(expected 'llama' or 'qwen3')")
+                      f"(expected 'llama', 'qwen3' or 'qwen3_moe')")
 
 
 def model_config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> ModelConfig:
@@ -243,7 +309,23 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> 
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        **(_moe_fields(cfg, where) if family == "qwen3_moe" else {}),
     ).validate()
+
+
+def _moe_fields(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Qwen3-MoE settings (transformers 5 writes ``num_experts`` as ``num_local_experts``)."""
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if experts is None:
+        raise ConfigError(f"{where}: required field 'num_experts' is missing")
+    return dict(
+        num_experts=int(experts),
+        num_experts_per_tok=int(_get(cfg, "num_experts_per_tok", where)),
+        moe_intermediate_size=int(_get(cfg, "moe_intermediate_size", where)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+    )
 
 
 def drafter_config_from_hf(cfg: Mapping[str, Any], where: str = "drafter config.json") -> DrafterConfig:
@@ -267,6 +349,20 @@ def drafter_config_from_hf(cfg: Mapping[str, Any], where: str = "drafter config.
     layer_types = tuple(cfg.get("layer_types") or ["full_attention"] * layers.num_layers)
     is_causal = value("is_causal")
     softcap = value("final_logit_softcapping")
+    projector = str(value("projector_type", "") or "").lower()
+    archs = " ".join(cfg.get("architectures") or []).lower()
+    kind = "dspark" if projector == "dspark" or "dspark" in archs else "dflash"
+    dspark = {}
+    if kind == "dspark":
+        temps = value("confidence_temperatures")
+        draft_vocab = value("draft_vocab_size")
+        dspark = dict(
+            kind=kind,
+            markov_rank=int(value("markov_rank", 256)),
+            draft_vocab_size=int(draft_vocab) if draft_vocab and int(draft_vocab) != layers.vocab_size else None,
+            confidence_head=bool(value("use_confidence_head", True)),
+            confidence_temperatures=tuple(float(t) for t in temps) if temps else None,
+        )
     return DrafterConfig(
         layers=layers,
         block_size=int(value("block_size", 16)),
@@ -279,6 +375,7 @@ def drafter_config_from_hf(cfg: Mapping[str, Any], where: str = "drafter config.
         input_embedding_scale=float(value("input_embedding_scale", 1.0)),
         output_multiplier=float(value("output_multiplier", 1.0)),
         final_logit_softcapping=float(softcap) if softcap else None,
+        **dspark,
     ).validate()
 
 
@@ -314,6 +411,14 @@ def drafter_config_to_hf(c: DrafterConfig) -> dict[str, Any]:
         "use_sliding_window": False,
         "vocab_size": m.vocab_size,
     }
+    if c.sequential:
+        out["architectures"] = ["DSparkDraftModel"]
+        out["auto_map"] = {"AutoModel": "dspark.DSparkDraftModel"}
+        out["dflash_config"].update(projector_type="dspark", markov_rank=c.markov_rank,
+                                    use_confidence_head=c.confidence_head)
+        if c.confidence_temperatures is not None:
+            out["dflash_config"]["confidence_temperatures"] = list(c.confidence_temperatures)
+        out["draft_vocab_size"] = c.draft_vocab
     if m.rope.kind != "default":
         out["rope_scaling"] = {k: v for k, v in {
             "rope_type": m.rope.kind, "factor": m.rope.factor, "low_freq_factor": m.rope.low_freq_factor,

@@ -188,6 +188,7 @@ class Job:
     programs: Programs
     token_capacity: int  # O: width of the tokens buffer (unpacks the programs' packed views)
     compile_s: float = 0.0
+    survival_width: int = 0  # G: drafts per cycle whose predicted survival is summed (DSpark confidence head)
 
 
 @functools.lru_cache(maxsize=256)
@@ -265,8 +266,9 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
            jax.config.jax_default_matmul_precision)
     t0 = time.perf_counter()
     programs = _programs(key, graphdefs, params, pre_args, spec, dict(capacity=capacity, **shapes), mask_id)
+    scored = drafter is not None and drafter.config.sequential and drafter.config.confidence_head
     return Job(target, drafter, ids, stops, params, pre_args, spec, programs, spec.new_capacity + spec.block_size,
-               time.perf_counter() - t0)
+               time.perf_counter() - t0, spec.block_size - 1 if scored else 0)
 
 
 def pack_inputs(prompt: np.ndarray, lens: np.ndarray, max_new: np.ndarray, stops: np.ndarray, seed: int,
@@ -297,7 +299,7 @@ def finish_reasons(token_ids: list[list[int]], stops: Sequence[int]) -> list[str
 
 def fetch_view(job: Job, packed) -> DecodeView:
     """A program's packed view on the host (one device-to-host copy; blocks until it is computed)."""
-    return DecodeView.unpack(np.asarray(packed), job.token_capacity)
+    return DecodeView.unpack(np.asarray(packed), job.token_capacity, job.survival_width)
 
 
 def collect(job: Job, packed, stats: dict | None = None) -> GenerationOutput:
@@ -313,8 +315,25 @@ def collect(job: Job, packed, stats: dict | None = None) -> GenerationOutput:
     stats.setdefault("compile_s", job.compile_s)
     stats["new_tokens"] = int(view.num_new[:n].sum())
     stats["cycles"] = int(view.num_cycles[:n].max(initial=0))
+    if job.survival_width:
+        stats.update(survival_stats(view.survival_sum[:n], acc_lens))
     return GenerationOutput(token_ids, texts, acc_lens, float(np.mean(all_acc)) if all_acc else 0.0, stats,
                             job.ids, finish_reasons(token_ids, job.stops))
+
+
+def survival_stats(survival_sum: np.ndarray, acc_lens: list[list[int]]) -> dict:
+    """A DSpark drafter's calibration, over every cycle of every row: ``predicted_survival[j]`` the mean
+    predicted probability that draft j is accepted (Π of the confidences up to it) next to
+    ``realized_survival[j]`` the fraction of cycles that accepted it; ``predicted_tau`` vs the realised τ."""
+    cycles = sum(len(a) for a in acc_lens)
+    if not cycles:
+        return {}
+    g = survival_sum.shape[1]
+    accepted = np.asarray([a - 1 for row in acc_lens for a in row])
+    predicted = survival_sum.sum(0) / cycles
+    return {"predicted_survival": predicted.round(4).tolist(),
+            "realized_survival": [float((accepted > j).mean().round(4)) for j in range(g)],
+            "predicted_tau": float(1 + predicted.sum())}
 
 
 def make_job(target: Target, drafter: Drafter | None, prompts, *, chat: bool, **kw) -> Job:
@@ -333,10 +352,10 @@ def _run(target: Target, drafter: Drafter | None, prompts, *, chat: bool, **kw) 
     packed.block_until_ready()
     t2 = time.perf_counter()
     state, packed = job.programs.decode(job.params, state, ALL_CYCLES)
-    packed.block_until_ready()
+    view = fetch_view(job, packed)  # waits for the decode, then one device-to-host copy
     t3 = time.perf_counter()
     prefill_s, decode_s = t2 - t1, t3 - t2
-    out = collect(job, packed, {"prefill_s": prefill_s, "decode_s": decode_s, "compile_s": job.compile_s})
+    out = collect(job, view, {"prefill_s": prefill_s, "decode_s": decode_s, "compile_s": job.compile_s})
     total, b = out.stats["new_tokens"], len(job.ids)
     out.stats["tokens_per_s"] = total / max(prefill_s + decode_s, 1e-9)
     out.stats["decode_tokens_per_s"] = (total - b) / max(decode_s, 1e-9)
@@ -344,10 +363,11 @@ def _run(target: Target, drafter: Drafter | None, prompts, *, chat: bool, **kw) 
 
 
 def speculative_settings(target, drafter, block_size: int | None) -> tuple[Target, Drafter, int]:
-    """The handles and the checked block size (default: the drafter's trained size)."""
+    """The handles and the checked block size: the tokens one cycle verifies (default: the drafter's trained
+    verify width — a DFlash drafter's block size, a DSpark drafter's block size + 1)."""
     target, drafter = as_target(target), as_drafter(drafter)
     drafter.config.check_target(target.config)
-    trained = drafter.config.block_size
+    trained = drafter.config.verify_width
     size = trained if block_size is None else block_size
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or not 2 <= size <= trained:
         raise ValueError(f"block_size must be in [2, {trained}] for this drafter (an integer; trained block size "

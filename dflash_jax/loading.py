@@ -23,10 +23,10 @@ from jax.sharding import Mesh, NamedSharding
 
 from dflash_jax.checkpoints import gguf_io
 from dflash_jax.checkpoints.safetensors_io import (CheckpointError, load_into, read_safetensors,
-                                                   safetensors_files)
+                                                   safetensors_files, stack_experts)
 from dflash_jax.config import (ConfigError, DrafterConfig, ModelConfig, default_target_layer_ids,
                                drafter_config_from_hf, model_config_from_hf, read_config_json)
-from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.drafter import DFlashDrafter, DSparkDrafter
 from dflash_jax.models.split import SplitModel, split_model
 from dflash_jax.models.target import TargetModel
 from dflash_jax.tokenizer import Tokenizer
@@ -83,9 +83,9 @@ class Target(_Handle):
 
 @dataclasses.dataclass
 class Drafter(_Handle):
-    """A loaded DFlash drafter. ``trained=False`` marks random weights (acceptance ≈ 1)."""
+    """A loaded DFlash or DSpark drafter. ``trained=False`` marks random weights (acceptance ≈ 1)."""
 
-    model: DFlashDrafter
+    model: DFlashDrafter  # or its subclass DSparkDrafter
     name: str = "drafter"
     trained: bool = True
     mesh: Mesh | None = None
@@ -151,7 +151,7 @@ def embedded_gguf_path() -> Path:
 
 
 def _build(model_cls, cfg, dtype, tensors: dict, prefix: str, source: str, mesh: Mesh | None = None,
-           shape_cfg: ModelConfig | None = None):
+           shape_cfg: ModelConfig | None = None, ignore=lambda name: False):
     """Abstract module → parameters filled from ``tensors``, each placed directly on its mesh shards."""
     model = nnx.eval_shape(lambda: model_cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     place = None
@@ -165,7 +165,7 @@ def _build(model_cls, cfg, dtype, tensors: dict, prefix: str, source: str, mesh:
             spec = shd.spec_for(".".join(str(p) for p in path), arr.ndim, mapping)
             return jax.device_put(np.asarray(arr).astype(dtype), NamedSharding(mesh, spec))
     load_into(model, tensors, prefix=prefix, source=source, dtype=dtype, place=place,
-              ignore=lambda n: n.endswith("rotary_emb.inv_freq"))
+              ignore=lambda n: n.endswith("rotary_emb.inv_freq") or ignore(n))
     return model
 
 
@@ -195,7 +195,7 @@ def load_target(source: str | Path, dtype: Any = "float32", *, chat_template_kwa
     else:
         hf_cfg = read_config_json(path)
         cfg = model_config_from_hf(hf_cfg, where=str(path / "config.json"))
-        tensors = read_safetensors(safetensors_files(path))
+        tensors = stack_experts(read_safetensors(safetensors_files(path)))  # MoE: per-expert → [E, …]
         tokenizer = Tokenizer.from_dir(path, **(chat_template_kwargs or {}))
     model = _build(TargetModel, cfg, dtype, tensors, "model.", str(path), mesh)
     stops = set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
@@ -204,7 +204,8 @@ def load_target(source: str | Path, dtype: Any = "float32", *, chat_template_kwa
 
 def load_drafter(source: str | Path, target: Target | TargetModel | None = None, dtype: Any = None,
                  mesh: Mesh | None = None) -> Drafter:
-    """A z-lab DFlash drafter directory (``config.json`` + ``model.safetensors``), checked against ``target``.
+    """A drafter directory (``config.json`` + ``model.safetensors``), checked against ``target``: z-lab DFlash,
+    or DSpark when the config says so (``dflash_config.projector_type: "dspark"``).
 
     Placed on ``mesh``, or on the target's mesh when the target has one."""
     path = resolve_checkpoint(source)
@@ -216,16 +217,45 @@ def load_drafter(source: str | Path, target: Target | TargetModel | None = None,
     dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     tensors = read_safetensors(safetensors_files(path))
     mesh = mesh if mesh is not None else (as_target(target).mesh if target is not None else None)
-    return Drafter(_build(DFlashDrafter, cfg, dtype, tensors, "", str(path), mesh, cfg.layers), str(source), True,
-                   mesh)
+    if not cfg.sequential:
+        return Drafter(_build(DFlashDrafter, cfg, dtype, tensors, "", str(path), mesh, cfg.layers), str(source),
+                       True, mesh)
+    d2t = _draft_to_target(cfg, tensors, path)
+    model = _build(DSparkDrafter, cfg, dtype, tensors, "", str(path), mesh, cfg.layers,
+                   ignore=lambda n: n in ("d2t", "draft_id_to_target_id", "t2d"))
+    if d2t is not None:
+        model.d2t.set_value(jnp.asarray(d2t, jnp.int32))
+    return Drafter(model, str(source), True, mesh)
+
+
+def _draft_to_target(cfg: DrafterConfig, tensors: dict, path: Path) -> np.ndarray | None:
+    """The target id of each draft-vocabulary id from a checkpoint's ``d2t`` offsets (EAGLE-3 / SpecForge:
+    target id = draft id + d2t[draft id]); None for a full draft vocabulary."""
+    if cfg.draft_vocab_size is None:
+        return None
+    name = next((n for n in ("d2t", "draft_id_to_target_id") if n in tensors), None)
+    if name is None:
+        raise CheckpointError(f"{path}: draft_vocab_size {cfg.draft_vocab_size} needs a draft-to-target id map "
+                              f"(tensor 'd2t'), which the checkpoint lacks")
+    offsets = np.asarray(tensors[name]).astype(np.int64).reshape(-1)
+    if offsets.shape[0] != cfg.draft_vocab_size:
+        raise CheckpointError(f"{path}: {name} has {offsets.shape[0]} entries for draft_vocab_size "
+                              f"{cfg.draft_vocab_size}")
+    ids = offsets + np.arange(len(offsets))
+    if ids.min() < 0 or ids.max() >= cfg.layers.vocab_size or len(np.unique(ids)) != len(ids):
+        raise CheckpointError(f"{path}: {name} maps draft ids outside the target vocabulary "
+                              f"({cfg.layers.vocab_size}) or to one target id twice")
+    return ids
 
 
 def random_drafter(target: Target | TargetModel, *, num_layers: int = 2, block_size: int = 16,
                    mask_token_id: int | None = None, num_features: int = 5,
-                   target_layer_ids: tuple[int, ...] | None = None, seed: int = 0, dtype: Any = None) -> Drafter:
+                   target_layer_ids: tuple[int, ...] | None = None, seed: int = 0, dtype: Any = None,
+                   kind: str = "dflash", markov_rank: int = 256, confidence_head: bool = True) -> Drafter:
     """An untrained drafter of the right shape for ``target`` (training starts here; tests use it as is).
 
-    Feature layers: ``target_layer_ids`` or z-lab's default spread of ``num_features`` layers.
+    Feature layers: ``target_layer_ids`` or z-lab's default spread of ``num_features`` layers. ``kind``:
+    ``"dflash"`` or ``"dspark"`` (``block_size`` then counts its drafts, see :class:`DrafterConfig`).
     """
     tc = as_target(target).config
     n = min(num_features, tc.num_layers)
@@ -235,11 +265,13 @@ def random_drafter(target: Target | TargetModel, *, num_layers: int = 2, block_s
         layers=layers, block_size=block_size,
         mask_token_id=tc.vocab_size - 1 if mask_token_id is None else mask_token_id,
         target_layer_ids=ids, num_target_layers=tc.num_layers,
-        layer_types=("full_attention",) * num_layers,
+        layer_types=("full_attention",) * num_layers, kind=kind, markov_rank=markov_rank,
+        confidence_head=confidence_head,
     ).validate()
     cfg.check_target(tc)
     dtype = as_target(target).model.dtype if dtype is None else parse_dtype(dtype)
-    drafter = Drafter(DFlashDrafter(cfg, dtype=dtype, rngs=nnx.Rngs(seed)), "random (untrained)", False)
+    model_cls = DSparkDrafter if cfg.sequential else DFlashDrafter
+    drafter = Drafter(model_cls(cfg, dtype=dtype, rngs=nnx.Rngs(seed)), f"random {kind} (untrained)", False)
     mesh = as_target(target).mesh
     return shard(drafter, mesh) if mesh is not None else drafter
 
@@ -259,7 +291,7 @@ def deepen_drafter(drafter: Drafter, num_layers: int, seed: int = 0) -> Drafter:
         return drafter
     new_cfg = dataclasses.replace(cfg, layers=dataclasses.replace(cfg.layers, num_layers=num_layers),
                                   layer_types=cfg.layer_types + ("full_attention",) * (num_layers - have)).validate()
-    model = DFlashDrafter(new_cfg, dtype=drafter.model.dtype, rngs=nnx.Rngs(seed))
+    model = type(drafter.model)(new_cfg, dtype=drafter.model.dtype, rngs=nnx.Rngs(seed))  # DFlash or DSpark
     src = nnx.to_pure_dict(nnx.state(drafter.model, nnx.Param))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     params.update({k: v for k, v in src.items() if k != "layers"})
@@ -267,10 +299,52 @@ def deepen_drafter(drafter: Drafter, num_layers: int, seed: int = 0) -> Drafter:
     for i in range(have, num_layers):
         for proj in (params["layers"][i]["self_attn"]["o_proj"], params["layers"][i]["mlp"]["down_proj"]):
             proj["kernel"] = jnp.zeros_like(proj["kernel"])
+    if getattr(drafter.model, "d2t", None) is not None:
+        model.d2t.set_value(drafter.model.d2t[...])
+    return _with_params(drafter, model, params, f"{drafter.name} + {num_layers - have} identity-initialised layers")
+
+
+def _with_params(drafter: Drafter, model: DFlashDrafter, params: dict, name: str) -> Drafter:
+    """``model`` holding ``params`` (a pure dict of its nnx.Params) as a handle like ``drafter``'s."""
     state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, params)
     nnx.update(model, state)
-    out = Drafter(model, f"{drafter.name} + {num_layers - have} identity-initialised layers", drafter.trained)
+    out = Drafter(model, name, drafter.trained)
+    return shard(out, drafter.mesh) if drafter.mesh is not None else out
+
+
+def dspark_from_dflash(drafter: Drafter, block_size: int, markov_rank: int = 256, seed: int = 0) -> Drafter:
+    """A DSpark drafter (``block_size`` = γ drafts) whose trunk — fc, hidden_norm, layers, norm — is the DFlash
+    ``drafter``'s (a warm start for DSpark training, SPEC §7).
+
+    ``markov_w2`` starts at zero, so the Markov bias is zero and the first drafts are the trunk's own argmax
+    ``U_k``; ``markov_w1`` is random (W2's gradient needs it non-zero). The confidence head starts small
+    (z ≈ 0, confidences ≈ ½) rather than confidently wrong.
+    """
+    cfg = drafter.config
+    if cfg.sequential:
+        raise ConfigError(f"{drafter.name} is already a DSpark drafter")
+    new_cfg = dataclasses.replace(cfg, kind="dspark", block_size=block_size, markov_rank=markov_rank,
+                                  draft_vocab_size=None, confidence_head=True,
+                                  confidence_temperatures=None).validate()
+    model = DSparkDrafter(new_cfg, dtype=drafter.model.dtype, rngs=nnx.Rngs(seed))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    params.update(nnx.to_pure_dict(nnx.state(drafter.model, nnx.Param)))
+    w2 = params["markov_head"]["markov_w2"]
+    w2["kernel"] = jnp.zeros_like(w2["kernel"])
+    conf = params["confidence_head"]["proj"]
+    conf["kernel"] = conf["kernel"] * 0.01
+    return _with_params(drafter, model, params, f"{drafter.name} → DSpark (γ = {block_size})")
+
+
+def with_confidence_temperatures(drafter: Drafter, temperatures) -> Drafter:
+    """The DSpark ``drafter`` with STS temperatures ``T_k`` in its config (a new module and handle: the config is
+    part of the compiled programs' key, so the old handle's programs are never reused with new temperatures)."""
+    cfg = dataclasses.replace(drafter.config,
+                              confidence_temperatures=tuple(float(t) for t in temperatures)).validate()
+    model = nnx.eval_shape(lambda: DSparkDrafter(cfg, dtype=drafter.model.dtype, rngs=nnx.Rngs(0)))
+    nnx.update(model, nnx.state(drafter.model))
+    out = Drafter(model, drafter.name, drafter.trained)
     return shard(out, drafter.mesh) if drafter.mesh is not None else out
 
 

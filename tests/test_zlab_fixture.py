@@ -108,7 +108,7 @@ def test_verify_blocks_match_reference(zlab_target, fixture, drafter_dir):
             if bool(state.done[0]):
                 break
             assert int(state.anchor_pos[0]) == step["start"]
-            block, _, _ = propose(target, drafter, state, spec, drafter.config.mask_token_id)
+            block, _, _, _ = propose(target, drafter, state, spec, drafter.config.mask_token_id)
             assert np.asarray(block[0]).tolist() == step["verify_block"]
             state = verify(target, drafter, state, block, spec)
             assert int(state.acc_lens[0, state.num_cycles[0] - 1]) == step["acceptance_length"]

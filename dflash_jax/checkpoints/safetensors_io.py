@@ -2,12 +2,16 @@
 
 Only safetensors (and GGUF, see :mod:`gguf_io`) are ever read: never pickle, never remote code.
 Our modules use HF names one-to-one, except that ``Dense.kernel`` is ``[in, out]`` (PyTorch ``weight`` is
-``[out, in]``) and the embedding table is ``embed_tokens.embedding`` (HF ``embed_tokens.weight``).
+``[out, in]``) and embedding tables are ``….embedding`` (HF ``….weight``, e.g. ``embed_tokens.weight``).
+Stacked MoE experts (``mlp.experts.{gate,up,down}_proj``) are likewise ``[E, out, in]`` in checkpoints and
+``[E, in, out]`` in the modules; :func:`stack_experts` brings HF's per-expert or fused tensors to that form.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
@@ -58,14 +62,46 @@ def hf_name(path: tuple, prefix: str) -> tuple[str, bool]:
     """Module parameter path → (HF tensor name, needs transpose)."""
     parts = [str(p) for p in path]
     leaf = parts[-1]
-    if parts[-2:] == ["embed_tokens", "embedding"]:
-        return prefix + "embed_tokens.weight", False
     base = ".".join(parts[:-1])
+    if leaf == "embedding":
+        return prefix + base + ".weight", False
     if parts[0] == "lm_head":
         prefix = ""
     if leaf == "kernel":
         return prefix + base + ".weight", True
-    return prefix + base + "." + leaf, False
+    return prefix + base + "." + leaf, parts[-2] == "experts"  # stacked experts: [E, in, out]
+
+
+def _to_module(arr: np.ndarray) -> np.ndarray:
+    """``[..., out, in]`` (PyTorch) → ``[..., in, out]`` (ours), and back: swap the last two axes."""
+    return np.swapaxes(arr, -1, -2)
+
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF MoE expert tensors → one ``{base}.experts.{gate,up,down}_proj`` ``[E, out, in]`` each (in place).
+
+    Accepts the per-expert ``experts.{e}.{gate,up,down}_proj.weight`` of the public Qwen3-MoE checkpoints
+    (what ``save_pretrained`` writes too) and the fused ``experts.gate_up_proj`` ``[E, 2F, D]`` (gate rows
+    first) / ``experts.down_proj`` ``[E, D, F]`` of transformers 5's in-memory layout; others are left alone.
+    """
+    groups: dict[tuple[str, str], dict[int, str]] = defaultdict(dict)
+    for name in list(tensors):
+        m = _EXPERT.match(name)
+        if m:
+            groups[m[1], m[3]][int(m[2])] = name
+        elif name.endswith(".experts.gate_up_proj"):
+            gate_up = tensors.pop(name)
+            f = gate_up.shape[1] // 2
+            base = name[: -len("gate_up_proj")]
+            tensors[base + "gate_proj"], tensors[base + "up_proj"] = gate_up[:, :f], gate_up[:, f:]
+    for (base, proj), names in groups.items():
+        if sorted(names) != list(range(len(names))):
+            raise CheckpointError(f"{base}.{proj}: experts {sorted(names)} are not numbered 0..{len(names) - 1}")
+        tensors[f"{base}.{proj}"] = np.stack([tensors.pop(names[e]) for e in range(len(names))])
+    return tensors
 
 
 def param_leaves(model: nnx.Module) -> list[tuple[tuple, nnx.Variable]]:
@@ -95,10 +131,11 @@ def load_into(
             missing.append(name)
             continue
         arr = tensors[name]
-        arr = arr.T if transpose else arr
+        arr = _to_module(arr) if transpose else arr
         if tuple(arr.shape) != tuple(var.shape):
+            shape = tuple(var.shape)
             mismatched.append(f"{name}: checkpoint {tuple(tensors[name].shape)} vs model "
-                              f"{tuple(var.shape[::-1]) if transpose else tuple(var.shape)}")
+                              f"{shape[:-2] + (shape[-1], shape[-2]) if transpose else shape}")
             continue
         used.add(name)
         var.set_value(place(path, np.asarray(arr)))
@@ -121,7 +158,7 @@ def state_to_hf(model: nnx.Module, *, prefix: str, dtype=np.float32) -> dict[str
     for path, var in param_leaves(model):
         name, transpose = hf_name(path, prefix)
         arr = np.asarray(jax.device_get(var[...])).astype(dtype)
-        out[name] = np.ascontiguousarray(arr.T if transpose else arr)
+        out[name] = np.ascontiguousarray(_to_module(arr) if transpose else arr)
     return out
 
 

@@ -18,11 +18,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int
+from jaxtyping import Array, Float, Int
 
 from dflash_jax.decode import sampling
 from dflash_jax.decode.state import DecodeState, DecodeView, LoopSpec
-from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.drafter import DFlashDrafter, DSparkDrafter
 from dflash_jax.models.split import merge_model
 from dflash_jax.models.target import KVCache, TargetModel
 from dflash_jax.sharding import Plan, constrain
@@ -120,6 +120,8 @@ def prefill(
         draft_cache=dcache,
         rng=rng if spec.sampling else None,
         sampling=sampling_params if spec.sampling else None,
+        survival_sum=(jnp.zeros((b, spec.block_size - 1), jnp.float32)
+                      if drafter is not None and getattr(drafter, "confidence_head", None) is not None else None),
     )
     # The first token is committed like any other (it may be a stop token, or the whole budget).
     return shard_state(commit(state, first, jnp.ones((b,), jnp.int32), record=False), spec.plan)
@@ -160,8 +162,9 @@ def shard_state(state: DecodeState, plan: Plan | None) -> DecodeState:
     the same at every cycle: no resharding inside the loop beyond the collectives TP itself needs."""
     if plan is None:
         return state
-    rows = {f: constrain(getattr(state, f), plan.rows(getattr(state, f).ndim))
-            for f in ("tokens", "num_new", "max_new", "anchor", "anchor_pos", "done", "acc_lens", "num_cycles")}
+    names = ("tokens", "num_new", "max_new", "anchor", "anchor_pos", "done", "acc_lens", "num_cycles") + (
+        ("survival_sum",) if state.survival_sum is not None else ())
+    rows = {f: constrain(getattr(state, f), plan.rows(getattr(state, f).ndim)) for f in names}
     return dataclasses.replace(state, **rows, target_cache=_shard_cache(state.target_cache, plan, plan.target_kv),
                                draft_cache=_shard_cache(state.draft_cache, plan, plan.drafter_kv))
 
@@ -177,19 +180,24 @@ def _split_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def propose(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, spec: LoopSpec,
-            mask_token_id: int) -> tuple[Int[Array, "B L"], jax.Array | None, DecodeState]:
-    """The block to verify, ``[anchor, d_1 … d_{L-1}]``, from one drafter forward (SPEC §2).
+            mask_token_id: int) -> tuple[Int[Array, "B L"], jax.Array | None, jax.Array | None, DecodeState]:
+    """The block to verify, ``[anchor, d_1 … d_{L-1}]``, from one drafter forward (SPEC §2; DSpark §7).
 
-    Returns the block, the drafts' distribution ``q`` [B, L-1, V] when drafts are sampled (else None), and
-    the state (its PRNG keys advanced when sampling).
+    Returns the block, the drafts' distribution ``q`` [B, L-1, V] when drafts are sampled (else None), the
+    drafts' confidences [B, L-1] (DSpark drafters with a confidence head, else None), and the state (its PRNG
+    keys advanced when sampling).
     """
     l = spec.block_size
     anchor = state.anchor[:, None]
     if drafter is None or l == 1:
-        return anchor, None, state
-    masks = jnp.full((anchor.shape[0], l - 1), mask_token_id, jnp.int32)
-    h = drafter(target.embed(jnp.concatenate([anchor, masks], axis=1)), block_positions(state, l),
+        return anchor, None, None, state
+    n_in = l - 1 if drafter.config.sequential else l  # DSpark: the anchor predicts the first draft
+    masks = jnp.full((anchor.shape[0], n_in - 1), mask_token_id, jnp.int32)
+    h = drafter(target.embed(jnp.concatenate([anchor, masks], axis=1)), block_positions(state, n_in),
                 state.draft_cache, state.anchor_pos, impl=spec.impl)
+    if drafter.config.sequential:
+        drafts, q, conf, state = _draft_sequential(target, drafter, h, state, spec)
+        return jnp.concatenate([anchor, drafts], axis=1), q, conf, state
     logits = drafter.draft_logits(h[:, 1:], target)
     if spec.sampling and spec.draft_sampling:
         rng, k_draft = _split_rows(state.rng)
@@ -198,7 +206,48 @@ def propose(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeSta
         state = dataclasses.replace(state, rng=rng)
     else:
         q, drafts = None, jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jnp.concatenate([anchor, drafts], axis=1), q, state
+    return jnp.concatenate([anchor, drafts], axis=1), q, None, state
+
+
+def _draft_sequential(target: TargetModel, drafter: DSparkDrafter, hidden: Float[Array, "B G D"],
+                      state: DecodeState, spec: LoopSpec):
+    """DSpark drafting, left to right over the block (a scan of G steps, each a [B, R] × [R, Vd] product):
+    ``x_k = pick(U_k + W2·W1[x_{k-1}])`` with ``x_{-1}`` = the anchor; pick = argmax, or a draw from
+    ``softmax`` of the filtered logits when drafts are sampled (then ``q_k`` is exactly that distribution,
+    conditioned on the drafts before it, which keeps the ratio test of :func:`sampling.accept_sampled` exact).
+
+    Returns drafts [B, G] (target ids), q [B, G, V] or None, confidences [B, G] or None, and the state.
+    """
+    base = drafter.base_logits(hidden, target).swapaxes(0, 1)  # [G, B, Vd]
+    g, b = base.shape[:2]
+    sampled = spec.sampling and spec.draft_sampling
+    if sampled:
+        rng, k_draft = _split_rows(state.rng)
+        keys = jax.vmap(lambda k: jax.random.split(k, g))(k_draft).swapaxes(0, 1)  # [G, B]
+        state = dataclasses.replace(state, rng=rng)
+    else:
+        keys = jnp.zeros((g, b), jnp.int32)  # unused
+    head = drafter.markov_head
+
+    def step(prev, xs):
+        u, key = xs
+        e = head.embed(prev)  # [B, R]
+        logits = u + head.bias(e)
+        if sampled:
+            q = sampling.filtered_probs(logits, state.sampling, use_top_k=spec.top_k, use_top_p=spec.top_p)
+            x = jax.vmap(sampling.sample)(key, q)
+        else:
+            q, x = None, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        x = drafter.to_target_ids(x)
+        return x, (x, e, q)
+
+    _, (drafts, embeds, q) = jax.lax.scan(step, state.anchor, (base, keys))
+    drafts, embeds = drafts.swapaxes(0, 1), embeds.swapaxes(0, 1)  # [B, G], [B, G, R]
+    q = drafter.to_target_probs(q.swapaxes(0, 1)) if sampled else None
+    conf = None
+    if drafter.confidence_head is not None:
+        conf = jax.nn.sigmoid(drafter.confidence_head(hidden, embeds) / drafter.temperatures(g))
+    return drafts, q, conf, state
 
 
 def verify(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, block: Int[Array, "B L"],
@@ -226,7 +275,12 @@ def verify(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeStat
 def cycle(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, spec: LoopSpec,
           mask_token_id: int) -> DecodeState:
     """One draft → verify → accept → commit step for every row (finished rows commit nothing)."""
-    block, q, state = propose(target, drafter, state, spec, mask_token_id)
+    block, q, conf, state = propose(target, drafter, state, spec, mask_token_id)
+    if conf is not None and state.survival_sum is not None:
+        # Predicted survival of each draft (Π of the confidences up to it), summed over the row's cycles.
+        survival = jnp.cumprod(conf, axis=1)
+        state = dataclasses.replace(state, survival_sum=state.survival_sum + jnp.where(
+            state.done[:, None], 0.0, survival))
     return shard_state(verify(target, drafter, state, block, spec, q), spec.plan)
 
 

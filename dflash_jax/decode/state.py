@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Int
+from jaxtyping import Array, Bool, Float, Int
 
 from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.sharding import Plan
@@ -53,6 +53,7 @@ class DecodeState:
     draft_cache: KVCache | None
     rng: jax.Array | None = None  # one PRNG key per row (sampling only)
     sampling: SamplingParams | None = None
+    survival_sum: Float[Array, "B G"] | None = None  # DSpark: Σ over cycles of each draft's predicted survival
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,15 +67,20 @@ class DecodeView:
     num_new: np.ndarray  # [B]
     done: np.ndarray  # [B] bool
     num_cycles: np.ndarray  # [B]
+    survival_sum: np.ndarray  # [B, G] float32 (G = 0 without a confidence head)
 
     @staticmethod
-    def pack(state: DecodeState) -> Int[Array, "B O+C+3"]:
+    def pack(state: DecodeState) -> Int[Array, "B O+C+G+3"]:
         i32 = lambda x: x.astype(jnp.int32)[:, None]  # noqa: E731
-        return jnp.concatenate([state.tokens, state.acc_lens, i32(state.num_new), i32(state.done),
+        survival = () if state.survival_sum is None else (
+            jax.lax.bitcast_convert_type(state.survival_sum, jnp.int32),)
+        return jnp.concatenate([state.tokens, state.acc_lens, *survival, i32(state.num_new), i32(state.done),
                                 i32(state.num_cycles)], axis=1)
 
     @staticmethod
-    def unpack(packed: np.ndarray, token_capacity: int) -> "DecodeView":
-        """``token_capacity``: O, the tokens buffer's width."""
-        o = token_capacity
-        return DecodeView(packed[:, :o], packed[:, o:-3], packed[:, -3], packed[:, -2].astype(bool), packed[:, -1])
+    def unpack(packed: np.ndarray, token_capacity: int, survival_width: int = 0) -> "DecodeView":
+        """``token_capacity``: O, the tokens buffer's width; ``survival_width``: G (0 without survival)."""
+        o, g = token_capacity, survival_width
+        survival = packed[:, packed.shape[1] - 3 - g: packed.shape[1] - 3].view(np.float32)
+        return DecodeView(packed[:, :o], packed[:, o:packed.shape[1] - 3 - g], packed[:, -3],
+                          packed[:, -2].astype(bool), packed[:, -1], survival)

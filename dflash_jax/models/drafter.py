@@ -1,4 +1,4 @@
-"""The DFlash drafter (z-lab format) in Flax NNX.
+"""The DFlash drafter (z-lab format) and the DSpark drafter in Flax NNX.
 
 One drafter forward proposes a whole block: queries come from ``[anchor, MASK, …]`` embedded with the
 *target's* embeddings; keys/values come from the injected context (projected target features of committed
@@ -16,7 +16,7 @@ from jaxtyping import Array, Float, Int
 
 from dflash_jax import attention
 from dflash_jax.config import DrafterConfig
-from dflash_jax.models.layers import MLP, Dense, RMSNorm, Rope, apply_rope
+from dflash_jax.models.layers import MLP, Dense, Embed, RMSNorm, Rope, apply_rope, matmul
 from dflash_jax.models.target import KVCache, write_rows
 
 
@@ -119,3 +119,77 @@ class DFlashDrafter(nnx.Module):
         logits = target.logits(hidden) * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         return jnp.tanh(logits / cap) * cap if cap else logits
+
+
+# --------------------------------------------------------------------------------------------------
+# DSpark (SPEC §7): the DFlash trunk plus a sequential head and a confidence head
+# --------------------------------------------------------------------------------------------------
+
+class TokenMap(nnx.Variable):
+    """Draft-vocabulary id → target id (a reduced draft vocabulary); not a trained parameter."""
+
+
+class MarkovHead(nnx.Module):
+    """``bias(prev) = W2 · W1[prev]``: the previous token's contribution to the next draft's logits
+    (``markov_w1`` an embedding [V, r] over the target vocabulary, ``markov_w2`` a linear r → V_draft)."""
+
+    def __init__(self, vocab: int, draft_vocab: int, rank: int, *, dtype, rngs: nnx.Rngs):
+        self.markov_w1 = Embed(vocab, rank, dtype=dtype, rngs=rngs)
+        self.markov_w2 = Dense(rank, draft_vocab, bias=False, dtype=dtype, rngs=rngs)
+
+    def embed(self, prev: Int[Array, "*b"]) -> Float[Array, "*b R"]:
+        return self.markov_w1(prev)
+
+    def bias(self, e: Float[Array, "*b R"]) -> Float[Array, "*b Vd"]:
+        return matmul(e, self.markov_w2.kernel[...], preferred_element_type=jnp.float32)
+
+
+class ConfidenceHead(nnx.Module):
+    """``z = w · [h ; W1[prev]] + b``: the logit of the probability that this draft passes verification."""
+
+    def __init__(self, d: int, rank: int, *, dtype, rngs: nnx.Rngs):
+        self.proj = Dense(d + rank, 1, bias=True, dtype=dtype, rngs=rngs)
+
+    def __call__(self, h: Float[Array, "*b D"], e: Float[Array, "*b R"]) -> Float[Array, "*b"]:
+        x = jnp.concatenate([h, e.astype(h.dtype)], axis=-1)
+        return self.proj(x)[..., 0].astype(jnp.float32)
+
+
+class DSparkDrafter(DFlashDrafter):
+    """A DSpark drafter: the DFlash trunk run over ``[anchor, MASK × (γ-1)]`` gives per-position base logits
+    ``U_k`` (its output at the anchor predicts the first draft); the Markov head adds ``W2·W1[x_{k-1}]`` left
+    to right (``x_{-1}`` = the anchor); the confidence head scores each draft,
+    ``c_k = σ(z_k / T_k)`` with ``z_k = w·[h_k ; W1[x_{k-1}]] + b`` (``h_k`` the trunk's final-normed hidden
+    state, the one the lm_head reads; ``T_k`` the STS temperatures, 1 until fitted).
+
+    The left-to-right scan itself lives in the decode loop (:func:`dflash_jax.decode.loop.propose`); this
+    module gives its pieces, which training also uses teacher-forced.
+    """
+
+    def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        super().__init__(cfg, dtype=dtype, rngs=rngs)
+        c = cfg.layers
+        self.markov_head = MarkovHead(c.vocab_size, cfg.draft_vocab, cfg.markov_rank, dtype=dtype, rngs=rngs)
+        self.confidence_head = (ConfidenceHead(c.hidden_size, cfg.markov_rank, dtype=dtype, rngs=rngs)
+                                if cfg.confidence_head else None)
+        self.d2t = TokenMap(jnp.arange(cfg.draft_vocab, dtype=jnp.int32)) if cfg.draft_vocab_size else None
+
+    def base_logits(self, hidden: Float[Array, "B G D"], target) -> Float[Array, "B G Vd"]:
+        """``U_k``: the target's lm_head on the trunk's hidden states, restricted to the draft vocabulary."""
+        logits = self.draft_logits(hidden, target)
+        return logits if self.d2t is None else jnp.take(logits, self.d2t[...], axis=-1)
+
+    def to_target_ids(self, draft_ids: Int[Array, "*b"]) -> Int[Array, "*b"]:
+        return draft_ids if self.d2t is None else jnp.take(self.d2t[...], draft_ids)
+
+    def to_target_probs(self, q: Float[Array, "*b Vd"]) -> Float[Array, "*b V"]:
+        """A draft-vocabulary distribution as one over the target vocabulary (zero outside the draft vocab)."""
+        if self.d2t is None:
+            return q
+        full = jnp.zeros((*q.shape[:-1], self.config.layers.vocab_size), q.dtype)
+        return full.at[..., self.d2t[...]].set(q)
+
+    def temperatures(self, g: int) -> Float[Array, "G"]:
+        temps = self.config.confidence_temperatures
+        return jnp.asarray(temps[:g] if temps else (1.0,) * g, jnp.float32)
