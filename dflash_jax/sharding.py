@@ -4,7 +4,9 @@ Mesh axes: ``dp`` (batch rows) and ``tp`` (Megatron-style tensor parallelism). P
 axis names from their path (``RULES``), and logical names map to mesh axes (``logical_to_mesh``):
 
 * attention heads (q_proj columns, o_proj rows) and the MLP hidden (gate/up columns, down rows) over ``tp``:
-  two all-reduces per layer (after o_proj and after down_proj);
+  two all-reduces per layer (after o_proj and after down_proj); MoE experts likewise, each expert's hidden F
+  split over ``tp`` (every device holds a slice of every expert, so routing needs no communication; the
+  router is replicated);
 * KV projections and KV caches over ``tp`` by KV head — replicated when the model has fewer KV heads than
   ``tp`` (each device then holds every KV head its query heads need);
 * embeddings and lm_head over the vocabulary;
@@ -41,6 +43,8 @@ RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"self_attn\.[kv]_proj\.kernel$", ("embed", "kv_heads")),
     (r"self_attn\.[kv]_proj\.bias$", ("kv_heads",)),
     (r"self_attn\.o_proj\.kernel$", ("q_heads", "embed")),
+    (r"mlp\.experts\.(gate|up)_proj$", ("experts", "embed", "mlp")),
+    (r"mlp\.experts\.down_proj$", ("experts", "mlp", "embed")),
     (r"mlp\.(gate|up)_proj\.kernel$", ("embed", "mlp")),
     (r"mlp\.(gate|up)_proj\.bias$", ("mlp",)),
     (r"mlp\.down_proj\.kernel$", ("mlp", "embed")),
@@ -86,6 +90,8 @@ def check_splittable(cfg: ModelConfig, tp: int, what: str = "model") -> None:
         problems.append(f"MLP width {cfg.intermediate_size}")
     if cfg.vocab_size % tp:
         problems.append(f"vocabulary {cfg.vocab_size}")
+    if cfg.family == "qwen3_moe" and cfg.moe_intermediate_size % tp:
+        problems.append(f"expert MLP width {cfg.moe_intermediate_size}")
     if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
         problems.append(f"{cfg.num_kv_heads} KV heads (neither a multiple nor a divisor of tp)")
     if problems:
@@ -94,7 +100,7 @@ def check_splittable(cfg: ModelConfig, tp: int, what: str = "model") -> None:
 
 def logical_to_mesh(cfg: ModelConfig, mesh: Mesh) -> dict[str, str | None]:
     tp = mesh_size(mesh, "tp")
-    return {"vocab": "tp", "q_heads": "tp", "mlp": "tp", "embed": None,
+    return {"vocab": "tp", "q_heads": "tp", "mlp": "tp", "embed": None, "experts": None,
             "kv_heads": "tp" if cfg.num_kv_heads % tp == 0 else None,  # fewer KV heads than tp: replicate
             "batch": "dp"}
 

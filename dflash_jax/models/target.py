@@ -1,4 +1,4 @@
-"""Target models: LLaMA-3 and Qwen3 decoder-only transformers in Flax NNX.
+"""Target models: LLaMA-3, Qwen3 and Qwen3-MoE decoder-only transformers in Flax NNX.
 
 The KV cache lives outside the module (:class:`KVCache`, a pytree of per-layer arrays indexed by absolute
 position) and is returned updated, so the decode loop can carry and donate it. A forward can capture the
@@ -17,6 +17,7 @@ from jaxtyping import Array, Float, Int
 from dflash_jax import attention
 from dflash_jax.config import ModelConfig
 from dflash_jax.models.layers import MLP, Dense, Embed, RMSNorm, Rope, apply_rope
+from dflash_jax.models.moe import SparseMoE
 
 
 @jax.tree_util.register_dataclass
@@ -84,11 +85,16 @@ class Attention(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    """Pre-norm attention + MLP; the MLP is Qwen3-MoE's sparse block in the layers ``cfg`` makes sparse."""
+
+    def __init__(self, cfg: ModelConfig, idx: int, *, dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+        if cfg.is_moe_layer(idx):
+            self.mlp = SparseMoE(cfg, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, positions, cos, sin, k_cache, v_cache, *, prefill: bool, impl: str):
         a, k_cache, v_cache = self.self_attn(self.input_layernorm(x), positions, cos, sin, k_cache, v_cache,
@@ -98,13 +104,13 @@ class DecoderLayer(nnx.Module):
 
 
 class TargetModel(nnx.Module):
-    """A LLaMA-3 / Qwen3 causal LM. Weights follow HF names (``layers.i.self_attn.q_proj`` …)."""
+    """A LLaMA-3 / Qwen3 / Qwen3-MoE causal LM. Weights follow HF names (``layers.i.self_attn.q_proj`` …)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = cfg
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Dense(cfg.hidden_size, cfg.vocab_size, bias=False,
                                                                    dtype=dtype, rngs=rngs)
