@@ -24,7 +24,7 @@ def main() -> None:
     target, drafter = load_pair("smollm2-135m")
     kw = dict(max_new_tokens=64, block_size=16, pad_batch_to=32)
     ids = [[1] * 40] * 32
-    generation.compile_decode(generation.prepare(target, drafter, ids, **kw))  # the programs, compiled once
+    generation.prepare(target, drafter, ids, **kw)  # compiles the programs, once
     rows = []
     for n in (int(x) for x in args.rows.split(",")):
         t = time.perf_counter()

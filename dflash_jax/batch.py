@@ -190,9 +190,8 @@ def _compile_ahead(target: Target, drafter: Drafter | None, batches: list[list[R
         first_of_bucket.setdefault(generation.bucket(max(len(r.ids) for r in rows)), i)
     for i in tqdm(list(first_of_bucket.values()), disable=not progress or len(first_of_bucket) < 2,
                   desc="compile", unit="shape", dynamic_ncols=True):
-        job = generation.prepare(target, drafter, [r.ids for r in batches[i]], seed=seed + i,
-                                 pad_batch_to=batch_size, **kw)
-        generation.compile_decode(job)
+        generation.prepare(target, drafter, [r.ids for r in batches[i]], seed=seed + i, pad_batch_to=batch_size,
+                           **kw)  # compiles the bucket's prefill and decode programs
     return time.perf_counter() - t0
 
 

@@ -50,6 +50,10 @@ class Programs:
 
 _PROGRAMS: dict[tuple, Programs] = {}
 _COMPILE_COUNT = 0
+# XLA options for compiling the prefill and decode programs (``Lowered.compile(compiler_options=...)``);
+# None = XLA's defaults. The test suite lowers the CPU backend's optimisation for its tiny models, where
+# compiling dominates and running is instant. Programs already compiled are kept whatever this is later set to.
+COMPILER_OPTIONS: dict[str, Any] | None = None
 ALL_CYCLES = np.int32(np.iinfo(np.int32).max)  # decode's max_cycles for "until every row is done"
 
 
@@ -68,10 +72,10 @@ def _programs(key: tuple, graphdefs: tuple, params: tuple, pre_args: tuple, spec
         # Trace under our (auto-axes) mesh, whatever mesh context the caller is in (e.g. an explicit one).
         with jax.set_mesh(spec.plan.mesh) if spec.plan else contextlib.nullcontext():
             pre = jax.jit(functools.partial(loop.prefill_fn, spec=spec, **static),
-                          static_argnums=0).lower(graphdefs, *pre_args).compile()
+                          static_argnums=0).lower(graphdefs, *pre_args).compile(COMPILER_OPTIONS)
             dec = jax.jit(functools.partial(loop.decode_fn, spec=spec, mask_token_id=mask_id), static_argnums=0,
                           donate_argnums=2).lower(graphdefs, params, pre.out_info[0],
-                                                  jax.ShapeDtypeStruct((), jnp.int32)).compile()
+                                                  jax.ShapeDtypeStruct((), jnp.int32)).compile(COMPILER_OPTIONS)
         programs = _PROGRAMS[key] = Programs(pre, dec)
         _COMPILE_COUNT += 2
     return programs
@@ -258,9 +262,11 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
     graphdefs = (tsplit.static, dsplit.static if dsplit else None)
     params = (tsplit.leaves, dsplit.leaves if dsplit else None)
     ints, floats = pack_inputs(prompt, lens_arr, max_arr, stop_arr, seed, sp if sampled else None)
-    # One host-to-device copy per vector (each copy costs ~0.25 ms on a GPU, whatever its size).
-    placement = spec.plan.replicated() if spec.plan else None
-    pre_args = (params, *jax.device_put((ints, floats), placement))
+    # One host-to-device copy per vector (each costs ~0.25 ms on a GPU, whatever its size). On one device the
+    # compiled program takes the numpy vectors itself (its C++ path skips device_put's Python: ~0.2 ms less
+    # per call on the CPU, bench_transfer.py); under a mesh they are placed replicated first.
+    pre_args = (params, *jax.device_put((ints, floats), spec.plan.replicated())) if spec.plan else (
+        params, ints, floats)
     shapes = dict(batch=b, prompt_len=p, num_stops=len(stop_arr))
     key = (spec, capacity, mask_id, tuple(shapes.values()), tsplit.structure, dsplit.structure if dsplit else None,
            jax.config.jax_default_matmul_precision)
@@ -278,12 +284,6 @@ def pack_inputs(prompt: np.ndarray, lens: np.ndarray, max_new: np.ndarray, stops
     ints = np.concatenate([prompt.reshape(-1), lens, max_new, stops, seed_bits]).astype(np.int32)
     floats = None if sp is None else np.concatenate([sp.temperature, sp.top_k, sp.top_p]).astype(np.float32)
     return ints, floats
-
-
-def compile_decode(job: Job) -> None:
-    """Kept for callers that must not compile between device work (the batch command): ``prepare`` now
-    compiles the prefill and decode programs together, so this only checks they exist."""
-    assert job.programs.decode is not None
 
 
 def launch(job: Job, max_cycles: int | np.integer = ALL_CYCLES):

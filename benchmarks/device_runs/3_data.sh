@@ -9,5 +9,5 @@ gunzip -c runs/device/prompts.jsonl.gz > /tmp/prompts.jsonl
 timeout 590 python3 -m dflash_jax.cli train --config $CFG --stages prompts,data --no-progress \
   --stop-after-s $DATA_S > $OUT/data.log 2>&1
 echo "data stage rc $?"
-cp /tmp/run/data_summary.json $OUT/ && cat /tmp/run/data_summary.json
+cp $RUN/data_summary.json $OUT/ && cat $RUN/data_summary.json
 tail -c 3000 $OUT/data.log | tr '\r' '\n' | tail -n 6

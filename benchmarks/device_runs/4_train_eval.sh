@@ -4,16 +4,16 @@ TB=$1; STOP=$2; EVAL=$3; IDLE=$4
 sed -i "s/time_budget_s: .*/time_budget_s: $TB/" $CFG
 if [ "$TB" != 0 ]; then
   timeout 590 python3 -m dflash_jax.cli train --config $CFG --stages train --no-progress --stop-after-s $STOP > $OUT/train.log 2>&1
-  echo "train rc $?"; tail -n 3 $OUT/train.log; cat /tmp/run/plan.json; tail -n 2 /tmp/run/history.jsonl
+  echo "train rc $?"; tail -n 3 $OUT/train.log; cat $RUN/plan.json; tail -n 2 $RUN/history.jsonl
 fi
 if [ "$EVAL" = 1 ]; then
   python3 -m dflash_jax.cli train --config $CFG --stages eval --no-progress > $OUT/eval.log 2>&1; echo "eval rc $?"
-  (cd /tmp/run && tar -cf - drafter | split -b 15000000 - $OUT/drafter.tar.part)
+  (cd $RUN && tar -cf - drafter | split -b 15000000 - $OUT/drafter.tar.part)
 fi
 if [ "$IDLE" = 1 ]; then
   python3 -m dflash_jax.cli generate --target $M --drafter dflash_jax/assets/smollm2-135m-dflash --input runs/device/batch_prompts.jsonl --output /tmp/b32.jsonl --batch-size 32 --dtype bfloat16 --max-new-tokens 256 --no-progress > $OUT/b32.log 2>&1
   echo "idle rc $?"; cp /tmp/b32.jsonl.summary.json $OUT/b32_summary.json
   python3 -c "import json; s=json.load(open('/tmp/b32.jsonl.summary.json')); print({k: s.get(k) for k in ('prompts','new_tokens','tau','device_idle_fraction','wall_s','compile_s')})"
 fi
-(cd /tmp/run && tar -czf $OUT/records.tgz plan.json history.jsonl loss_curve.png train_summary.json data_summary.json eval.json eval_acceptance.png 2>/dev/null)
+(cd $RUN && tar -czf $OUT/records.tgz history.jsonl *.json *.png 2>/dev/null)
 grep -h "tau" $OUT/eval.log 2>/dev/null | tail -n 3

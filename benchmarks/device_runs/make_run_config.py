@@ -13,6 +13,8 @@ from dflash_jax.train import data as data_mod
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--data-seed", type=int, default=0,
                 help="training.data.seed: another value samples other answers (and another chunk order)")
+ap.add_argument("--kind", choices=("dflash", "dspark"), default="dflash",
+                help="dspark: a DSpark drafter (γ = 15 drafts, verify width 16) on the shipped DFlash drafter's trunk")
 args = ap.parse_args()
 out = Path("runs/device")
 out.mkdir(parents=True, exist_ok=True)
@@ -27,7 +29,12 @@ t["data"].update(prompts_file="/tmp/prompts.jsonl", num_prompts=100000, generate
                  seed=args.data_seed)
 t["optim"].update(lr=3.0e-4, warmup_frac=0.02, epochs=3, val_rows=256, val_every=100000)
 t["eval"]["sets"] = [str(out / "humaneval.jsonl"), str(out / "mtbench.jsonl")]
-(out / "smollm2-135m.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+name = "smollm2-135m"
+if args.kind == "dspark":
+    t["drafter"].update(kind="dspark", block_size=15, markov_rank=256)
+    t["out_dir"] = "/tmp/run_dspark"
+    name = "smollm2-135m-dspark"
+(out / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
 sets = data_mod.evaluation_prompts()
 for name, prompts in sets.items():
     (out / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
