@@ -235,19 +235,26 @@ def evaluation_prompts() -> dict[str, list[str]]:
 # Tokenized datasets
 # --------------------------------------------------------------------------------------------------
 
-def save_dataset(path: Path, prompts: list[list[int]], responses: list[list[int]], max_len: int,
-                 sampled: Sequence[bool] | None = None) -> dict:
-    """Pack prompt+response rows (truncated to ``max_len``) into an .npz; returns summary counts.
-    ``sampled``: per row, whether its response was sampled rather than greedy (stored when given)."""
+def pack_rows(prompts: list[list[int]], responses: list[list[int]], max_len: int) -> dict[str, np.ndarray]:
+    """Prompt+response rows (truncated to ``max_len``) as the arrays training reads: tokens [N, max_len]
+    (zero-padded), lengths, prompt_lengths."""
     rows = [(p + r)[:max_len] for p, r in zip(prompts, responses)]
     tokens = np.zeros((len(rows), max_len), np.int32)
     for i, row in enumerate(rows):
         tokens[i, : len(row)] = row
-    lengths = np.array([len(r) for r in rows], np.int32)
-    prompt_lengths = np.array([min(len(p), max_len) for p in prompts], np.int32)
+    return {"tokens": tokens, "lengths": np.array([len(r) for r in rows], np.int32),
+            "prompt_lengths": np.array([min(len(p), max_len) for p in prompts], np.int32)}
+
+
+def save_dataset(path: Path, prompts: list[list[int]], responses: list[list[int]], max_len: int,
+                 sampled: Sequence[bool] | None = None) -> dict:
+    """Pack prompt+response rows (truncated to ``max_len``) into an .npz; returns summary counts.
+    ``sampled``: per row, whether its response was sampled rather than greedy (stored when given)."""
+    rows = pack_rows(prompts, responses, max_len)
+    lengths, prompt_lengths = rows["lengths"], rows["prompt_lengths"]
     keep = lengths - prompt_lengths >= 2  # at least one anchor needs p and p+1 in the response
     extra = {} if sampled is None else {"sampled": np.asarray(sampled, bool)[keep]}
-    np.savez_compressed(path, tokens=tokens[keep], lengths=lengths[keep], prompt_lengths=prompt_lengths[keep],
+    np.savez_compressed(path, tokens=rows["tokens"][keep], lengths=lengths[keep], prompt_lengths=prompt_lengths[keep],
                         **extra)
     return {"rows": int(keep.sum()), "dropped": int((~keep).sum()),
             "response_tokens": int((lengths - prompt_lengths)[keep].sum())}

@@ -1,4 +1,4 @@
-"""The DFlash training objective (SPEC §6), written to match inference exactly.
+"""The DFlash (SPEC §6) and DSpark (SPEC §7) training objectives, written to match inference exactly.
 
 For each sequence we pick anchors ``p`` (positions where ``p`` and ``p+1`` are response tokens). Anchor ``a``'s
 block is ``[token_p, MASK × (L-1)]`` at positions ``p … p+L-1``. Its queries see
@@ -11,7 +11,11 @@ Slot ``k = 1 … L-1`` predicts ``token_{p+k}`` (same-position labels: the ancho
 ``exp(-(k-1)/γ)``. Worked example, L = 4, anchor p = 5: queries at positions 5,6,7,8 attend to context
 positions 0…4 and block keys 5…8; labels are tokens 6, 7, 8 with weights 1, e^{-1/γ}, e^{-2/γ}.
 
-Shapes: Bs sequences of length T, A anchors per sequence, block length L.
+DSpark blocks (``dspark_loss``) have G inputs ``[token_p, MASK × (G-1)]`` and every slot predicts, the anchor's
+too: slot ``k = 0 … G-1`` predicts ``token_{p+k+1}`` through the Markov head, fed the row's own ``token_{p+k}``.
+
+Shapes: Bs sequences of length T, A anchors per sequence, block length L (DFlash), G drafts per block (DSpark),
+V vocabulary, R Markov rank.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from dflash_jax.attention import NEG_INF
-from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.models.drafter import DFlashDrafter, DSparkDrafter
 from dflash_jax.models.layers import apply_rope
 from dflash_jax.models.target import TargetModel
 
@@ -158,12 +162,18 @@ def drafter_forward_blocks(drafter: DFlashDrafter, target: TargetModel, features
     return drafter.norm(x).reshape(bs, a, l, -1)
 
 
-def target_features(target: TargetModel, tokens: Int[Array, "Bs T"], capture: tuple[int, ...]) -> jax.Array:
-    """Frozen target features of every position (no cache is kept)."""
+def target_states(target: TargetModel, tokens: Int[Array, "Bs T"], capture: tuple[int, ...]
+                  ) -> tuple[Float[Array, "Bs T D"], Float[Array, "Bs T F"]]:
+    """Frozen target final-normed hidden states and features of every position (one forward, no cache)."""
     bs, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (bs, t))
-    _, feats, _ = target(tokens, positions, None, capture=capture, prefill=True)
-    return jax.lax.stop_gradient(feats)
+    hidden, feats, _ = target(tokens, positions, None, capture=capture, prefill=True)
+    return jax.lax.stop_gradient(hidden), jax.lax.stop_gradient(feats)
+
+
+def target_features(target: TargetModel, tokens: Int[Array, "Bs T"], capture: tuple[int, ...]) -> jax.Array:
+    """Frozen target features of every position (no cache is kept)."""
+    return target_states(target, tokens, capture)[1]
 
 
 def _leading(correct: Bool[Array, "Bs A L1"]) -> Int[Array, "Bs A"]:
@@ -175,7 +185,10 @@ def anchor_acceptance(drafter: DFlashDrafter, target: TargetModel, batch: dict,
                       block_size: int) -> Int[Array, "Bs A"]:
     """For each anchor of ``batch``: the tokens a greedy decoding cycle anchored there would commit
     (1 + leading correct drafts), labels being the row's own tokens. Inference gives exactly these numbers
-    at the anchors it visits (tests/test_lossless_smollm2.py checks this on the real pair)."""
+    at the anchors it visits (tests/test_lossless_smollm2.py checks this on the real pair). A DSpark drafter
+    drafts sequentially (``dspark_acceptance``; ``block_size`` then counts its drafts)."""
+    if drafter.config.sequential:
+        return dspark_acceptance(drafter, target, batch, block_size)[0]
     cfg = drafter.config
     features = target_features(target, batch["tokens"], cfg.target_layer_ids)
     block_ids, positions, labels, label_ok = block_inputs(batch["tokens"], batch["lengths"], batch["anchors"],
@@ -205,31 +218,42 @@ def walked_tau(cycles: list[list[int]]) -> float:
     return sum(map(sum, cycles)) / n if n else 0.0
 
 
+def map_slots(fn, args: tuple, lead: tuple[int, ...], chunk_rows: int | None):
+    """``fn(*args)`` over slots whose leading dims are ``lead``: all at once (``chunk_rows`` None), or
+    ``chunk_rows`` slots at a time through ``lax.map`` under ``jax.checkpoint``, so only one chunk's [.., V]
+    float32 arrays exist at once and the backward pass recomputes them (one more lm_head matmul per chunk).
+    Same numbers either way, up to summation order."""
+    if chunk_rows is None:
+        return fn(*args)
+    n, k = math.prod(lead), len(lead)
+    chunks = -(-n // chunk_rows)
+    pad = chunks * chunk_rows - n
+
+    def split(x):
+        rest = x.shape[k:]
+        x = jnp.pad(x.reshape(n, *rest), ((0, pad),) + ((0, 0),) * len(rest))
+        return x.reshape(chunks, chunk_rows, *rest)
+
+    out = jax.lax.map(jax.checkpoint(lambda xs: fn(*xs)), tuple(map(split, args)))
+    return jax.tree.map(lambda y: y.reshape(chunks * chunk_rows, *y.shape[2:])[:n].reshape(*lead, *y.shape[2:]),
+                        out)
+
+
 def slot_cross_entropy(drafter: DFlashDrafter, target: TargetModel, hidden: Float[Array, "Bs A L1 D"],
                        labels: Int[Array, "Bs A L1"], chunk_rows: int | None = None
                        ) -> tuple[Float[Array, "Bs A L1"], Bool[Array, "Bs A L1"]]:
     """Cross-entropy of each draft slot's logits against its label, and whether its top-1 is the label.
 
     ``chunk_rows`` None materializes every slot's float32 logits at once, [Bs, A, L-1, V] (12 GB for the
-    SmolLM2 recipe's 32 × 128 anchors × 15 slots × 49,152 words), and the backward pass keeps them. With
-    ``chunk_rows``, slots go through the lm_head that many at a time under ``jax.checkpoint``: only one
-    chunk's logits exist at once, and the backward pass recomputes them (one more lm_head matmul per chunk).
-    Same numbers either way, up to summation order."""
+    SmolLM2 recipe's 32 × 128 anchors × 15 slots × 49,152 words), and the backward pass keeps them; with
+    ``chunk_rows`` only one chunk's logits exist at once (``map_slots``)."""
 
     def per_slot(h, y):
         logits = drafter.draft_logits(h, target)
         ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
         return ce, jnp.argmax(logits, -1) == y
 
-    if chunk_rows is None:
-        return per_slot(hidden, labels)
-    n = labels.size
-    chunks = -(-n // chunk_rows)
-    pad = chunks * chunk_rows - n
-    h = jnp.pad(hidden.reshape(n, hidden.shape[-1]), ((0, pad), (0, 0))).reshape(chunks, chunk_rows, -1)
-    y = jnp.pad(labels.reshape(n), (0, pad)).reshape(chunks, chunk_rows)
-    ce, correct = jax.lax.map(jax.checkpoint(lambda hy: per_slot(*hy)), (h, y))
-    return ce.reshape(-1)[:n].reshape(labels.shape), correct.reshape(-1)[:n].reshape(labels.shape)
+    return map_slots(per_slot, (hidden, labels), labels.shape, chunk_rows)
 
 
 def dflash_loss(drafter: DFlashDrafter, target: TargetModel, batch: dict, *, weights: jax.Array,
@@ -260,6 +284,130 @@ def dflash_loss(drafter: DFlashDrafter, target: TargetModel, batch: dict, *, wei
         "tau": ((leading + 1) * anchors_ok).sum() / jnp.maximum(anchors_ok.sum(), 1),
     }
     return loss, metrics
+
+
+# --------------------------------------------------------------------------------------------------
+# DSpark (SPEC §7)
+# --------------------------------------------------------------------------------------------------
+
+DSPARK_LOSS_COEFS = (0.1, 0.9, 1.0)  # SPEC §7: CE, ‖p_d − p_t‖₁, confidence BCE
+
+
+def dspark_block_inputs(tokens: Int[Array, "Bs T"], lengths: Int[Array, "Bs"], anchors: Int[Array, "Bs A"],
+                        valid: Bool[Array, "Bs A"], num_drafts: int, mask_token_id: int):
+    """DSpark blocks: ids and positions of the G inputs ``[token_p, MASK × (G-1)]`` at ``p … p+G-1``, labels
+    ``token_{p+1} … token_{p+G}`` with their validity, and the teacher-forced Markov inputs ``token_p …
+    token_{p+G-1}`` (slot k's previous token; ``x_{-1}`` is the anchor)."""
+    ids, positions, labels, label_ok = block_inputs(tokens, lengths, anchors, valid, num_drafts + 1, mask_token_id)
+    prev = jnp.concatenate([ids[..., :1], labels[..., :-1]], axis=-1)
+    return ids[..., :-1], positions[..., :-1], labels, label_ok, prev
+
+
+def dspark_slot_terms(drafter: DSparkDrafter, target: TargetModel, hidden: Float[Array, "Bs A G D"],
+                      target_hidden: Float[Array, "Bs A G D"], prev: Int[Array, "Bs A G"],
+                      labels: Int[Array, "Bs A G"], chunk_rows: int | None = None):
+    """Per slot: cross-entropy of ``U_k + W2·W1[prev]`` against the label, ``‖p_d − p_t‖₁`` against the
+    target's own distribution at that position, and whether the top-1 is the label (``map_slots`` chunks)."""
+    head = drafter.markov_head
+
+    def per_slot(h, ht, x, y):
+        logits = drafter.base_logits(h, target) + head.bias(head.embed(x))
+        ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
+        p_t = jax.nn.softmax(jax.lax.stop_gradient(target.logits(ht)), axis=-1)
+        tv = jnp.abs(jax.nn.softmax(logits, axis=-1) - p_t).sum(-1)
+        return ce, tv, jnp.argmax(logits, -1) == y
+
+    return map_slots(per_slot, (hidden, target_hidden, prev, labels), labels.shape, chunk_rows)
+
+
+def _at_positions(x: Float[Array, "Bs T D"], positions: Int[Array, "Bs A G"]) -> Float[Array, "Bs A G D"]:
+    return jax.vmap(lambda row, pos: row[jnp.minimum(pos, row.shape[0] - 1)])(x, positions)
+
+
+def dspark_loss(drafter: DSparkDrafter, target: TargetModel, batch: dict, *, weights: jax.Array,
+                ce_chunk_rows: int | None = None, coefs: tuple[float, float, float] = DSPARK_LOSS_COEFS
+                ) -> tuple[jax.Array, dict]:
+    """SPEC §7: ``0.1·CE + 0.9·‖p_d − p_t‖₁`` (both weighted by slot, ``weights`` [G] = w_k) ``+ 1.0·BCE``
+    of the confidence ``σ(z_k)`` against ``1 − ½‖p_d − p_t‖₁`` = Σ min(p_d, p_t), the probability that a draft
+    sampled from p_d passes a sampled verify (a constant target: no gradient flows through it). ``p_t`` is the
+    frozen target's distribution for the same token, from the forward that gives the features.
+    Teacher-forced: slot k's Markov input is the row's own token p+k, which is what the sequential drafter fed
+    itself whenever all drafts before k were right, so the leading-correct count (``tau``) is exactly greedy
+    decoding's.
+
+    Metrics: the loss and its parts (``ce``, ``tv``, ``bce``), ``acc``, ``tau``, ``conf`` (mean σ(z)) next to
+    ``conf_target`` (its BCE target's mean), and per draft position the predicted survival Π σ(z) and the
+    realised one over anchors (``survival_pred``, ``survival_real`` [G]: a running view of calibration).
+    """
+    if drafter.d2t is not None:  # labels and p_t live in the target vocabulary
+        raise NotImplementedError("training a DSpark drafter with a reduced draft vocabulary is not supported")
+    cfg = drafter.config
+    g = weights.shape[0]
+    target_hidden, features = target_states(target, batch["tokens"], cfg.target_layer_ids)
+    ids, positions, labels, label_ok, prev = dspark_block_inputs(batch["tokens"], batch["lengths"],
+                                                                 batch["anchors"], batch["valid"], g,
+                                                                 cfg.mask_token_id)
+    hidden = drafter_forward_blocks(drafter, target, features, ids, positions, batch["anchors"])
+    ce, tv, top1 = dspark_slot_terms(drafter, target, hidden, _at_positions(target_hidden, positions), prev,
+                                     labels, ce_chunk_rows)
+    w = weights[None, None, :] * label_ok
+    w_sum = jnp.maximum(w.sum(), 1e-6)
+    n_ok = jnp.maximum(label_ok.sum(), 1)
+    parts = {"ce": (ce * w).sum() / w_sum, "tv": (tv * w).sum() / w_sum}
+    correct = top1 & label_ok
+    leading = _leading(correct)
+    anchors_ok = batch["valid"]
+    n_anchors = jnp.maximum(anchors_ok.sum(), 1)
+    metrics = {"acc": correct.sum() / n_ok, "tau": ((leading + 1) * anchors_ok).sum() / n_anchors}
+    if drafter.confidence_head is not None:
+        z = drafter.confidence_head(hidden, drafter.markov_head.embed(prev))
+        parts["bce"], conf_metrics = _confidence_terms(z, tv, label_ok, leading, anchors_ok)
+        metrics |= conf_metrics
+    loss = sum(coef * parts[k] for coef, k in zip(coefs, ("ce", "tv", "bce")) if k in parts)
+    return loss, {"loss": loss, **parts, **metrics}
+
+
+def _confidence_terms(z: Float[Array, "Bs A G"], tv: Float[Array, "Bs A G"], label_ok: Bool[Array, "Bs A G"],
+                      leading: Int[Array, "Bs A"], anchors_ok: Bool[Array, "Bs A"]) -> tuple[jax.Array, dict]:
+    """The confidence head's BCE (mean over labelled slots) against ``1 − ½‖p_d − p_t‖₁``, and its metrics."""
+    n_ok, n_anchors = jnp.maximum(label_ok.sum(), 1), jnp.maximum(anchors_ok.sum(), 1)
+    y = jax.lax.stop_gradient(1.0 - 0.5 * tv)
+    bce = ((jax.nn.softplus(z) - y * z) * label_ok).sum() / n_ok  # −y·log σ(z) − (1−y)·log(1−σ(z))
+    c = jax.nn.sigmoid(z)
+    survived = jnp.arange(z.shape[-1]) < leading[..., None]
+    per_anchor = lambda x: (x * anchors_ok[..., None]).sum((0, 1)) / n_anchors  # noqa: E731 — [G]
+    return bce, {"conf": (c * label_ok).sum() / n_ok, "conf_target": (y * label_ok).sum() / n_ok,
+                 "survival_pred": per_anchor(jnp.cumprod(c, -1)), "survival_real": per_anchor(survived)}
+
+
+def sequential_drafts(drafter: DSparkDrafter, target: TargetModel, hidden: Float[Array, "*b G D"],
+                      anchor: Int[Array, "*b"]) -> tuple[Int[Array, "*b G"], Float[Array, "*b G"]]:
+    """Greedy DSpark drafts left to right, as inference draws them (``x_k = argmax(U_k + W2·W1[x_{k-1}])``,
+    ``x_{-1}`` = the anchor), and their confidence logits ``z_k`` (zeros without a confidence head)."""
+    head = drafter.markov_head
+
+    def step(prev, h):
+        e = head.embed(prev)
+        x = drafter.to_target_ids(jnp.argmax(drafter.base_logits(h, target) + head.bias(e), -1).astype(jnp.int32))
+        z = drafter.confidence_head(h, e) if drafter.confidence_head is not None else jnp.zeros(prev.shape)
+        return x, (x, z)
+
+    _, (drafts, z) = jax.lax.scan(step, anchor, jnp.moveaxis(hidden, -2, 0))
+    return jnp.moveaxis(drafts, 0, -1), jnp.moveaxis(z, 0, -1)
+
+
+def dspark_acceptance(drafter: DSparkDrafter, target: TargetModel, batch: dict, num_drafts: int
+                      ) -> tuple[Int[Array, "Bs A"], Float[Array, "Bs A G"]]:
+    """``anchor_acceptance`` for DSpark, drafting sequentially (not teacher-forced), plus each draft's
+    confidence logit z: exactly what a greedy decoding cycle anchored there computes, past the first wrong
+    draft too, which calibration (STS) needs."""
+    cfg = drafter.config
+    features = target_features(target, batch["tokens"], cfg.target_layer_ids)
+    ids, positions, labels, label_ok, _ = dspark_block_inputs(batch["tokens"], batch["lengths"], batch["anchors"],
+                                                              batch["valid"], num_drafts, cfg.mask_token_id)
+    hidden = drafter_forward_blocks(drafter, target, features, ids, positions, batch["anchors"])
+    drafts, z = sequential_drafts(drafter, target, hidden, ids[..., 0])
+    return _leading((drafts == labels) & label_ok) + 1, z
 
 
 def cosine_with_warmup(peak_lr: float, total_steps: int, warmup_frac: float = 0.04):

@@ -1,6 +1,10 @@
 """``dflash-jax train --config configs/<pair>.yaml``: prompts → self-distillation data → training → τ
 evaluation → z-lab export. Every stage writes into ``out_dir`` and skips work already done, so an
 interrupted run is continued by running the same command again.
+
+``training.drafter.kind: dspark`` trains a DSpark drafter (SPEC §7; ``block_size`` = its γ drafts) instead,
+optionally warm-started from a DFlash drafter's trunk (``init_from``); its confidences are then calibrated by
+STS on the held-out rows, and the eval stage reports their reliability.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ import numpy as np
 import yaml
 from tqdm.auto import tqdm
 
-from dflash_jax.config import ConfigError
-from dflash_jax.loading import Drafter, Target, deepen_drafter, load_drafter, load_target, random_drafter
+from dflash_jax.config import DRAFTER_KINDS, ConfigError
+from dflash_jax.loading import (Drafter, Target, deepen_drafter, dspark_from_dflash, load_drafter, load_target,
+                                random_drafter, with_confidence_temperatures)
 from dflash_jax.train import data as data_mod
+from dflash_jax.train import sts
 from dflash_jax.train.trainer import Trainer, TrainSettings, plot_history
 
 log = logging.getLogger("dflash_jax")
@@ -35,6 +41,11 @@ class DrafterSpec:
     target_layer_ids: tuple[int, ...] | None = None
     seed: int = 0
     init_from: str | None = None  # a z-lab-format drafter directory to start from (warm start)
+    kind: str = "dflash"  # or "dspark": block_size then counts its drafts (γ); init_from may be a DFlash drafter
+    markov_rank: int = 256  # DSpark's Markov head rank r
+    # DSpark: rows that fit the STS temperatures when there are no held-out rows (optim.val_rows = 0);
+    # those are training rows, so the fit is then in-sample (sts.json says so).
+    sts_rows: int = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,8 +135,11 @@ def load_run_config(path: str | Path, out_dir: str | None = None) -> RunConfig:
         eval=_section(EvalSpec, tr.get("eval"), "training.eval"),
         export_dtype=str(tr.get("export_dtype", "bfloat16")),
     )
-    if cfg.drafter.block_size < 2:
-        raise ConfigError(f"{path}: training.drafter.block_size must be >= 2, got {cfg.drafter.block_size}")
+    if cfg.drafter.kind not in DRAFTER_KINDS:
+        raise ConfigError(f"{path}: training.drafter.kind must be one of {DRAFTER_KINDS}, got {cfg.drafter.kind!r}")
+    least = 1 if cfg.drafter.kind == "dspark" else 2  # a DSpark block of γ inputs gives γ drafts
+    if cfg.drafter.block_size < least:
+        raise ConfigError(f"{path}: training.drafter.block_size must be >= {least}, got {cfg.drafter.block_size}")
     if cfg.data.sampled_responses < 0 or (cfg.data.sampled_responses and not cfg.data.sample_temperature > 0):
         raise ConfigError(f"{path}: training.data needs sampled_responses >= 0 and sample_temperature > 0, got "
                           f"{cfg.data.sampled_responses} and {cfg.data.sample_temperature}")
@@ -138,6 +152,7 @@ class Pipeline:
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self._target: Target | None = None
+        self._replayer: Trainer | None = None  # DSpark evaluation: a Trainer used for its replay only
 
     @property
     def target(self) -> Target:
@@ -281,6 +296,16 @@ class Pipeline:
         s = self.cfg.drafter
         if s.init_from:
             d = load_drafter(s.init_from, self.target, dtype="float32")
+            if s.kind == "dspark" and not d.config.sequential:  # a DFlash trunk: any γ, same or more layers
+                if d.config.layers.num_layers > s.num_layers:
+                    raise ConfigError(f"init_from drafter {s.init_from} has {d.config.layers.num_layers} layers; the "
+                                      f"config asks for {s.num_layers} (a warm start may add layers, not remove them)")
+                d = deepen_drafter(d, s.num_layers, seed=s.seed)
+                log.info("init_from: DSpark drafter (γ = %d) on the trunk of %s", s.block_size, s.init_from)
+                return dspark_from_dflash(d, s.block_size, s.markov_rank, seed=s.seed)
+            if d.config.kind != s.kind:
+                raise ConfigError(f"init_from drafter {s.init_from} is a {d.config.kind} drafter; the config asks "
+                                  f"for {s.kind}")
             if d.config.block_size != s.block_size or d.config.layers.num_layers > s.num_layers:
                 raise ConfigError(f"init_from drafter {s.init_from} has block size {d.config.block_size} and "
                                   f"{d.config.layers.num_layers} layers; the config asks for {s.block_size} and "
@@ -292,7 +317,8 @@ class Pipeline:
             return d
         return random_drafter(self.target, num_layers=s.num_layers, block_size=s.block_size,
                               mask_token_id=s.mask_token_id, num_features=s.num_features,
-                              target_layer_ids=s.target_layer_ids, seed=s.seed, dtype="float32")
+                              target_layer_ids=s.target_layer_ids, seed=s.seed, dtype="float32", kind=s.kind,
+                              markov_rank=s.markov_rank)
 
     # ---- stage: train -----------------------------------------------------------------------------
     def train(self, *, progress: bool = True, stop_after_s: float | None = None) -> Drafter:
@@ -313,10 +339,33 @@ class Pipeline:
                 "completed": trainer.completed,
                 "rows": int(len(data["lengths"])), "settings": dataclasses.asdict(self.cfg.train),
                 "drafter": dataclasses.asdict(self.cfg.drafter)}
+        if drafter.config.sequential and drafter.model.confidence_head is not None:
+            drafter = self.calibrate(trainer, data, drafter)
+            meta["sts"] = json.loads((self.out / "sts.json").read_text())
         (self.out / "train_summary.json").write_text(json.dumps(meta, indent=1))
         self.train_summary = meta
         self.export(drafter)
         return drafter
+
+    def calibrate(self, trainer: Trainer, data: dict, drafter: Drafter) -> Drafter:
+        """STS (SPEC §7): temperatures fitted on the cycles greedy decoding of the held-out rows runs (replayed,
+        exact), written to ``sts.json``; returns the drafter with them in its config (export writes them)."""
+        _, val_sets = trainer.split_validation(data)
+        rows, held_out = val_sets.get("val_tau"), True
+        if rows is None:  # no held-out rows: the first sts_rows training rows (in-sample)
+            rows, held_out = {k: v[: self.cfg.drafter.sts_rows] for k, v in data.items()}, False
+        acceptance, z = trainer.replay(trainer.params, rows)
+        z, accepted = sts.cycle_calibration(acceptance, z, rows["prompt_lengths"], rows["lengths"])
+        if not len(z):
+            log.warning("STS: no complete cycle in the calibration rows; confidences left unscaled")
+            return drafter
+        fit = sts.fit_sts(z, accepted)
+        (self.out / "sts.json").write_text(json.dumps({**fit, "held_out": held_out,
+                                                       "rows": int(len(rows["lengths"]))}, indent=1))
+        log.warning("STS on %d cycles (%s rows): T = %s; survival ECE %.3f → %.3f", fit["cycles"],
+                    "held-out" if held_out else "training", [round(t, 2) for t in fit["temperatures"]],
+                    fit["overall_ece_before"], fit["overall_ece_after"])
+        return with_confidence_temperatures(drafter, fit["temperatures"])
 
     # ---- stage: export ----------------------------------------------------------------------------
     def export(self, drafter: Drafter | None = None) -> Path:
@@ -347,7 +396,7 @@ class Pipeline:
             prompts = prompts[: e.limit] if e.limit else prompts
             ids = self._token_ids(prompts)
             order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-            acc, spec_s, ar_s, tokens, same = [], 0.0, 0.0, 0, 0
+            acc, spec_s, ar_s, tokens, same, answered = [], 0.0, 0.0, 0, 0, ([], [])
             for i in tqdm(range(0, len(order), e.batch_size), desc=f"eval {name}", unit="batch"):
                 b = [ids[j] for j in order[i: i + e.batch_size]]
                 out = speculative_generate(self.target, drafter, b, max_new_tokens=e.max_new_tokens)
@@ -357,11 +406,15 @@ class Pipeline:
                 ar_s += ref.stats["prefill_s"] + ref.stats["decode_s"]
                 tokens += out.stats["new_tokens"]
                 same += sum(x == y for x, y in zip(out.token_ids, ref.token_ids))
+                answered[0].extend(b)
+                answered[1].extend(ref.token_ids)
             results[name] = {"prompts": len(prompts), "tau": float(np.mean(acc)), "cycles": len(acc),
                              "new_tokens": tokens, "spec_s": spec_s, "ar_s": ar_s,
                              "speedup": ar_s / max(spec_s, 1e-9), "identical_rows": same,
-                             "acceptance_histogram": np.bincount(acc, minlength=drafter.config.block_size + 1)
+                             "acceptance_histogram": np.bincount(acc, minlength=drafter.config.verify_width + 1)
                              .tolist()}
+            if drafter.config.sequential and drafter.model.confidence_head is not None:
+                results[name]["calibration"] = self._eval_calibration(drafter, name, *answered)
             log.warning("%s: tau %.2f over %d prompts (speculative %.1fs vs AR %.1fs)", name,
                         results[name]["tau"], len(prompts), spec_s, ar_s)
         (self.out / "eval.json").write_text(json.dumps(results, indent=1))
@@ -371,6 +424,26 @@ class Pipeline:
                         self.out / "eval_acceptance.png",
                         title=f"{self.cfg.name}: acceptance lengths, block {drafter.config.block_size}")
         return results
+
+    def _eval_calibration(self, drafter: Drafter, name: str, prompts: list[list[int]],
+                          answers: list[list[int]]) -> dict:
+        """A DSpark drafter's survival calibration on an evaluation set (out of sample: STS saw none of it):
+        the cycles greedy decoding ran on it, replayed with their confidences; ECE before and after its
+        temperatures and a reliability diagram ``eval_reliability_<set>.png``."""
+        if self._replayer is None or self._replayer.drafter is not drafter:
+            self._replayer = Trainer(self.target, drafter, self.cfg.train, self.out)  # its replay only
+        rows = data_mod.pack_rows(prompts, answers, max(len(p) + len(a) for p, a in zip(prompts, answers)))
+        acceptance, z = self._replayer.replay(self._replayer.params, rows)
+        z, accepted = sts.cycle_calibration(acceptance, z, rows["prompt_lengths"], rows["lengths"])
+        g = drafter.config.block_size
+        temps = drafter.config.confidence_temperatures or (1.0,) * g
+        report = sts.calibration_report(z, accepted, temps)
+        if len(z):
+            sts.plot_reliability(z, accepted, temps, self.out / f"eval_reliability_{Path(name).stem}.png",
+                                 f"{self.cfg.name}: survival calibration on {Path(name).stem}")
+            log.warning("%s: survival ECE %.3f before STS, %.3f after (%d cycles)", name,
+                        report["overall_ece_before"], report["overall_ece_after"], len(z))
+        return report
 
 
 def run(config: str | Path, stages: tuple[str, ...] = STAGES, out_dir: str | None = None,

@@ -1,4 +1,4 @@
-"""Drafter training loop: optax AdamW on fp32 master weights, orbax checkpoints, exact resume.
+"""Drafter training loop (DFlash or DSpark): optax AdamW on fp32 master weights, orbax checkpoints, exact resume.
 
 Determinism: the batch order of step ``s`` comes from a permutation seeded by ``(seed, epoch)`` and its
 anchors from ``(seed, s)``, so a run resumed from the checkpoint of step ``k`` replays steps ``k+1 …``
@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 from dflash_jax.config import ConfigError
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.train.objective import (anchor_acceptance, cosine_with_warmup, default_gamma, dflash_loss,
-                                        loss_weights, repeated_blocks, sample_anchors, walked_cycles, walked_tau)
+                                        dspark_acceptance, dspark_loss, loss_weights, repeated_blocks,
+                                        sample_anchors, walked_cycles, walked_tau)
 
 log = logging.getLogger("dflash_jax")
 
@@ -122,13 +123,20 @@ def batch_for_step(data: dict[str, np.ndarray], step: int, s: TrainSettings, blo
 
 
 class Trainer:
-    """Trains ``drafter`` (in place) against the frozen ``target`` on a tokenized self-distillation set."""
+    """Trains ``drafter`` (in place) against the frozen ``target`` on a tokenized self-distillation set.
 
-    def __init__(self, target: Target, drafter: Drafter, settings: TrainSettings, out_dir: str | Path):
+    ``compiler_options``: XLA options for the step and replay programs (CPU tests pass
+    ``{"xla_backend_optimization_level": 0}``: half the compile time, and their few steps hardly run).
+    """
+
+    def __init__(self, target: Target, drafter: Drafter, settings: TrainSettings, out_dir: str | Path,
+                 compiler_options: dict | None = None):
         dc = drafter.config
         dc.check_target(target.config)
-        if dc.block_size < 2:
+        if dc.verify_width < 2:
             raise ConfigError(f"block size must be >= 2, got {dc.block_size}")
+        if dc.sequential and dc.draft_vocab_size is not None:
+            raise ConfigError("training a DSpark drafter with a reduced draft vocabulary is not supported")
         if not 0.0 < settings.repeat_anchor_weight <= 1.0:
             raise ConfigError(f"repeat_anchor_weight must be in (0, 1], got {settings.repeat_anchor_weight}")
         if settings.ce_chunk_rows is not None and settings.ce_chunk_rows < 1:
@@ -139,12 +147,15 @@ class Trainer:
         self.target, self.drafter, self.s = target, drafter, settings
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.block_size = dc.block_size
-        self.weights = jnp.asarray(loss_weights(dc.block_size, settings.gamma or default_gamma(dc.block_size)))
+        # Tokens a block covers (anchor + drafts): DFlash's L, DSpark's G+1. The loss weights, one per draft, are
+        # the same for both at equal draft counts.
+        self.block_size = dc.verify_width
+        self.weights = jnp.asarray(loss_weights(self.block_size, settings.gamma or default_gamma(self.block_size)))
         self.compute_dtype = jnp.bfloat16 if settings.compute_dtype in ("bfloat16", "bf16") else jnp.float32
         self.d_graph, params = nnx.split(drafter.model, nnx.Param)
         self.params = jax.tree.map(lambda x: x.astype(jnp.float32), nnx.to_pure_dict(params))
         self.t_graph, self.t_state = nnx.split(target.model)
+        self.compiler_options = compiler_options
         self._step_fn = None
         self._accept_fn = None
         self.completed = False  # set by fit: every planned step done
@@ -154,11 +165,13 @@ class Trainer:
         tx = make_optimizer(self.s)
         d_graph, t_graph, weights, cdt = self.d_graph, self.t_graph, self.weights, self.compute_dtype
         ce_chunk_rows = self.s.ce_chunk_rows
+        sequential = self.drafter.config.sequential
+        objective = dspark_loss if sequential else dflash_loss
 
         def loss_fn(params, t_state, batch):
             drafter = nnx.merge(d_graph, jax.tree.map(lambda x: x.astype(cdt), params))
             target = nnx.merge(t_graph, t_state)
-            return dflash_loss(drafter, target, batch, weights=weights, ce_chunk_rows=ce_chunk_rows)
+            return objective(drafter, target, batch, weights=weights, ce_chunk_rows=ce_chunk_rows)
 
         def step(params, opt_state, t_state, batch, lr):
             grads, metrics = jax.grad(loss_fn, has_aux=True)(params, t_state, batch)
@@ -167,7 +180,7 @@ class Trainer:
             return optax.apply_updates(params, updates), opt_state, metrics
 
         self.tx = tx
-        jitted = jax.jit(step, donate_argnums=(0, 1))
+        jitted = jax.jit(step, donate_argnums=(0, 1), compiler_options=self.compiler_options)
         # bf16 compute: the frozen float32 target's matmuls may use bf16 passes too (features only).
         precision = "bfloat16" if cdt == jnp.bfloat16 else None
 
@@ -178,10 +191,14 @@ class Trainer:
         self._step_fn = run
 
         def accept(params, t_state, batch):
+            """(acceptance [Bs, A], DSpark's confidence logits [Bs, A, G] or None)."""
             drafter = nnx.merge(d_graph, jax.tree.map(lambda x: x.astype(cdt), params))
-            return anchor_acceptance(drafter, nnx.merge(t_graph, t_state), batch, self.block_size)
+            target = nnx.merge(t_graph, t_state)
+            if sequential:
+                return dspark_acceptance(drafter, target, batch, self.block_size - 1)
+            return anchor_acceptance(drafter, target, batch, self.block_size), None
 
-        accept_jitted = jax.jit(accept)
+        accept_jitted = jax.jit(accept, compiler_options=self.compiler_options)
 
         def run_accept(*args):
             with jax.default_matmul_precision(precision):
@@ -215,10 +232,18 @@ class Trainer:
     def replayed_cycles(self, params, rows: dict[str, np.ndarray]) -> list[list[int]]:
         """Per row, the cycles greedy speculative decoding of its prompt would run (``walked_cycles``), from
         every anchor's acceptance computed in training-shaped batches (no decoding loop)."""
+        acceptance = self.replay(params, rows)[0]
+        return [walked_cycles(acc, p, n) for acc, p, n in zip(acceptance, rows["prompt_lengths"], rows["lengths"])]
+
+    def replay(self, params, rows: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
+        """Every anchor's acceptance [N, T] (tokens a greedy cycle anchored there commits) and, for DSpark
+        drafters with a confidence head, its drafts' confidence logits [N, T, G] (else None)."""
         if self._accept_fn is None:
             self._build()
         bs, a_max, n = self.s.batch_size, self.s.max_anchors, len(rows["lengths"])
         acceptance = np.zeros(rows["tokens"].shape, np.int32)
+        scored = self.drafter.config.sequential and self.drafter.model.confidence_head is not None
+        z_all = np.zeros((*rows["tokens"].shape, self.block_size - 1), np.float32) if scored else None
         for r0 in range(0, n, bs):
             idx = np.minimum(np.arange(r0, r0 + bs), n - 1)  # the last batch repeats its last row
             tokens, lengths, plens = padded_rows(rows, idx, self.s, self.block_size)
@@ -227,11 +252,13 @@ class Trainer:
                 anchors = plens[:, None] + a0 + np.arange(a_max)
                 valid = anchors <= lengths[:, None] - 2
                 anchors = np.where(valid, anchors, plens[:, None]).astype(np.int32)
-                got = np.asarray(self._accept_fn(params, self.t_state, {
+                got, z = jax.device_get(self._accept_fn(params, self.t_state, {
                     "tokens": tokens, "lengths": lengths, "anchors": anchors, "valid": valid}))
                 for i in range(min(bs, n - r0)):
                     acceptance[r0 + i, anchors[i, valid[i]]] = got[i, valid[i]]
-        return [walked_cycles(acc, p, n) for acc, p, n in zip(acceptance, rows["prompt_lengths"], rows["lengths"])]
+                    if z_all is not None:
+                        z_all[r0 + i, anchors[i, valid[i]]] = z[i, valid[i]]
+        return acceptance, z_all
 
     def _plan(self, data, epochs_total: int) -> int:
         """Total steps: from epochs / max_steps, capped by ``time_budget_s`` using measured step times.
@@ -309,6 +336,9 @@ class Trainer:
             start = int(mngr.latest_step())
             abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
             restored = mngr.restore(start, args=ocp.args.StandardRestore(abstract))
+            # Restored arrays are committed to a device, fresh ones are not, and jit keys its programs on that:
+            # taken as they are, a resumed run would compile its step again (as long as a whole first compile).
+            restored = jax.tree.map(jnp.asarray, jax.device_get(restored))
             params, opt_state = restored["params"], restored["opt_state"]
             log.info("resumed from step %d", start)
         elif self._history_path().exists():
@@ -323,7 +353,7 @@ class Trainer:
 
         def log_row(done: int, hist, extra: dict) -> None:
             nonlocal summed, counted
-            m = {k: float(v) / counted for k, v in jax.device_get(summed).items()} | extra
+            m = {k: (np.asarray(v, np.float64) / counted).tolist() for k, v in jax.device_get(summed).items()} | extra
             rate = tokens_seen / max(time.perf_counter() - t0, 1e-9)
             # logged_steps: fewer than log_every in the first row after a resume or a timed stop
             row = {"step": done, **m, "logged_steps": counted, "lr": float(self.schedule(done)),
@@ -402,13 +432,19 @@ def plot_history(history: list[dict], path: str | Path, title: str = "DFlash dra
     window = max(1, len(history) // 10)
     fig, ax1 = plt.subplots(figsize=(7, 4))
     ax2 = ax1.twinx()
-    for ax, key, color, label in ((ax1, "loss", "tab:blue", "weighted CE loss"),
+    dspark = "tv" in history[0]
+    loss_label = "loss: 0.1·CE + 0.9·TV + BCE" if dspark else "weighted CE loss"
+    for ax, key, color, label in ((ax1, "loss", "tab:blue", loss_label),
                                   (ax2, "tau", "tab:orange", "τ on training blocks")):
         values = [r[key] for r in history]
         ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
         ax.plot(steps, _running_mean(values, window), color=color, linewidth=2.0,
                 label=f"{label} (mean of {window} logs)")
         ax.set_ylabel(label, color=color)
+    for key, style, label in (("ce", "--", "CE"), ("tv", ":", "TV ‖p_d − p_t‖₁"), ("bce", "-.", "confidence BCE")):
+        if dspark and key in history[0]:  # DSpark's loss parts, without their 0.1 / 0.9 / 1 factors
+            ax1.plot(steps, _running_mean([r[key] for r in history], window), color="tab:blue", linestyle=style,
+                     linewidth=1.0, label=label)
     for key, marker, label in (("val_tau", "o", "τ replayed on held-out rows"),
                                ("fit_tau", "x", "τ replayed on training rows")):
         points = [(r["step"], r[key]) for r in history if key in r]
@@ -416,7 +452,7 @@ def plot_history(history: list[dict], path: str | Path, title: str = "DFlash dra
             ax2.plot(*zip(*points), color="tab:red", marker=marker, linestyle="--", linewidth=1.0, label=label)
     ax1.set_xlabel("step")
     ax1.set_title(title)
-    lines = ax1.get_lines()[1:] + ax2.get_lines()[1:]  # the faint per-log lines stay out of the legend
+    lines = [ln for ln in ax1.get_lines() + ax2.get_lines() if ln.get_alpha() is None]  # not the faint per-log ones
     ax1.legend(lines, [ln.get_label() for ln in lines], loc="upper center", fontsize=8)
     fig.tight_layout()
     path = Path(path)
