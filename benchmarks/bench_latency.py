@@ -108,7 +108,7 @@ def pair_case(gguf: str, prompts_path: Path, dtype: str, max_new: int, repeats: 
         rows = [r for i, r in enumerate(rows) if i % max(len(rows) // limit, 1) == 0][:limit]
     prompts = [r["ids"] for r in rows]
     kw = dict(max_new_tokens=max_new)
-    skw = dict(kw, segment_cycles=segment_cycles)
+    skw = dict(kw, segment_cycles=segment_cycles or None)  # 0: adaptive (~100 ms segments)
     runs = {
         "spec": lambda p: timed_call(lambda x: speculative_generate(target, drafter, x, **kw), [p]),
         "ar": lambda p: timed_call(lambda x: generate(target, x, **kw), [p]),
@@ -286,7 +286,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--limit", type=int, help="only this many prompts (spread over the file)")
     ap.add_argument("--profile", action="store_true", help="print a host-side profile of 20 speculative calls")
-    ap.add_argument("--segment-cycles", type=int, default=8, help="the streams' segment_cycles")
+    ap.add_argument("--segment-cycles", type=int, default=8, help="the streams' segment_cycles (0: adaptive)")
     ap.add_argument("--switch-interval", type=float, help="sys.setswitchinterval for this run (threads)")
     ap.add_argument("--qwen8b", action="store_true")
     ap.add_argument("--skip-steps", action="store_true", help="with --qwen8b: per-call overhead only")
