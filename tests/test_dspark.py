@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 from conftest import random_prompts, tiny_target
+from test_sampling import V, chi2_pvalue, draw, exact_distribution, logits, pair  # noqa: F401 (fixtures)
 from dflash_jax import generate, generation, load_drafter, random_drafter, speculative_generate
 from dflash_jax.checkpoints.export import export_drafter
 from dflash_jax.checkpoints.safetensors_io import CheckpointError, read_safetensors, save_safetensors
@@ -130,21 +131,19 @@ def test_oracle_dspark_lossless_every_acceptance_length(target, reference, draft
         assert len(lengths) >= min(drafts + 1, 3)
 
 
-def test_sampled_dspark_matches_target_distribution():
-    """Sequential sampled drafts: q_k is conditioned on the drafts before it; min(1, p/q) stays exact (χ²
-    against the enumerated distribution, as tests/test_sampling.py does for DFlash)."""
-    from test_sampling import V, chi2_pvalue, draw, exact_distribution
-
-    small = tiny_target("qwen3", seed=11, vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=2,
-                        num_heads=2, num_kv_heads=1, head_dim=8)
+def test_sampled_dspark_matches_target_distribution(pair, logits):
+    """Sequential drafts, sampled (q_k conditioned on the drafts before it: min(1, p/q) stays exact) and argmax:
+    χ² against the enumerated target distribution (tests/test_sampling.py's target and machinery)."""
+    small = pair[0]
     drafter = random_drafter(small, kind="dspark", block_size=3, num_layers=1, seed=5, mask_token_id=V - 1,
                              markov_rank=4)
-    probs = exact_distribution(small, 1.0, 0, 1.0)
-    samples, out = draw(lambda *a, **k: speculative_generate(small, drafter, *a, **k), with_output=True,
-                        temperature=1.0, seed=2, draft_sampling=True)
-    assert chi2_pvalue(samples, probs) > 1e-3
-    firsts = [row[0] for row in out.acceptance_lengths if row]
-    assert 1 in firsts and max(firsts) >= 2
+    probs = exact_distribution(logits, 1.0, 0, 1.0)
+    for draft_sampling in (True, False):  # sampled drafts (min(1, p/q)), then argmax drafts (accept w.p. p(x))
+        samples, out = draw(lambda *a, **k: speculative_generate(small, drafter, *a, **k), with_output=True,
+                            temperature=1.0, seed=2, draft_sampling=draft_sampling)
+        assert chi2_pvalue(samples, probs) > 1e-3
+        firsts = [row[0] for row in out.acceptance_lengths if row]
+        assert 1 in firsts and max(firsts) >= 2
 
 
 def test_checkpoint_round_trip_and_reduced_vocabulary(target, dspark, reference, tmp_path):
@@ -197,3 +196,17 @@ def test_checkpoint_round_trip_and_reduced_vocabulary(target, dspark, reference,
         **cfg["dflash_config"], "confidence_temperatures": [1.0, 2.0]}}))
     with pytest.raises(ConfigError, match="confidence_temperatures"):
         load_drafter(path, target)
+
+
+@pytest.mark.slow
+def test_real_smollm2_dspark_is_lossless(smollm2, smollm2_drafter):
+    """A DSpark drafter on the shipped DFlash drafter's trunk (the warm start of DSpark training), greedy, on
+    the real SmolLM2 weights: identical to autoregressive decoding."""
+    from dflash_jax.loading import dspark_from_dflash
+
+    drafter = dspark_from_dflash(smollm2_drafter, 15, markov_rank=32)
+    assert drafter.config.verify_width == 16
+    prompts = ["Write a Python function that checks whether a number is prime.", "Name a primary colour."]
+    out = speculative_generate(smollm2, drafter, prompts, max_new_tokens=24)
+    assert out.token_ids == generate(smollm2, prompts, max_new_tokens=24).token_ids
+    assert len(out.stats["predicted_survival"]) == 15
