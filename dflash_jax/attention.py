@@ -63,6 +63,11 @@ def _log_once(message: str) -> None:
     log.info(message)
 
 
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)
+
+
 class KernelSet(NamedTuple):
     """One kernel package bound to this backend (interpret mode when the backend is not its own)."""
 
@@ -170,13 +175,21 @@ def _grouped_scores(q: Float[Array, "B T N H"], k: Float[Array, "B S K H"]) -> F
     return jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * (h ** -0.5)
 
 
-def _joint_softmax_attend(parts: list[tuple[jax.Array, jax.Array, jax.Array]], q_shape, dtype) -> jax.Array:
-    """parts: (scores [B K G T S_i], mask [B T S_i], values [B S_i K H]) → out [B T N H]."""
+def _joint_softmax_attend(parts: list[tuple[jax.Array, jax.Array, jax.Array]], q_shape, dtype,
+                          sinks: Float[Array, "N"] | None = None) -> jax.Array:
+    """parts: (scores [B K G T S_i], mask [B T S_i], values [B S_i K H]) → out [B T N H].
+
+    ``sinks``: one extra logit per query head that joins the denominator and carries no value (gpt-oss)."""
     masked = [jnp.where(m[:, None, None], s, NEG_INF) for s, m, _ in parts]
     m_max = masked[0].max(-1)
     for s in masked[1:]:
         m_max = jnp.maximum(m_max, s.max(-1))
     denom = 0.0
+    if sinks is not None:
+        kh, g = masked[0].shape[1:3]
+        sink = sinks.astype(jnp.float32).reshape(1, kh, g, 1)  # query head n = kv head · G + g
+        m_max = jnp.maximum(m_max, sink)
+        denom = jnp.exp(sink - m_max)
     out = 0.0
     for s, (_, _, v) in zip(masked, parts):
         p = jnp.exp(s - m_max[..., None])
@@ -194,12 +207,20 @@ def cache_attention(
     q_positions: Int[Array, "B T"],
     *,
     impl: str = "xla",
+    sinks: Float[Array, "N"] | None = None,
+    window: int | None = None,
 ) -> Float[Array, "B T N H"]:
     """Causal attention of queries at ``q_positions`` over a cache indexed by absolute position.
 
     With a kernel ``impl`` the rows must be consecutive windows ending at ``q_positions[:, -1]`` (the verify
     block / AR step: their K/V already written), which is the ragged op with ℓ_r = T for every row.
+    ``sinks`` (a logit per query head in the softmax denominator) and ``window`` (a query at p sees keys at
+    ``p - window < j <= p``) are gpt-oss's; the kernels take neither, so those layers run the reference.
     """
+    if impl in ("pallas", "cuda") and (sinks is not None or window is not None):
+        _warn_once(f"attention_impl={impl!r}: verify attention with attention sinks or a sliding window uses the "
+                   f"XLA reference (the kernels support neither)")
+        impl = "xla"
     if impl in ("pallas", "cuda"):
         kernels = _kernels(impl)
 
@@ -219,8 +240,10 @@ def cache_attention(
             return out
     s = k_cache.shape[1]
     mask: Bool[Array, "B T S"] = jnp.arange(s)[None, None, :] <= q_positions[:, :, None]
+    if window is not None:
+        mask &= q_positions[:, :, None] - jnp.arange(s)[None, None, :] < window
     scores = _grouped_scores(q, k_cache)
-    return _joint_softmax_attend([(scores, mask, v_cache)], q.shape, q.dtype)
+    return _joint_softmax_attend([(scores, mask, v_cache)], q.shape, q.dtype, sinks)
 
 
 def draft_attention(

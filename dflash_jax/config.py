@@ -13,7 +13,9 @@ import math
 from pathlib import Path
 from typing import Any, Mapping
 
-FAMILIES = ("llama", "qwen3", "qwen3_moe")
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss")
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # Gated DeltaNet + gated attention (models/hybrid.py)
+MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "qwen3_next")
 
 
 class ConfigError(ValueError):
@@ -40,9 +42,52 @@ class RopeConfig:
     truncate: bool = True
 
 
+LAYER_KINDS = ("linear_attention", "full_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridConfig:
+    """Qwen3.5 / Qwen3-Next stacks: Gated DeltaNet (linear attention) layers interleaved with gated full-attention
+    layers, per ``layer_types``. Letters: Hk key heads of width dk, Hv value heads of width dv, W conv kernel."""
+
+    layer_types: tuple[str, ...]  # "linear_attention" | "full_attention", one per layer
+    conv_kernel: int = 4  # W
+    key_heads: int = 16  # Hk (q and k heads)
+    value_heads: int = 32  # Hv (a multiple of Hk: value head i reads key head i // (Hv/Hk))
+    key_head_dim: int = 128
+    value_head_dim: int = 128
+    rotary_dim: int = 64  # full attention rotates only the first rotary_dim dims of each head
+    fused_projections: bool = False  # qwen3_next checkpoints: in_proj_qkvz / in_proj_ba, grouped by key head
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short convolution: q, k and v concatenated."""
+        return 2 * self.key_heads * self.key_head_dim + self.value_heads * self.value_head_dim
+
+    def is_linear(self, i: int) -> bool:
+        return self.layer_types[i] == "linear_attention"
+
+    def validate(self, cfg: "ModelConfig") -> None:
+        if len(self.layer_types) != cfg.num_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {cfg.num_layers} layers")
+        bad = sorted(set(self.layer_types) - set(LAYER_KINDS))
+        if bad:
+            raise ConfigError(f"layer_types has unknown kinds {bad} (expected {LAYER_KINDS})")
+        for name in ("conv_kernel", "key_heads", "value_heads", "key_head_dim", "value_head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"config field linear_{name} must be positive, got {getattr(self, name)}")
+        if self.value_heads % self.key_heads:
+            raise ConfigError(f"linear_num_value_heads ({self.value_heads}) must be a multiple of "
+                              f"linear_num_key_heads ({self.key_heads})")
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= cfg.head_dim:
+            raise ConfigError(f"partial_rotary_factor gives {self.rotary_dim} rotary dims for head_dim "
+                              f"{cfg.head_dim} (must be even and in (0, head_dim])")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only transformer of the LLaMA-3 / Qwen3 / Qwen3-MoE families (target models)."""
+    """A decoder-only transformer of the LLaMA-3 / Qwen3 / Qwen3-MoE families, or a Qwen3.5 / Qwen3-Next hybrid
+    (``hybrid``), as a target model."""
 
     family: str
     vocab_size: int
@@ -67,6 +112,14 @@ class ModelConfig:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # Qwen3.5-MoE / Qwen3-Next: a sigmoid-gated shared expert (0: none)
+    hybrid: HybridConfig | None = None  # Qwen3.5 / Qwen3-Next linear-attention layers (None: all full attention)
+    # gpt_oss only (experts in every layer, via num_experts … above): attention sinks, sliding-window layers,
+    # clamped-SwiGLU experts
+    sliding_layers: tuple[int, ...] = ()  # layers whose attention sees only the last sliding_window positions
+    sliding_window: int | None = None
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     @property
     def qk_norm(self) -> bool:
@@ -74,8 +127,17 @@ class ModelConfig:
 
     def is_moe_layer(self, i: int) -> bool:
         """transformers' rule: every ``decoder_sparse_step``-th layer is sparse unless in ``mlp_only_layers``."""
-        return (self.family == "qwen3_moe" and self.num_experts > 0 and i not in self.mlp_only_layers
+        return (self.family in MOE_FAMILIES and self.num_experts > 0 and i not in self.mlp_only_layers
                 and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def attention_sinks(self) -> bool:
+        """gpt-oss: a learned logit per query head joins every attention softmax (``self_attn.sinks``)."""
+        return self.family == "gpt_oss"
+
+    def layer_window(self, i: int) -> int | None:
+        """The attention window of layer ``i`` (None: it sees every earlier position)."""
+        return self.sliding_window if i in self.sliding_layers else None
 
     @property
     def groups(self) -> int:
@@ -93,9 +155,26 @@ class ModelConfig:
                               f"num_key_value_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.family == "qwen3_moe":
+        if self.family in MOE_FAMILIES:
             self._validate_moe()
+        if self.family in HYBRID_FAMILIES:  # (other families ignore ``hybrid``: drafter layers copied from a target)
+            if self.hybrid is None:
+                raise ConfigError(f"model family {self.family!r} needs its linear-attention settings (layer_types …)")
+            self.hybrid.validate(self)
+        if self.family == "gpt_oss":
+            self._validate_gpt_oss()
         return self
+
+    def _validate_gpt_oss(self) -> None:
+        self._validate_moe()
+        bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ConfigError(f"sliding-window layers {bad} are out of range for {self.num_layers} layers")
+        if self.sliding_layers and not (self.sliding_window or 0) > 0:
+            raise ConfigError(f"config field sliding_window must be positive for sliding_attention layers, "
+                              f"got {self.sliding_window}")
+        if not self.swiglu_limit > 0:
+            raise ConfigError(f"config field swiglu_limit must be positive, got {self.swiglu_limit}")
 
     def _validate_moe(self) -> None:
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
@@ -273,18 +352,37 @@ def parse_rope(cfg: Mapping[str, Any]) -> RopeConfig:
     )
 
 
+_HYBRID_MODEL_TYPES = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
+                       "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next"}
+
+
 def _family(cfg: Mapping[str, Any], where: str) -> str:
     mt = str(cfg.get("model_type", "")).lower()
-    if mt in ("qwen3", "qwen3_moe"):
+    if mt in ("qwen3", "qwen3_moe", "gpt_oss"):
         return mt
+    if mt in _HYBRID_MODEL_TYPES:
+        return _HYBRID_MODEL_TYPES[mt]
     if mt in ("llama",):
         return "llama"
     raise ConfigError(f"{where}: model_type {cfg.get('model_type')!r} is not supported "
-                      f"(expected 'llama', 'qwen3' or 'qwen3_moe')")
+                      f"(expected 'llama', 'qwen3', 'qwen3_moe', 'qwen3_5', 'qwen3_5_moe', 'qwen3_next' or 'gpt_oss')")
+
+
+def text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The language model's settings of a vision-language wrapper (Qwen3.5 / 3.6 ship ``text_config``); the
+    wrapper's own token ids and tying fill what the text part leaves out. Other configs as they are."""
+    text = cfg.get("text_config")
+    if not isinstance(text, Mapping):
+        return cfg
+    shared = ("eos_token_id", "bos_token_id", "tie_word_embeddings")
+    return {**{k: cfg[k] for k in shared if k in cfg}, **{k: v for k, v in text.items() if v is not None}}
 
 
 def model_config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> ModelConfig:
+    cfg = text_config(cfg)
     family = _family(cfg, where)
+    if family == "gpt_oss":
+        cfg = _gpt_oss_defaults(cfg)
     if cfg.get("use_sliding_window"):
         raise ConfigError(f"{where}: use_sliding_window=true targets are not supported")
     hidden = int(_get(cfg, "hidden_size", where))
@@ -296,7 +394,8 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> 
         family=family,
         vocab_size=int(_get(cfg, "vocab_size", where)),
         hidden_size=hidden,
-        intermediate_size=int(_get(cfg, "intermediate_size", where)),
+        intermediate_size=int(cfg.get("intermediate_size") or _get(cfg, "moe_intermediate_size", where)
+                              if family == "qwen3_5_moe" else _get(cfg, "intermediate_size", where)),  # all-MoE
         num_layers=int(_get(cfg, "num_hidden_layers", where)),
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -309,8 +408,80 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> 
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
-        **(_moe_fields(cfg, where) if family == "qwen3_moe" else {}),
+        **(_gpt_oss_fields(cfg, where) if family == "gpt_oss" else {}),
+        **{**(_moe_fields(cfg, where) if family in MOE_FAMILIES else {}),
+           **(_hybrid_fields(cfg, family, where) if family in HYBRID_FAMILIES else {})},
     ).validate()
+
+
+def _hybrid_fields(cfg: Mapping[str, Any], family: str, where: str) -> dict[str, Any]:
+    """Qwen3.5 / Qwen3-Next settings. Absent fields take transformers' defaults (e.g. a full-attention layer every
+    ``full_attention_interval`` = 4 layers, partial_rotary_factor 0.25); Qwen3.5-MoE has no dense layers and
+    always renormalises its top-k weights."""
+    layers = int(_get(cfg, "num_hidden_layers", where))
+    types = cfg.get("layer_types")
+    if types is None:
+        every = int(cfg.get("full_attention_interval") or 4)
+        types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), Mapping) else {}
+    factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)) or 0.25)
+    head_dim = int(cfg.get("head_dim") or int(_get(cfg, "hidden_size", where)) // int(
+        _get(cfg, "num_attention_heads", where)))
+    out: dict[str, Any] = dict(hybrid=HybridConfig(
+        layer_types=tuple(str(t) for t in types),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+        key_heads=int(cfg.get("linear_num_key_heads", 16)),
+        value_heads=int(cfg.get("linear_num_value_heads", 32)),
+        key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
+        value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
+        rotary_dim=int(head_dim * factor),
+        fused_projections=family == "qwen3_next",
+    ))
+    if family in MOE_FAMILIES:
+        out["shared_expert_intermediate_size"] = int(cfg.get("shared_expert_intermediate_size") or 0)
+    if family == "qwen3_5_moe":
+        out.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=())
+    return out
+
+
+# transformers' GptOssConfig defaults, for fields a gpt_oss config.json leaves out (released configs give them all).
+_GPT_OSS_DEFAULTS = {"attention_bias": True, "rms_norm_eps": 1e-5, "rope_theta": 150000.0, "sliding_window": 128,
+                     "num_experts_per_tok": 4, "swiglu_alpha": 1.702, "swiglu_limit": 7.0}
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+
+
+def _gpt_oss_defaults(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    out = {**_GPT_OSS_DEFAULTS, **cfg}
+    if not out.get("rope_parameters") and not out.get("rope_scaling"):
+        out["rope_parameters"] = dict(_GPT_OSS_ROPE)
+    return out
+
+
+def _gpt_oss_fields(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """gpt-oss settings: experts in every layer (their width is ``intermediate_size``); ``layer_types`` gives the
+    sliding-window layers (transformers' default: the even-numbered ones)."""
+    experts = cfg.get("num_local_experts", cfg.get("num_experts"))
+    if experts is None:
+        raise ConfigError(f"{where}: required field 'num_local_experts' is missing")
+    layers = int(_get(cfg, "num_hidden_layers", where))
+    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if len(types) != layers:
+        raise ConfigError(f"{where}: layer_types has {len(types)} entries for {layers} layers")
+    bad = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if bad:
+        raise ConfigError(f"{where}: layer_types has unknown kinds {bad} (gpt_oss layers are 'sliding_attention' "
+                          f"or 'full_attention')")
+    window = cfg.get("sliding_window")
+    return dict(
+        num_experts=int(experts),
+        num_experts_per_tok=int(_get(cfg, "num_experts_per_tok", where)),
+        moe_intermediate_size=int(_get(cfg, "intermediate_size", where)),
+        sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+        sliding_window=int(window) if window is not None else None,
+        swiglu_alpha=float(_get(cfg, "swiglu_alpha", where)),
+        swiglu_limit=float(_get(cfg, "swiglu_limit", where)),
+    )
 
 
 def _moe_fields(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -322,7 +493,7 @@ def _moe_fields(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
         num_experts=int(experts),
         num_experts_per_tok=int(_get(cfg, "num_experts_per_tok", where)),
         moe_intermediate_size=int(_get(cfg, "moe_intermediate_size", where)),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", cfg.get("model_type") == "qwen3_next")),  # HF defaults
         decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
         mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
     )

@@ -26,6 +26,7 @@ from dflash_jax.checkpoints.safetensors_io import (CheckpointError, load_into, r
                                                    safetensors_files, stack_experts)
 from dflash_jax.config import (ConfigError, DrafterConfig, ModelConfig, default_target_layer_ids,
                                drafter_config_from_hf, model_config_from_hf, read_config_json)
+from dflash_jax.models import gpt_oss
 from dflash_jax.models.drafter import DFlashDrafter, DSparkDrafter
 from dflash_jax.models.split import SplitModel, split_model
 from dflash_jax.models.target import TargetModel
@@ -195,9 +196,18 @@ def load_target(source: str | Path, dtype: Any = "float32", *, chat_template_kwa
     else:
         hf_cfg = read_config_json(path)
         cfg = model_config_from_hf(hf_cfg, where=str(path / "config.json"))
-        tensors = stack_experts(read_safetensors(safetensors_files(path)))  # MoE: per-expert → [E, …]
+        tensors = read_safetensors(safetensors_files(path))
+        if cfg.family == "gpt_oss":  # fused, interleaved or MXFP4 experts → [E, …] per projection
+            tensors = gpt_oss.checkpoint_tensors(tensors, dtype)
+        else:
+            tensors = stack_experts(tensors)  # MoE: per-expert → [E, …]
         tokenizer = Tokenizer.from_dir(path, **(chat_template_kwargs or {}))
-    model = _build(TargetModel, cfg, dtype, tensors, "model.", str(path), mesh)
+    model_cls, ignore = TargetModel, (lambda name: False)
+    if cfg.hybrid is not None:  # Qwen3.5 / Qwen3-Next: the text part of VL checkpoints, fused projections split
+        from dflash_jax.models import hybrid
+        tensors, ignore = hybrid.text_tensors(cfg, tensors, str(path))
+        model_cls = hybrid.HybridTargetModel
+    model = _build(model_cls, cfg, dtype, tensors, "model.", str(path), mesh, ignore=ignore)
     stops = set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
     return Target(model, tokenizer, name, tuple(sorted(stops)), mesh)
 

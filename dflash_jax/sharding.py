@@ -45,6 +45,8 @@ RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"self_attn\.o_proj\.kernel$", ("q_heads", "embed")),
     (r"mlp\.experts\.(gate|up)_proj$", ("experts", "embed", "mlp")),
     (r"mlp\.experts\.down_proj$", ("experts", "mlp", "embed")),
+    (r"mlp\.experts\.(gate|up)_proj_bias$", ("experts", "mlp")),  # gpt-oss
+    (r"self_attn\.sinks$", ("q_heads",)),  # gpt-oss
     (r"mlp\.(gate|up)_proj\.kernel$", ("embed", "mlp")),
     (r"mlp\.(gate|up)_proj\.bias$", ("mlp",)),
     (r"mlp\.down_proj\.kernel$", ("mlp", "embed")),

@@ -77,7 +77,8 @@ class Tokenizer:
     def eos_token_ids(self) -> list[int]:
         """End-of-turn ids: the tokenizer's eos plus the chat end markers of the families we serve."""
         vocab = self.hf.get_vocab()
-        ids = [self.hf.eos_token_id] + [vocab.get(t) for t in ("<|im_end|>", "<|eot_id|>")]
+        markers = ("<|im_end|>", "<|eot_id|>", "<|return|>", "<|call|>")  # gpt-oss (harmony): answer, tool call
+        ids = [self.hf.eos_token_id] + [vocab.get(t) for t in markers]
         return sorted({int(i) for i in ids if i is not None})
 
     def encode(self, prompt: str | Sequence[dict], *, chat: bool = True) -> list[int]:

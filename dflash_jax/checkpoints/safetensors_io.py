@@ -69,7 +69,7 @@ def hf_name(path: tuple, prefix: str) -> tuple[str, bool]:
         prefix = ""
     if leaf == "kernel":
         return prefix + base + ".weight", True
-    return prefix + base + "." + leaf, parts[-2] == "experts"  # stacked experts: [E, in, out]
+    return prefix + base + "." + leaf, parts[-2] == "experts" and not leaf.endswith("_bias")  # [E, in, out]
 
 
 def _to_module(arr: np.ndarray) -> np.ndarray:

@@ -9,6 +9,11 @@ Cache positions: a row's target cache slot ``j`` holds absolute position ``j``. 
 ``anchor_pos … anchor_pos+L-1`` before attending, so entries of rejected drafts are always overwritten
 before any query can see them (see :mod:`dflash_jax.attention`). The drafter's context cache is filled the
 same way from the verify's captured features; entries at or past the next anchor are masked by ``ctx_len``.
+
+Hybrid targets (:mod:`dflash_jax.models.hybrid`) also carry, per linear-attention layer, a conv history and a
+recurrent state that cannot be overwritten later: a verify runs with ``defer=True`` and ``target.settle`` then
+advances them over each row's ``a + 1`` committed tokens only; prefill passes each row's prompt length, so right
+padding never enters them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from jaxtyping import Array, Float, Int
 from dflash_jax.decode import sampling
 from dflash_jax.decode.state import DecodeState, DecodeView, LoopSpec
 from dflash_jax.models.drafter import DFlashDrafter, DSparkDrafter
+from dflash_jax.models.hybrid import HybridCache, HybridTargetModel
 from dflash_jax.models.split import merge_model
 from dflash_jax.models.target import KVCache, TargetModel
 from dflash_jax.sharding import Plan, constrain
@@ -90,10 +96,10 @@ def prefill(
     empty = _shard_cache(target.new_cache(b, capacity), spec.plan, spec.plan and spec.plan.target_kv)
     chunk = spec.prefill_chunk
     if chunk and p > chunk and p % chunk == 0:
-        hidden, feats, tcache = _prefill_in_chunks(target, prompt, positions, empty, spec, chunk)
+        hidden, feats, tcache = _prefill_in_chunks(target, prompt, positions, prompt_len, empty, spec, chunk)
     else:
         hidden, feats, tcache = target(prompt, positions, empty, capture=spec.capture, prefill=True,
-                                       impl=spec.impl)
+                                       impl=spec.impl, **_lengths(target, prompt_len))
     last_h = jnp.take_along_axis(hidden, (prompt_len - 1)[:, None, None], axis=1)  # [B, 1, D]
     logits = target.logits(last_h)
     if spec.sampling:
@@ -127,8 +133,13 @@ def prefill(
     return shard_state(commit(state, first, jnp.ones((b,), jnp.int32), record=False), spec.plan)
 
 
+def _lengths(target: TargetModel, n: Int[Array, "B"]) -> dict:
+    """Hybrid targets: advance the linear layers' states over ``n[b]`` tokens of the call (none elsewhere)."""
+    return {"lengths": n} if isinstance(target, HybridTargetModel) else {}
+
+
 def _prefill_in_chunks(target: TargetModel, prompt: Int[Array, "B P"], positions: Int[Array, "B P"],
-                       cache: KVCache, spec: LoopSpec, chunk: int):
+                       prompt_len: Int[Array, "B"], cache: KVCache, spec: LoopSpec, chunk: int):
     """Prefill ``chunk`` positions at a time (a ``lax.scan``: one compiled chunk), each chunk writing its
     K/V into the cache and attending to the cache like a verify block.
 
@@ -142,7 +153,9 @@ def _prefill_in_chunks(target: TargetModel, prompt: Int[Array, "B P"], positions
 
     def one_chunk(cache, xs):
         tokens, pos = xs
-        h, f, cache = target(tokens, pos, cache, capture=spec.capture, impl="xla")  # prefill: compute-bound
+        real = jnp.clip(prompt_len - pos[:, 0], 0, chunk)  # the row's prompt tokens in this chunk
+        h, f, cache = target(tokens, pos, cache, capture=spec.capture, impl="xla",  # prefill: compute-bound
+                             **_lengths(target, real))
         return _shard_cache(cache, spec.plan, spec.plan and spec.plan.target_kv), (h, f)
 
     cache, (hs, fs) = jax.lax.scan(one_chunk, cache, (split(prompt), split(positions)))
@@ -154,7 +167,12 @@ def _shard_cache(cache: KVCache | None, plan: Plan | None, sharded_heads: bool) 
     if cache is None or plan is None:
         return cache
     s = plan.cache(sharded_heads)
-    return KVCache(tuple(constrain(k, s) for k in cache.k), tuple(constrain(v, s) for v in cache.v))
+    out = dataclasses.replace(cache, k=tuple(constrain(k, s) for k in cache.k),
+                              v=tuple(constrain(v, s) for v in cache.v))
+    if isinstance(cache, HybridCache):  # linear-attention states: by row, replicated over tp
+        rows = lambda xs: tuple(constrain(x, plan.rows(x.ndim)) for x in xs)  # noqa: E731
+        out = dataclasses.replace(out, conv=rows(cache.conv), recurrent=rows(cache.recurrent))
+    return out
 
 
 def shard_state(state: DecodeState, plan: Plan | None) -> DecodeState:
@@ -255,7 +273,9 @@ def verify(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeStat
     """Target forward over the block, acceptance (greedy or rejection sampling) + bonus, commit, drafter
     context update (SPEC §3, §5)."""
     positions = block_positions(state, block.shape[1])
-    hidden, feats, tcache = target(block, positions, state.target_cache, capture=spec.capture, impl=spec.impl)
+    hybrid = isinstance(target, HybridTargetModel)
+    hidden, feats, tcache = target(block, positions, state.target_cache, capture=spec.capture, impl=spec.impl,
+                                   **({"defer": True} if hybrid else {}))
     logits = target.logits(hidden)  # [B, L, V] float32
     if spec.sampling:
         rng, k_accept = _split_rows(state.rng)
@@ -264,6 +284,8 @@ def verify(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeStat
         state = dataclasses.replace(state, rng=rng)
     else:
         accepted, last = sampling.accept_greedy(block, logits)
+    if hybrid:  # linear states after the anchor and the accepted drafts (a row cut short by commit is done)
+        tcache = target.settle(tcache, accepted + 1)
     dcache = state.draft_cache
     if drafter is not None and block.shape[1] > 1:
         # All L rows are written; those past the new anchor are masked by ctx_len and overwritten later.

@@ -16,6 +16,7 @@ from jaxtyping import Array, Float, Int
 
 from dflash_jax import attention
 from dflash_jax.config import ModelConfig
+from dflash_jax.models import gpt_oss
 from dflash_jax.models.layers import MLP, Dense, Embed, RMSNorm, Rope, apply_rope
 from dflash_jax.models.moe import SparseMoE
 
@@ -45,7 +46,10 @@ def write_rows(cache: Float[Array, "B S K H"], new: Float[Array, "B T K H"], sta
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    """``window``: keys older than ``window`` positions are masked (gpt-oss sliding layers); gpt-oss also adds
+    per-head attention ``sinks`` to the softmax (see :func:`attention.cache_attention`)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, window: int | None = None):
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = Dense(d, n * h, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
         self.k_proj = Dense(d, k * h, bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
@@ -57,6 +61,8 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
         self.n, self.k, self.h = n, k, h
+        self.sinks = nnx.Param(jnp.zeros((n,), dtype)) if cfg.attention_sinks else None
+        self.window = window
 
     def project_qkv(self, x: Float[Array, "B T D"], cos, sin):
         b, t, _ = x.shape
@@ -69,29 +75,34 @@ class Attention(nnx.Module):
 
     def __call__(self, x, positions, cos, sin, k_cache, v_cache, *, prefill: bool, impl: str):
         q, k, v = self.project_qkv(x, cos, sin)
+        extra = dict(sinks=None if self.sinks is None else self.sinks[...], window=self.window)
         if prefill:
             # Empty cache: attend over the prompt's own keys (slot j = position j), then store them. Prefill is
             # compute-bound and long: the reference, not the decode kernels.
-            out = attention.cache_attention(q, k, v, positions, impl="xla")
+            out = attention.cache_attention(q, k, v, positions, impl="xla", **extra)
             if k_cache is not None:  # None: a cache-free forward (training features)
                 k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, 0, 0))
                 v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, 0, 0))
         else:
             k_cache = write_rows(k_cache, k, positions[:, 0])
             v_cache = write_rows(v_cache, v, positions[:, 0])
-            out = attention.cache_attention(q, k_cache, v_cache, positions, impl=impl)
+            out = attention.cache_attention(q, k_cache, v_cache, positions, impl=impl, **extra)
         b, t = x.shape[:2]
         return self.o_proj(out.reshape(b, t, self.n * self.h)), k_cache, v_cache
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm attention + MLP; the MLP is Qwen3-MoE's sparse block in the layers ``cfg`` makes sparse."""
+    """Pre-norm attention + MLP; the MLP is Qwen3-MoE's sparse block in the layers ``cfg`` makes sparse, and
+    gpt-oss's routed experts in every gpt-oss layer (whose attention has sinks, and a window on sliding layers)."""
 
     def __init__(self, cfg: ModelConfig, idx: int, *, dtype, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        if cfg.is_moe_layer(idx):
+        norm = gpt_oss.RMSNorm if cfg.family == "gpt_oss" else RMSNorm
+        self.input_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs, window=cfg.layer_window(idx))
+        self.post_attention_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        if cfg.family == "gpt_oss":
+            self.mlp = gpt_oss.GptOssMoE(cfg, dtype=dtype, rngs=rngs)
+        elif cfg.is_moe_layer(idx):
             self.mlp = SparseMoE(cfg, dtype=dtype, rngs=rngs)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
@@ -111,7 +122,8 @@ class TargetModel(nnx.Module):
         self.config = cfg
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        norm = gpt_oss.RMSNorm if cfg.family == "gpt_oss" else RMSNorm
+        self.norm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Dense(cfg.hidden_size, cfg.vocab_size, bias=False,
                                                                    dtype=dtype, rngs=rngs)
         self.rope = Rope(cfg)

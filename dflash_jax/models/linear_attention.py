@@ -1,0 +1,250 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3.5 / Qwen3-Next, and the gated delta rule in pure jnp.
+
+Dimension letters: B batch, T tokens, H value heads (Hv; keys and queries are repeated to it), Dk key width,
+Dv value width, C conv channels (q, k and v concatenated), R = W-1 conv history (W the kernel), Q chunk length,
+N chunks.
+
+Per head the layer keeps a state ``S [Dk, Dv]`` that every token updates (the gated delta rule):
+``S ← exp(g_t)·S;  S ← S + β_t·k_t (v_t − Sᵀk_t)ᵀ;  o_t = Sᵀ q_t`` (q, k L2-normalised, q scaled by Dk^-½).
+The short causal depthwise convolution before it keeps the last R inputs. So a decoding sequence is fully
+described by (conv history ``[B, R, C]``, recurrent state ``[B, H, Dk, Dv]``) per layer: these replace the
+KV cache of attention layers and must be exactly the states after the committed tokens.
+
+Three ways to run the recurrence (all float32, as transformers does):
+
+* :func:`delta_rule_sequential`: token by token (``lax.scan``), the reference;
+* :func:`delta_rule_chunked`: the WY / UT form over chunks of Q tokens (matmuls inside a chunk, a scan over
+  chunks), for prompts longer than :data:`CHUNK`; positions past a row's length are masked out (β = 0, g = 0
+  makes a token an identity update), so right padding never enters the state;
+* :func:`delta_rule_block` + :func:`state_after`: the tokens as one chunk (verify blocks, decode steps, short
+  prompts), returning what is needed to form the state after *any* prefix in one einsum: once a verify's
+  accepted length is known, rejected drafts leave no trace and the block's recurrence is not run twice.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from dflash_jax.config import ModelConfig
+from dflash_jax.models.layers import Dense
+
+CHUNK = 64  # prefill chunk of the delta rule (transformers' and FLA's default)
+
+
+def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """``x / sqrt(Σx² + eps)`` over the last axis (FLA's form, which transformers matches)."""
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def delta_rule_sequential(q: Float[Array, "B T H Dk"], k: Float[Array, "B T H Dk"], v: Float[Array, "B T H Dv"],
+                          g: Float[Array, "B T H"], beta: Float[Array, "B T H"], state: Float[Array, "B H Dk Dv"]
+                          ) -> tuple[Float[Array, "B T H Dv"], Float[Array, "B H Dk Dv"]]:
+    """Token-by-token gated delta rule (the reference). Inputs prepared (normalised, scaled, float32)."""
+    def step(s, xs):
+        q_t, k_t, v_t, g_t, b_t = xs
+        s = s * jnp.exp(g_t)[..., None, None]
+        delta = (v_t - jnp.einsum("bhkv,bhk->bhv", s, k_t)) * b_t[..., None]
+        s = s + k_t[..., None] * delta[..., None, :]
+        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
+    state, out = jax.lax.scan(step, state, xs)
+    return jnp.moveaxis(out, 0, 1), state
+
+
+def _chunk_terms(q, k, v, g, beta):
+    """The intra-chunk half of the UT form, for every chunk at once. Inputs ``[B, H, N, Q, …]``.
+
+    With ``Γ_ij = exp(cum_i − cum_j)`` (i ≥ j, cum the in-chunk cumulative g) and ``A = strict_lower(βk·kᵀ ⊙ Γ)``,
+    ``U = (I + A)⁻¹ βv`` and ``W = (I + A)⁻¹ (βk ⊙ exp(cum))``; a chunk starting from state S then has
+    ``v_new = U − W·S``, outputs ``(q ⊙ exp(cum))·S + (q·kᵀ ⊙ Γ)·v_new`` and final state
+    ``exp(cum_last)·S + (k ⊙ exp(cum_last − cum))ᵀ·v_new``.
+    """
+    n = q.shape[-2]
+    cum = jnp.cumsum(g, axis=-1)  # [B, H, N, Q]
+    lower = jnp.tril(jnp.ones((n, n), bool))
+    diff = cum[..., :, None] - cum[..., None, :]
+    decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)  # Γ, zero above the diagonal
+    kb, vb = k * beta[..., None], v * beta[..., None]
+    a = jnp.where(jnp.tril(lower, -1), jnp.einsum("...ik,...jk->...ij", kb, k) * decay, 0.0)
+    eye = jnp.eye(n, dtype=a.dtype)
+    solve = lambda rhs: jax.scipy.linalg.solve_triangular(eye + a, rhs, lower=True, unit_diagonal=True)  # noqa
+    u, w = solve(vb), solve(kb * jnp.exp(cum)[..., None])
+    intra = jnp.einsum("...ik,...jk->...ij", q, k) * decay
+    return cum, u, w, intra
+
+
+def delta_rule_chunked(q: Float[Array, "B T H Dk"], k: Float[Array, "B T H Dk"], v: Float[Array, "B T H Dv"],
+                       g: Float[Array, "B T H"], beta: Float[Array, "B T H"], state: Float[Array, "B H Dk Dv"],
+                       chunk: int = CHUNK) -> tuple[Float[Array, "B T H Dv"], Float[Array, "B H Dk Dv"]]:
+    """The gated delta rule over chunks of ``chunk`` tokens (T is zero-padded to a multiple: zero β and g are
+    identity updates, so padding changes neither the outputs before it nor the final state)."""
+    b, t, h, dk = q.shape
+    pad = (-t) % chunk
+    n = (t + pad) // chunk
+
+    def chunks(x):  # [B, T, H, …] → [B, H, N, Q, …]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(b, n, chunk, h, *x.shape[3:]), 3, 1)
+
+    q, k, v, g, beta = (chunks(x) for x in (q, k, v, g, beta))
+    cum, u, w, intra = _chunk_terms(q, k, v, g, beta)
+    q_dec = q * jnp.exp(cum)[..., None]
+    k_dec = k * jnp.exp(cum[..., -1:] - cum)[..., None]
+    last = jnp.exp(cum[..., -1])[..., None, None]  # [B, H, N, 1, 1]
+
+    def step(s, xs):
+        u_i, w_i, q_i, k_i, intra_i, last_i = xs
+        v_new = u_i - w_i @ s
+        out = q_i @ s + intra_i @ v_new
+        return s * last_i + jnp.swapaxes(k_i, -1, -2) @ v_new, out
+
+    xs = tuple(jnp.moveaxis(x, 2, 0) for x in (u, w, q_dec, k_dec, intra, last))  # chunks first
+    state, out = jax.lax.scan(step, state, xs)  # out [N, B, H, Q, Dv]
+    out = jnp.moveaxis(out, 0, 2).reshape(b, h, n * chunk, -1)[:, :, :t]
+    return jnp.swapaxes(out, 1, 2), state
+
+
+def delta_rule_block(q: Float[Array, "B T H Dk"], k: Float[Array, "B T H Dk"], v: Float[Array, "B T H Dv"],
+                     g: Float[Array, "B T H"], beta: Float[Array, "B T H"], state: Float[Array, "B H Dk Dv"]):
+    """The block as one chunk: its outputs and ``(k, cum, v_new)``, from which :func:`state_after` forms the
+    state after any prefix of it. Returns ``(out [B, T, H, Dv], (k, cum [B, T, H], v_new [B, T, H, Dv]))``."""
+    tr = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731 — [B, T, H, …] ↔ [B, H, T, …]
+    qh, kh, vh, gh, bh = (tr(x) for x in (q, k, v, g, beta))
+    cum, u, w, intra = _chunk_terms(qh, kh, vh, gh, bh)
+    v_new = u - w @ state
+    out = (qh * jnp.exp(cum)[..., None]) @ state + intra @ v_new
+    return tr(out), (k, tr(cum), tr(v_new))
+
+
+def state_after(state: Float[Array, "B H Dk Dv"], k: Float[Array, "B T H Dk"], cum: Float[Array, "B T H"],
+                v_new: Float[Array, "B T H Dv"], n: Int[Array, "B"]) -> Float[Array, "B H Dk Dv"]:
+    """The state after the first ``n[b]`` tokens of a :func:`delta_rule_block` block (0 ≤ n ≤ T):
+    ``exp(cum_{n−1})·S + Σ_{i<n} exp(cum_{n−1} − cum_i)·k_i v_newᵢᵀ`` (``v_new_i`` depends only on tokens ≤ i)."""
+    t = cum.shape[1]
+    cum0 = jnp.concatenate([jnp.zeros_like(cum[:, :1]), cum], axis=1)  # [B, T+1, H]: cum before token 0 is 0
+    c_n = jnp.take_along_axis(cum0, n[:, None, None], axis=1)  # [B, 1, H]
+    keep = (jnp.arange(t)[None, :] < n[:, None])[..., None]
+    weights = jnp.exp(jnp.where(keep, c_n - cum, -jnp.inf))  # exponents ≤ 0 where kept (g ≤ 0)
+    return state * jnp.exp(c_n[:, 0])[..., None, None] + jnp.einsum("bthk,bth,bthv->bhkv", k, weights, v_new)
+
+
+def conv_history(window: Float[Array, "B R+T C"], n: Int[Array, "B"] | None, r: int) -> Float[Array, "B R C"]:
+    """The last ``r`` conv inputs after ``n[b]`` of the block's tokens (``None``: all of them); ``window`` is the
+    previous history followed by the block's inputs."""
+    if n is None:
+        return window[:, window.shape[1] - r:]
+    return jax.vmap(lambda w, s: jax.lax.dynamic_slice_in_dim(w, s, r, axis=0))(window, n)
+
+
+class Conv1d(nnx.Module):
+    """Depthwise causal conv weights in the checkpoint's ``[C, 1, W]`` layout (PyTorch ``Conv1d``, groups = C)."""
+
+    def __init__(self, channels: int, width: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param((jax.random.normal(rngs.params(), (channels, 1, width), jnp.float32)
+                                 / math.sqrt(width)).astype(dtype))
+
+    def __call__(self, window: Float[Array, "B R+T C"], t: int) -> Float[Array, "B T C"]:
+        """``out_t = Σ_j w_j · window_{t+j}``: each of the last T positions over itself and the R before it."""
+        w = self.weight[...][:, 0, :].astype(jnp.float32)  # [C, W]
+        width = w.shape[1]
+        x = window.astype(jnp.float32)
+        out = sum(x[:, j:j + t] * w[:, j] for j in range(width))
+        return out.astype(window.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """RMSNorm over each value head, then ``· silu(z)`` (transformers' ``RMSNormGated``: the norm in float32,
+    cast back and scaled, the gate applied in float32)."""
+
+    def __init__(self, dim: int, *, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        y = self.weight[...] * x32.astype(x.dtype)
+        return (y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
+
+
+class GatedDeltaNet(nnx.Module):
+    """Qwen3.5's linear-attention token mixer (HF names: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+    ``in_proj_a``, ``conv1d``, ``dt_bias``, ``A_log``, ``norm``, ``out_proj``; Qwen3-Next's fused projections are
+    split into these when its checkpoint is read)."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        h = cfg.hybrid
+        d = cfg.hidden_size
+        self.hk, self.hv, self.dk, self.dv, self.width = (h.key_heads, h.value_heads, h.key_head_dim,
+                                                          h.value_head_dim, h.conv_kernel)
+        self.in_proj_qkv = Dense(d, h.conv_dim, bias=False, dtype=dtype, rngs=rngs)
+        self.in_proj_z = Dense(d, self.hv * self.dv, bias=False, dtype=dtype, rngs=rngs)
+        self.in_proj_b = Dense(d, self.hv, bias=False, dtype=dtype, rngs=rngs)
+        self.in_proj_a = Dense(d, self.hv, bias=False, dtype=dtype, rngs=rngs)
+        self.conv1d = Conv1d(h.conv_dim, h.conv_kernel, dtype=dtype, rngs=rngs)
+        self.dt_bias = nnx.Param(jnp.ones((self.hv,), dtype))
+        self.A_log = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (self.hv,), jnp.float32, 1.0, 16.0))
+                               .astype(dtype))
+        self.norm = GatedRMSNorm(self.dv, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.out_proj = Dense(self.hv * self.dv, d, bias=False, dtype=dtype, rngs=rngs)
+
+    def zero_states(self, batch: int, dtype) -> tuple[jax.Array, jax.Array]:
+        """(conv history ``[B, R, C]`` in the model dtype, recurrent state ``[B, H, Dk, Dv]`` in float32)."""
+        return (jnp.zeros((batch, self.width - 1, self.in_proj_qkv.kernel.shape[1]), dtype),
+                jnp.zeros((batch, self.hv, self.dk, self.dv), jnp.float32))
+
+    def __call__(self, x: Float[Array, "B T D"], conv: jax.Array | None, rec: jax.Array | None, *,
+                 lengths: Int[Array, "B"] | None = None, defer: bool = False):
+        """Mix ``x`` (already input-normed) given the states before it.
+
+        Returns ``(out, conv, rec, record)``: the states after the first ``lengths[b]`` tokens (``None``: all T;
+        later tokens are identity updates, so right padding leaves no trace), or with ``defer`` the states
+        unchanged plus ``record`` = ``(window, k, cum, v_new)``, from which :func:`settle` forms the states
+        after any prefix once the caller knows how many tokens to keep.
+        """
+        b, t, _ = x.shape
+        if conv is None:
+            conv, rec = self.zero_states(b, x.dtype)
+        mixed = self.in_proj_qkv(x)  # [B, T, C]
+        window = jnp.concatenate([conv.astype(mixed.dtype), mixed], axis=1)  # [B, R+T, C]
+        qkv = jax.nn.silu(self.conv1d(window, t))
+        kd = self.hk * self.dk
+        q = qkv[..., :kd].reshape(b, t, self.hk, self.dk)
+        k = qkv[..., kd:2 * kd].reshape(b, t, self.hk, self.dk)
+        v = qkv[..., 2 * kd:].reshape(b, t, self.hv, self.dv).astype(jnp.float32)
+        rep = self.hv // self.hk  # value head i reads key head i // rep (transformers' repeat_interleave)
+        q = jnp.repeat(l2norm(q.astype(jnp.float32)), rep, axis=2) * (self.dk ** -0.5)
+        k = jnp.repeat(l2norm(k.astype(jnp.float32)), rep, axis=2)
+        beta = jax.nn.sigmoid(self.in_proj_b(x)).astype(jnp.float32)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        record = None
+        if defer or t <= CHUNK:  # one chunk: verify blocks, decode steps, short prompts
+            out, (k_, cum, v_new) = delta_rule_block(q, k, v, g, beta, rec)
+            if defer:
+                record = (window, k_, cum, v_new)
+            else:
+                n = jnp.full((b,), t, jnp.int32) if lengths is None else lengths
+                rec = state_after(rec, k_, cum, v_new, n)
+        else:
+            if lengths is not None:  # tokens past a row's length become identity updates
+                live = (jnp.arange(t)[None, :] < lengths[:, None])[..., None]  # [B, T, 1]
+                g, beta = jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0)
+            out, rec = delta_rule_chunked(q, k, v, g, beta, rec, chunk=CHUNK)  # CHUNK read at trace time
+        if not defer:
+            conv = conv_history(window, lengths, self.width - 1)
+        z = self.in_proj_z(x).reshape(b, t, self.hv, self.dv)
+        out = self.norm(out.astype(x.dtype), z).reshape(b, t, self.hv * self.dv)
+        return self.out_proj(out), conv, rec, record
+
+
+def settle(conv: jax.Array, rec: jax.Array, record: tuple, n: Int[Array, "B"]) -> tuple[jax.Array, jax.Array]:
+    """The (conv history, recurrent state) after the first ``n[b]`` tokens of a deferred block."""
+    window, k, cum, v_new = record
+    return conv_history(window, n, conv.shape[1]).astype(conv.dtype), state_after(rec, k, cum, v_new, n)
