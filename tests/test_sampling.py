@@ -3,13 +3,13 @@ modes, temperatures 0.7 / 1.0, top-k and top-p — and the test demonstrably fai
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from scipy import stats
 
 from conftest import tiny_target
@@ -31,23 +31,30 @@ def pair():
     return target, drafter
 
 
-def exact_distribution(target, temperature, top_k, top_p) -> np.ndarray:
-    """P(x1, x2, x3 | PROMPT) by enumerating every prefix through the target (float64 [V, V, V])."""
-    model = target.model
-    sp = SamplingParams(jnp.asarray([temperature], jnp.float32), jnp.asarray([top_k]), jnp.asarray([top_p]))
+@pytest.fixture(scope="module")
+def logits(pair):
+    """The target's logits for x1, x2 and x3 after PROMPT + [a, b], for every (a, b): [V², 3, V] from one
+    forward pass over the V² sequences (causal attention: position t sees tokens ≤ t only, so the x1 and x2
+    logits of a row depend on its prefix alone)."""
+    seqs = jnp.asarray([PROMPT + [a, b] for a, b in itertools.product(range(V), range(V))], jnp.int32)
+    n, t = seqs.shape
 
-    def next_probs(prefixes):
-        toks = jnp.asarray(prefixes, jnp.int32)
-        b, t = toks.shape
-        h, _, _ = model(toks, jnp.broadcast_to(jnp.arange(t), (b, t)), None, prefill=True)
-        logits = model.logits(h[:, -1])
-        return np.asarray(filtered_probs(logits, dataclasses.replace(
-            sp, temperature=jnp.repeat(sp.temperature, b), top_k=jnp.repeat(sp.top_k, b),
-            top_p=jnp.repeat(sp.top_p, b)), use_top_k=top_k > 0, use_top_p=top_p < 1), np.float64)
+    @nnx.jit  # one program: op by op, this forward compiled ~90 small programs (3x the CPU time)
+    def forward(model, seqs):
+        h, _, _ = model(seqs, jnp.broadcast_to(jnp.arange(t), (n, t)), None, prefill=True)
+        return model.logits(h[:, -3:])
 
-    p1 = next_probs([PROMPT])[0]
-    p2 = next_probs([PROMPT + [a] for a in range(V)])  # [V, V]
-    p3 = next_probs([PROMPT + [a, b] for a, b in itertools.product(range(V), range(V))]).reshape(V, V, V)
+    return forward(pair[0].model, seqs)
+
+
+def exact_distribution(logits, temperature, top_k, top_p) -> np.ndarray:
+    """P(x1, x2, x3 | PROMPT) from the target's logits (float64 [V, V, V])."""
+    n = logits.shape[0]
+    sp = SamplingParams(jnp.full((n,), temperature, jnp.float32), jnp.full((n,), top_k, jnp.int32),
+                        jnp.full((n,), top_p, jnp.float32))
+    probs = np.asarray(filtered_probs(logits, sp, use_top_k=top_k > 0, use_top_p=top_p < 1), np.float64)
+    probs = probs.reshape(V, V, 3, V)  # [a, b, slot, token]
+    p1, p2, p3 = probs[0, 0, 0], probs[:, 0, 1], probs[:, :, 2]
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
@@ -83,9 +90,10 @@ CASES = [  # temperature, top_k, top_p, draft_sampling
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p,draft_sampling", CASES)
-def test_speculative_sampling_matches_target_distribution(pair, temperature, top_k, top_p, draft_sampling):
+def test_speculative_sampling_matches_target_distribution(pair, logits, temperature, top_k, top_p,
+                                                           draft_sampling):
     target, drafter = pair
-    probs = exact_distribution(target, temperature, top_k, top_p)
+    probs = exact_distribution(logits, temperature, top_k, top_p)
     samples, out = draw(lambda *a, **k: speculative_generate(target, drafter, *a, **k), with_output=True,
                         temperature=temperature, top_k=top_k, top_p=top_p, seed=1, draft_sampling=draft_sampling)
     assert chi2_pvalue(samples, probs) > 1e-3
@@ -94,9 +102,9 @@ def test_speculative_sampling_matches_target_distribution(pair, temperature, top
     assert 1 in firsts and max(firsts) >= 2
 
 
-def test_autoregressive_sampling_matches_target_and_speculative(pair):
+def test_autoregressive_sampling_matches_target_and_speculative(pair, logits):
     target, drafter = pair
-    probs = exact_distribution(target, 1.0, 0, 1.0)
+    probs = exact_distribution(logits, 1.0, 0, 1.0)
     ar = draw(lambda *a, **k: generate(target, *a, **k), temperature=1.0, seed=3)
     assert chi2_pvalue(ar, probs) > 1e-3
     # Two-sample homogeneity test, speculative vs plain sampling, on the 2-token prefixes.
@@ -125,11 +133,11 @@ def _residual_keeps_draft(keys, block, p, q):
 
 
 @pytest.mark.parametrize("biased", [_accept_always, _residual_keeps_draft])
-def test_the_test_detects_biased_samplers(pair, monkeypatch, biased):
+def test_the_test_detects_biased_samplers(pair, logits, monkeypatch, biased):
     target, drafter = pair
+    probs = exact_distribution(logits, 1.0, 0, 1.0)
     monkeypatch.setattr(sampling, "accept_sampled", biased)
     monkeypatch.setattr(generation, "_PROGRAMS", {})  # force a fresh trace with the biased rule
-    probs = exact_distribution(target, 1.0, 0, 1.0)
     samples = draw(lambda *a, **k: speculative_generate(target, drafter, *a, **k), temperature=1.0, seed=1)
     assert chi2_pvalue(samples, probs) < 1e-6
 
@@ -139,6 +147,7 @@ def test_filtered_probs_match_transformers_warpers():
     from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                         TopPLogitsWarper)
 
+    filtered = jax.jit(filtered_probs, static_argnames=("use_top_k", "use_top_p"))  # 4 programs, not 40 ops
     logits = np.random.default_rng(0).normal(size=(5, 50)).astype(np.float32) * 3
     for t, k, p in [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 7, 1.0), (0.9, 0, 0.6), (0.8, 10, 0.75), (1.0, 1, 1.0)]:
         x = torch.tensor(logits)
@@ -149,10 +158,10 @@ def test_filtered_probs_match_transformers_warpers():
             x = TopPLogitsWarper(p)(None, x)
         ref = torch.softmax(x, -1).numpy()
         sp = SamplingParams(jnp.full((5,), t), jnp.full((5,), k), jnp.full((5,), p))
-        ours = np.asarray(filtered_probs(jnp.asarray(logits), sp, use_top_k=k > 0, use_top_p=p < 1))
+        ours = np.asarray(filtered(jnp.asarray(logits), sp, use_top_k=k > 0, use_top_p=p < 1))
         np.testing.assert_allclose(ours, ref, atol=1e-6)
-    greedy = filtered_probs(jnp.asarray(logits), SamplingParams(jnp.zeros(5), jnp.zeros(5, int), jnp.ones(5)),
-                            use_top_k=False, use_top_p=False)
+    greedy = filtered(jnp.asarray(logits), SamplingParams(jnp.zeros(5), jnp.zeros(5, int), jnp.ones(5)),
+                      use_top_k=False, use_top_p=False)
     np.testing.assert_array_equal(np.argmax(np.asarray(greedy), -1), np.argmax(logits, -1))
     assert np.asarray(greedy).max(-1).min() == 1.0
 
@@ -160,7 +169,8 @@ def test_filtered_probs_match_transformers_warpers():
 def test_seeded_runs_are_reproducible(pair):
     target, drafter = pair
     prompts = [PROMPT, [5, 6], [7, 1, 2]]
-    kw = dict(max_new_tokens=10, stop_token_ids=[], temperature=1.0, top_p=0.9)
+    # top-k and top-p: the programs of the per-row test below (both filters on, argmax drafts)
+    kw = dict(max_new_tokens=10, stop_token_ids=[], temperature=1.0, top_k=3, top_p=0.9)
     a = speculative_generate(target, drafter, prompts, seed=7, **kw)
     b = speculative_generate(target, drafter, prompts, seed=7, **kw)
     c = speculative_generate(target, drafter, prompts, seed=8, **kw)
@@ -176,7 +186,8 @@ def test_per_row_settings_and_greedy_rows(pair):
     greedy = generate(target, prompts, max_new_tokens=12, stop_token_ids=[])
     for ds in (False, True):
         mixed = speculative_generate(target, drafter, prompts, max_new_tokens=12, stop_token_ids=[],
-                                     temperature=[1.0, 0.0, 0.0], top_k=[3, 0, 5], seed=5, draft_sampling=ds)
+                                     temperature=[1.0, 0.0, 0.0], top_k=[3, 0, 5], top_p=[0.9, 1.0, 0.8], seed=5,
+                                     draft_sampling=ds)
         assert mixed.token_ids[1:] == greedy.token_ids[1:]
 
 
