@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+import signal
+import subprocess
+import tempfile
 from pathlib import Path
 
 import jax
@@ -18,6 +23,163 @@ from dflash_jax.models.target import TargetModel
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ZLAB = FIXTURES / "zlab_tiny"
+
+# XLA options for the decode programs (generation.COMPILER_OPTIONS) of tests on tiny models, on the CPU: there
+# compiling is nearly all of a test's time and running is instant, and these cut the CPU compile time about
+# threefold (no LLVM optimisation, the older loop emitters, one codegen thread). Tests on real weights (the
+# SmolLM2 fixtures, marker ``xla_default``) keep XLA's defaults: their programs run long enough to need them.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
+                "xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1}
+
+
+def fast_options() -> dict | None:
+    """FAST_COMPILE on the CPU backend (unless DFLASH_TEST_COMPILE=default: for measuring this choice)."""
+    if jax.default_backend() != "cpu" or os.environ.get("DFLASH_TEST_COMPILE") == "default":
+        return None
+    return FAST_COMPILE
+
+
+def compiler_options(item) -> dict | None:
+    """The decode programs' options for a test: XLA's defaults for real weights (DFLASH_TEST_COMPILE=fast
+    overrides that), FAST_COMPILE otherwise."""
+    real = item.get_closest_marker("xla_default") or {"smollm2", "smollm2_drafter"} & set(item.fixturenames)
+    return None if real and os.environ.get("DFLASH_TEST_COMPILE") != "fast" else fast_options()
+
+
+def fast_jit(fun, **static):
+    """``fun(*args, **static)`` as one program compiled with FAST_COMPILE (once per argument shapes), for tests
+    that call kernels, references or loop steps directly: op by op, each operation is a program of its own
+    (dozens per call), and XLA's default optimisation triples the compile time of what is left."""
+    jitted = jax.jit(functools.partial(fun, **static))
+    compiled = {}
+
+    def call(*args):
+        leaves, tree = jax.tree.flatten(args)
+        key = (tree, tuple((np.shape(x), np.result_type(x)) for x in leaves))
+        if key not in compiled:
+            compiled[key] = jitted.lower(*args).compile(fast_options())
+        return compiled[key](*args)
+
+    return call
+
+
+def fast_nnx_jit(fun, static_argnums: tuple[int, ...] = ()):
+    """``nnx.jit(fun)`` compiled with FAST_COMPILE, once per value of the static arguments: every call with the
+    same static arguments must pass the same shapes (another shape is an error, not a recompile)."""
+    jitted = nnx.jit(fun, static_argnums=static_argnums)
+    compiled = {}
+
+    def call(*args):
+        static = tuple(args[i] for i in static_argnums)
+        if static not in compiled:
+            compiled[static] = jitted.lower(*args).compile(fast_options())
+        return compiled[static](*(a for i, a in enumerate(args) if i not in static_argnums))
+
+    return call
+
+
+def tiny_subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment of a subprocess that runs tiny models only (e.g. the CLI on the z-lab fixture): CPU,
+    and FAST_COMPILE as XLA_FLAGS (which there apply to every program of the process)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **extra}
+    if fast_options():
+        flags = " ".join(f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items())
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
+    return env
+
+
+class BackgroundRun:
+    """A subprocess that one test waits for, started early: once the session has collected that test, such runs
+    go one after the other (in collection order) on the second CPU core, while this process works through the
+    tests before them (nearly all XLA compiling on one thread); the test then finds its run done or nearly.
+    Run alone, the test starts it itself.
+
+    ``argv`` may name ``{tmp}``: a fresh directory, removed when the session ends (``tmp`` once started)."""
+
+    def __init__(self, test: str, argv: list[str], **popen_kw):
+        self.test, self.argv, self.popen_kw = test, argv, popen_kw  # test: "file.py::name"
+        self.proc = self.log = self._tmp = None
+        BACKGROUND.append(self)
+
+    @property
+    def tmp(self) -> Path:
+        return Path(self._tmp.name)
+
+    def start(self) -> None:
+        if self.proc is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="dflash-test-")
+            self.log = tempfile.TemporaryFile("w+")
+            self.proc = subprocess.Popen([a.replace("{tmp}", self._tmp.name) for a in self.argv], stdout=self.log,
+                                         stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                         **self.popen_kw)
+
+    def result(self, timeout: float) -> tuple[int, str]:
+        """The return code and the output (stdout and stderr)."""
+        self.start()
+        try:
+            rc = self.proc.wait(timeout)
+        finally:
+            self.stop()
+        self.log.seek(0)
+        return rc, self.log.read()
+
+    def stop(self) -> None:
+        """Kill it (and what it started) if it is still running."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def close(self) -> None:
+        self.stop()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+
+BACKGROUND: list[BackgroundRun] = []  # every run defined by the test modules
+_QUEUE: list[BackgroundRun] = []  # those of the collected tests
+
+
+def _start_next_background_run() -> None:
+    """One at a time: this process keeps the other core."""
+    if not any(job.proc is not None and job.proc.poll() is None for job in _QUEUE):
+        job = next((job for job in _QUEUE if job.proc is None), None)
+        if job is not None:
+            job.start()
+
+
+def pytest_collection_finish(session):
+    if not session.config.option.collectonly:
+        _QUEUE[:] = [job for job in BACKGROUND if any(item.nodeid == job.test or item.nodeid.endswith("/" + job.test)
+                                                      for item in session.items)]
+        _start_next_background_run()
+
+
+def pytest_sessionfinish(session):
+    for job in BACKGROUND:
+        job.close()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before any fixture of the test is set up (module-scoped ones compile programs too)."""
+    from dflash_jax import generation
+
+    _start_next_background_run()
+    generation.COMPILER_OPTIONS = compiler_options(item)
+
+
+@pytest.fixture
+def prefill_chunk(monkeypatch):
+    """Sets generation.PREFILL_CHUNK. The loop specs that carry it are cached (generation._loop_spec), so the
+    cache is emptied on every change and afterwards: a stale spec would silently prefill in one shot."""
+    from dflash_jax import generation
+
+    def set_chunk(n: int) -> None:
+        monkeypatch.setattr(generation, "PREFILL_CHUNK", n)
+        generation._loop_spec.cache_clear()
+
+    yield set_chunk
+    generation._loop_spec.cache_clear()
 
 
 def tiny_config(family: str = "qwen3", **kw) -> ModelConfig:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ZLAB
+from conftest import ZLAB, tiny_subprocess_env
 from dflash_jax import CheckpointError, ConfigError, generate, load_drafter, load_pair, speculative_generate
 from dflash_jax.batch import BadInputError, finished_ids, read_rows, run_batch
 from dflash_jax.pairs import all_pair_configs, load_pair_config, parse_pair
@@ -42,16 +41,18 @@ def read_out(path: Path) -> dict[str, dict]:
     return {r["id"]: r for r in recs}
 
 
+# Every run here decodes batches of 4 rows with at most 16 new tokens (the same compiled programs, whatever the
+# test), except where a test is about compiling.
 def test_batch_outputs_equal_direct_generation(pair, tmp_path):
     target, drafter = pair
     rows = token_rows(11)
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
-    summary = run_batch(target, drafter, inp, tmp_path / "out.jsonl", max_new_tokens=20, batch_size=4,
+    summary = run_batch(target, drafter, inp, tmp_path / "out.jsonl", max_new_tokens=16, batch_size=4,
                         progress=False, speedup_estimate=True)
     out = read_out(tmp_path / "out.jsonl")
     assert set(out) == {r["id"] for r in rows}
-    ref = generate(target, [r["token_ids"] for r in rows], max_new_tokens=20)
-    spec = speculative_generate(target, drafter, [r["token_ids"] for r in rows], max_new_tokens=20)
+    ref = generate(target, [r["token_ids"] for r in rows], max_new_tokens=16)
+    spec = speculative_generate(target, drafter, [r["token_ids"] for r in rows], max_new_tokens=16)
     for r, toks, acc in zip(rows, ref.token_ids, spec.acceptance_lengths):
         rec = out[r["id"]]
         assert rec["token_ids"] == toks and rec["num_tokens"] == len(toks)
@@ -67,7 +68,7 @@ def test_batch_outputs_equal_direct_generation(pair, tmp_path):
     assert json.loads((tmp_path / "out.jsonl.summary.json").read_text())["speedup_estimate"] == est
     assert (tmp_path / "out.jsonl.acceptance.png").stat().st_size > 1000
     # Autoregressive mode (no drafter) writes the same tokens.
-    run_batch(target, None, inp, tmp_path / "ar.jsonl", max_new_tokens=20, batch_size=4, progress=False)
+    run_batch(target, None, inp, tmp_path / "ar.jsonl", max_new_tokens=16, batch_size=4, progress=False)
     ar = read_out(tmp_path / "ar.jsonl")
     assert all(ar[k]["token_ids"] == out[k]["token_ids"] for k in out)
 
@@ -153,13 +154,14 @@ def test_bad_rows_are_reported_with_line_numbers(pair, tmp_path):
              {"id": "h", "prompt": "text needs a tokenizer"}, {"id": "i", "token_ids": [1, 999]}]
     inp = write_jsonl(tmp_path / "in.jsonl", lines)
     with pytest.raises(BadInputError) as err:
-        run_batch(target, drafter, inp, tmp_path / "out.jsonl", max_new_tokens=16, progress=False)
+        run_batch(target, drafter, inp, tmp_path / "out.jsonl", max_new_tokens=16, batch_size=4, progress=False)
     msg = str(err.value)
     for fragment in ("line 2: invalid JSON", "line 3: missing 'id'", "line 4: 'prompt' must be a non-empty",
                      "line 6: prompt of 600 tokens", "line 7: text prompt", "line 8: token ids outside"):
         assert fragment in msg
     assert not (tmp_path / "out.jsonl").exists()  # nothing was started
-    run_batch(target, drafter, inp, tmp_path / "out.jsonl", max_new_tokens=16, skip_bad=True, progress=False)
+    run_batch(target, drafter, inp, tmp_path / "out.jsonl", max_new_tokens=16, batch_size=4, skip_bad=True,
+              progress=False)
     assert set(read_out(tmp_path / "out.jsonl")) == {"a", "f"}
     errors = [json.loads(x) for x in (tmp_path / "out.jsonl.errors.jsonl").read_text().splitlines()]
     assert [e["line"] for e in errors] == [2, 3, 4, 6, 7, 8]
@@ -179,11 +181,12 @@ def test_text_input_limit_and_existing_output(pair, tmp_path):
     rows, bad = read_rows(write_jsonl(tmp_path / "p.txt", ["first prompt", "", "second"]))
     assert [(r.id, r.line, r.prompt) for r in rows] == [("1", 1, "first prompt"), ("3", 3, "second")]
     inp = write_jsonl(tmp_path / "in.jsonl", token_rows(9))
-    run_batch(target, drafter, inp, tmp_path / "out.jsonl", max_new_tokens=8, limit=5, progress=False)
+    run_batch(target, drafter, inp, tmp_path / "out.jsonl", max_new_tokens=8, batch_size=4, limit=5, progress=False)
     assert set(read_out(tmp_path / "out.jsonl")) == {f"r{i}" for i in range(5)}
     with pytest.raises(FileExistsError, match="--resume"):
-        run_batch(target, drafter, inp, tmp_path / "out.jsonl", max_new_tokens=8, progress=False)
-    run_batch(target, drafter, inp, tmp_path / "out.jsonl", max_new_tokens=8, resume=True, progress=False)
+        run_batch(target, drafter, inp, tmp_path / "out.jsonl", max_new_tokens=8, batch_size=4, progress=False)
+    run_batch(target, drafter, inp, tmp_path / "out.jsonl", max_new_tokens=8, batch_size=4, resume=True,
+              progress=False)
     assert set(read_out(tmp_path / "out.jsonl")) == {f"r{i}" for i in range(9)}
 
 
@@ -201,8 +204,12 @@ def test_sigkill_at_random_moments_then_resume(tmp_path):
     out = tmp_path / "out.jsonl"
     cmd = [sys.executable, "-m", "dflash_jax.cli", "generate", "--target", str(ZLAB / "target"), "--drafter",
            str(ZLAB / "drafter_fitted"), "--input", str(inp), "--output", str(out), "--batch-size", "4",
-           "--max-new-tokens", "48", "--no-progress"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+           "--max-new-tokens", "48", "--no-progress", "--no-speedup-estimate"]  # (run_batch's tests cover it)
+    # Each process after the first loads the compiled programs from its own on-disk cache (as the CLI does by
+    # default), whatever ~/.cache holds and however fast they compiled.
+    env = tiny_subprocess_env(DFLASH_JAX_CACHE=str(tmp_path / "cache"),
+                              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     rnd = random.Random(0)
     kills = 0
     for attempt in range(8):
@@ -240,9 +247,9 @@ def test_cli_keeps_compiled_programs_on_disk(tmp_path):
     """The CLI writes compiled programs to $DFLASH_JAX_CACHE/xla and a second process loads them (same
     tokens); --no-compile-cache writes none; JAX's own JAX_COMPILATION_CACHE_DIR takes precedence."""
     inp = write_jsonl(tmp_path / "in.jsonl", token_rows(4, seed=5))
-    base = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     # Tiny programs compile in well under JAX's 1 s threshold for keeping them: keep everything here.
-    base.update(JAX_PLATFORMS="cpu", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    base = tiny_subprocess_env(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    base.pop("JAX_COMPILATION_CACHE_DIR", None)
 
     def generate_cli(name: str, cache: Path, *extra: str, **env: str) -> dict:
         out = tmp_path / f"{name}.jsonl"

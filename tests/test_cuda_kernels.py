@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import fast_jit
 from dflash_jax import attention as ref
 from dflash_jax import cuda
 
@@ -30,14 +31,19 @@ def exact_float32():
         yield
 
 
-def _normal(key, shape, dtype, scale=1.0):
-    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+# Inputs are made with numpy (jax.random compiles a program per shape: seconds each on the CPU); kernels and
+# references run as whole programs (conftest.fast_jit: compiled for speed on the CPU), not op by op.
+
+
+def _normal(rng: np.random.Generator, shape, dtype, scale=1.0) -> jax.Array:
+    return jnp.asarray((rng.standard_normal(shape, np.float32) * np.float32(scale)).astype(dtype))
 
 
 def _poison(x: jax.Array, lens: jax.Array) -> jax.Array:
     """NaN in slots >= lens[b] of a [B, S, K, H] cache."""
-    slot = jnp.arange(x.shape[1])[None, :, None, None]
-    return jnp.where(slot < lens[:, None, None, None], x, jnp.nan).astype(x.dtype)
+    slot = np.arange(x.shape[1])[None, :, None, None]
+    poisoned = np.where(slot < np.asarray(lens)[:, None, None, None], np.asarray(x, np.float32), np.nan)
+    return jnp.asarray(poisoned.astype(x.dtype))
 
 
 def _check(out: jax.Array, want: jax.Array, dtype) -> None:
@@ -68,17 +74,17 @@ if ON_GPU:
 
 
 def _draft_inputs(seed, b, l, n, k, h, s, dtype):
-    ks = jax.random.split(jax.random.key(seed), 7)
-    q = _normal(ks[0], (b, l, n, h), dtype, 1.5)
-    ctx_k, ctx_v = _normal(ks[1], (b, s, k, h), dtype), _normal(ks[2], (b, s, k, h), dtype)
-    blk_k, blk_v = _normal(ks[3], (b, l, k, h), dtype), _normal(ks[4], (b, l, k, h), dtype)
+    rng = np.random.default_rng(seed)
+    q = _normal(rng, (b, l, n, h), dtype, 1.5)
+    ctx_k, ctx_v = _normal(rng, (b, s, k, h), dtype), _normal(rng, (b, s, k, h), dtype)
+    blk_k, blk_v = _normal(rng, (b, l, k, h), dtype), _normal(rng, (b, l, k, h), dtype)
     # Lengths: 0, full cache, and random in between.
-    lens = np.random.default_rng(seed).integers(0, s + 1, b)
+    lens = rng.integers(0, s + 1, b)
     lens[0] = 0
     if b > 1:
         lens[1] = s
     ctx_len = jnp.asarray(lens, jnp.int32)
-    q_positions = ctx_len[:, None] + jnp.arange(l, dtype=jnp.int32)[None]
+    q_positions = jnp.asarray(lens[:, None] + np.arange(l)[None], jnp.int32)
     return q, ctx_k, ctx_v, blk_k, blk_v, q_positions, ctx_len
 
 
@@ -90,9 +96,10 @@ def test_draft_attention_matches_reference(case):
     assert cuda.draft_attention_unsupported_reason(q, ctx_k, ctx_v, blk_k, blk_v, causal=causal, window=window,
                                                    interpret=INTERPRET) is None
     with jax.default_matmul_precision("highest"):
-        want = ref.draft_attention(q, ctx_k, ctx_v, blk_k, blk_v, pos, ctx_len, causal=causal, window=window)
-    out = cuda.draft_attention(q, _poison(ctx_k, ctx_len), _poison(ctx_v, ctx_len), blk_k, blk_v, pos, ctx_len,
-                               causal=causal, window=window, interpret=INTERPRET, **tuning)
+        want = fast_jit(ref.draft_attention, causal=causal, window=window)(q, ctx_k, ctx_v, blk_k, blk_v, pos,
+                                                                             ctx_len)
+    out = fast_jit(cuda.draft_attention, causal=causal, window=window, interpret=INTERPRET, **tuning)(
+        q, _poison(ctx_k, ctx_len), _poison(ctx_v, ctx_len), blk_k, blk_v, pos, ctx_len)
     _check(out, want, dtype)
 
 
@@ -127,9 +134,8 @@ def _verify_inputs(seed, b, lmax, n, k, h, s, dtype, pad_rows=3):
         kv[2] = wins[2]  # the window is the whole context
     cu = np.concatenate([[0], np.cumsum(wins)]).astype(np.int32)
     t = int(cu[-1]) + pad_rows
-    ks = jax.random.split(jax.random.key(seed), 3)
-    q = _normal(ks[0], (t, n, h), dtype, 1.5)
-    kc, vc = _normal(ks[1], (b, s, k, h), dtype), _normal(ks[2], (b, s, k, h), dtype)
+    q = _normal(rng, (t, n, h), dtype, 1.5)
+    kc, vc = _normal(rng, (b, s, k, h), dtype), _normal(rng, (b, s, k, h), dtype)
     return q, kc, vc, jnp.asarray(cu), jnp.asarray(kv, jnp.int32)
 
 
@@ -140,10 +146,10 @@ def test_ragged_verify_matches_reference(case):
     q, kc, vc, cu, kv = _verify_inputs(b * 7 + s, b, lmax, n, k, h, s, dtype)
     assert cuda.ragged_verify_unsupported_reason(q, kc, vc, max_q_len=lmax, interpret=INTERPRET) is None
     with jax.default_matmul_precision("highest"):
-        want = ref.ragged_verify_attention(q, kc, vc, cu, kv)
+        want = fast_jit(ref.ragged_verify_attention)(q, kc, vc, cu, kv)
     # Padding rows of the output must be written as zeros: poisoning the input q there must not matter.
-    out = cuda.ragged_verify_attention(q, _poison(kc, kv), _poison(vc, kv), cu, kv, max_q_len=lmax,
-                                       interpret=INTERPRET, **tuning)
+    out = fast_jit(cuda.ragged_verify_attention, max_q_len=lmax, interpret=INTERPRET, **tuning)(
+        q, _poison(kc, kv), _poison(vc, kv), cu, kv)
     _check(out, want, dtype)
     assert not np.asarray(out[int(cu[-1]):], np.float32).any()
 
@@ -151,16 +157,16 @@ def test_ragged_verify_matches_reference(case):
 def test_ragged_verify_static_windows_equal_cache_attention():
     """ℓ_r = L for every r is the decode loop's static verify: same as cache_attention at those positions."""
     b, l, n, k, h, s = 2, 8, 4, 2, 64, 96
-    ks = jax.random.split(jax.random.key(3), 3)
-    q = _normal(ks[0], (b, l, n, h), jnp.float32)
-    kc, vc = _normal(ks[1], (b, s, k, h), jnp.float32), _normal(ks[2], (b, s, k, h), jnp.float32)
-    kv = jnp.array([l + 5, s], jnp.int32)
-    pos = kv[:, None] - l + jnp.arange(l)[None]
+    rng = np.random.default_rng(3)
+    q = _normal(rng, (b, l, n, h), jnp.float32)
+    kc, vc = _normal(rng, (b, s, k, h), jnp.float32), _normal(rng, (b, s, k, h), jnp.float32)
+    kv = np.array([l + 5, s], np.int32)
+    pos = jnp.asarray(kv[:, None] - l + np.arange(l)[None], jnp.int32)
     with jax.default_matmul_precision("highest"):
-        want = ref.cache_attention(q, kc, vc, pos)
+        want = fast_jit(ref.cache_attention)(q, kc, vc, pos)
     cu = jnp.arange(b + 1, dtype=jnp.int32) * l
-    out = cuda.ragged_verify_attention(q.reshape(b * l, n, h), _poison(kc, kv), _poison(vc, kv), cu, kv,
-                                       max_q_len=l, interpret=INTERPRET, num_splits=2, block_k=16)
+    out = fast_jit(cuda.ragged_verify_attention, max_q_len=l, interpret=INTERPRET, num_splits=2, block_k=16)(
+        q.reshape(b * l, n, h), _poison(kc, kv), _poison(vc, kv), cu, jnp.asarray(kv))
     _check(out.reshape(b, l, n, h), want, jnp.float32)
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import oracle_drafter, random_prompts, tiny_target
+from conftest import fast_jit, oracle_drafter, random_prompts, tiny_target
 from dflash_jax import attention, generate, generation, random_drafter, speculative_generate
 
 # head_dim 64 and GQA 2: a shape the kernels are built for, small enough for interpret mode.
@@ -82,15 +82,16 @@ def test_auto_resolves_to_the_backend_kernel():
 def test_unsupported_shape_falls_back_with_a_log_line(impl, dtype, h, caplog):
     """A shape the kernel does not take: the reference runs, and a log line says so."""
     b, l, n, k, s = 2, 4, 4, 2, 32
-    keys = jax.random.split(jax.random.key(0), 5)
-    q = jax.random.normal(keys[0], (b, l, n, h), dtype)
-    ck, cv = (jax.random.normal(x, (b, s, k, h), dtype) for x in keys[1:3])
-    bk, bv = (jax.random.normal(x, (b, l, k, h), dtype) for x in keys[3:5])
+    rng = np.random.default_rng(0)  # (jax.random would compile a program per shape: seconds each on the CPU)
+    normal = lambda shape: jnp.asarray(rng.standard_normal(shape, np.float32).astype(dtype))  # noqa: E731
+    q = normal((b, l, n, h))
+    ck, cv = normal((b, s, k, h)), normal((b, s, k, h))
+    bk, bv = normal((b, l, k, h)), normal((b, l, k, h))
     ctx_len = jnp.array([7, 20], jnp.int32)
     pos = ctx_len[:, None] + jnp.arange(l, dtype=jnp.int32)
     with caplog.at_level(logging.WARNING, logger="dflash_jax"):
-        out = attention.draft_attention(q, ck, cv, bk, bv, pos, ctx_len, impl=impl)
-    ref = attention.draft_attention(q, ck, cv, bk, bv, pos, ctx_len, impl="xla")
+        out = fast_jit(attention.draft_attention, impl=impl)(q, ck, cv, bk, bv, pos, ctx_len)
+    ref = fast_jit(attention.draft_attention, impl="xla")(q, ck, cv, bk, bv, pos, ctx_len)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
     assert any("uses the XLA reference" in r.getMessage() for r in caplog.records)
 
@@ -115,13 +116,18 @@ def test_a_kernel_that_fails_to_compile_falls_back(pair, reference, monkeypatch,
     assert any("verify attention uses the XLA reference" in m and "NotImplementedError" in m for m in messages)
 
 
-def test_cuda_kernels_after_a_chunked_long_prompt():
-    """Prompts past the 1024-token prefill chunk: the decode steps then read caches of several KV blocks and
-    splits, the long-context case the kernels exist for. Still token-identical to the reference."""
-    target = tiny_target("qwen3", seed=3, max_position_embeddings=4096, **SHAPE)
+def test_cuda_kernels_after_a_chunked_long_prompt(prefill_chunk):
+    """Prompts past the prefill chunk (1024 tokens; 256 here, which keeps the interpreted kernels' run short):
+    the decode steps then read caches of several KV blocks and splits, the long-context case the kernels exist
+    for. Still token-identical to the reference."""
+    prefill_chunk(256)
+    target = tiny_target("qwen3", seed=3, **SHAPE)
     drafter = random_drafter(target, block_size=4, num_layers=1, seed=5)
-    prompts = random_prompts(2, [1500, 2100], 96, seed=1)
+    prompts = random_prompts(2, [300, 420], 96, seed=1)  # the 512-token bucket: two chunks
     kw = dict(max_new_tokens=12, stop_token_ids=[])
     ref = generate(target, prompts, attention_impl="xla", **kw)
     assert generate(target, prompts, attention_impl="cuda", **kw).token_ids == ref.token_ids
-    assert speculative_generate(target, drafter, prompts, attention_impl="cuda", **kw).token_ids == ref.token_ids
+    spec = speculative_generate(target, drafter, prompts, attention_impl="cuda", **kw)
+    assert spec.token_ids == ref.token_ids
+    job = generation.prepare(target, drafter, prompts, max_new_tokens=12, block_size=4, attention_impl="cuda")
+    assert job.spec.prefill_chunk == 256 and generation.bucket(420) == 512  # really prefilled in two chunks

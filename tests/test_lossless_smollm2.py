@@ -66,18 +66,27 @@ def assert_training_objective_sees_the_same_blocks(target, drafter, out):
     (SPEC §6's pitfalls would show here as a mismatch, not just as a low τ)."""
     import jax.numpy as jnp
     import numpy as np
+    from flax import nnx
 
     from dflash_jax.train.objective import anchor_acceptance
 
     block = drafter.config.block_size
+    rows = []  # per prompt: its sequence, the anchors of the cycles checked, their recorded acceptance lengths
     for prompt, new, acc in zip(out.prompt_token_ids, out.token_ids, out.acceptance_lengths):
-        seq = np.asarray(prompt + new, np.int32)[None]
+        seq = prompt + new
         # cycle c starts after the prefill token and the tokens of cycles < c; its anchor is the last one
         anchors = [len(prompt) + sum(acc[:c]) for c in range(len(acc))]
-        cycles = [c for c in range(len(acc)) if anchors[c] + block <= seq.shape[1]]  # whole block labelled
-        a = jnp.asarray([[anchors[c] for c in cycles]], jnp.int32)
-        batch = {"tokens": jnp.asarray(seq), "lengths": jnp.asarray([seq.shape[1]]), "anchors": a,
-                 "valid": jnp.ones(a.shape, bool)}
-        accepted = np.asarray(anchor_acceptance(drafter.model, target.model, batch, block))[0]
+        cycles = [c for c in range(len(acc)) if anchors[c] + block <= len(seq)]  # whole block labelled
         assert len(cycles) >= 5
-        assert accepted.tolist() == [acc[c] for c in cycles]
+        rows.append((seq, [anchors[c] for c in cycles], [acc[c] for c in cycles]))
+    # Both rows in one batch (right-padded, as training batches are): one compiled program.
+    tokens = np.zeros((len(rows), max(len(r[0]) for r in rows)), np.int32)
+    anchors = np.zeros((len(rows), max(len(r[1]) for r in rows)), np.int32)
+    valid = np.zeros(anchors.shape, bool)
+    for i, (seq, anc, _) in enumerate(rows):
+        tokens[i, :len(seq)], anchors[i, :len(anc)], valid[i, :len(anc)] = seq, anc, True
+    batch = {"tokens": jnp.asarray(tokens), "lengths": jnp.asarray([len(r[0]) for r in rows], jnp.int32),
+             "anchors": jnp.asarray(anchors), "valid": jnp.asarray(valid)}
+    accepted = np.asarray(nnx.jit(anchor_acceptance, static_argnums=(3,))(drafter.model, target.model, batch, block))
+    for i, (_, anc, want) in enumerate(rows):
+        assert accepted[i, :len(anc)].tolist() == want

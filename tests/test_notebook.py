@@ -2,25 +2,39 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import BackgroundRun
+
 pytestmark = pytest.mark.slow
 
 NOTEBOOK = Path(__file__).parents[1] / "notebooks" / "quickstart.ipynb"
+RUN = """
+import sys
+import nbclient, nbformat
+nb = nbformat.read(sys.argv[1], as_version=4)
+nbclient.NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": sys.argv[2]}}).execute()
+nbformat.write(nb, sys.argv[3])
+"""
+# Started when the session has collected the test (conftest.BackgroundRun): the kernel runs beside the tests
+# before it.
+EXECUTION = BackgroundRun("test_notebook.py::test_quickstart_notebook_executes",
+                          [sys.executable, "-c", RUN, str(NOTEBOOK), "{tmp}", "{tmp}/out.ipynb"],
+                          env={**os.environ, "DFLASH_MAX_NEW": "24", "JAX_PLATFORMS": "cpu"})
 
 
-def test_quickstart_notebook_executes(tmp_path, monkeypatch):
+def test_quickstart_notebook_executes():
     nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
+    pytest.importorskip("nbclient")
     nb = nbformat.read(NOTEBOOK, as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), "commit the notebook without outputs"
-    monkeypatch.setenv("DFLASH_MAX_NEW", "24")
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    client = nbclient.NotebookClient(nb, timeout=900, kernel_name="python3",
-                                     resources={"metadata": {"path": str(tmp_path)}})
-    client.execute()
+    rc, log = EXECUTION.result(timeout=900)
+    assert rc == 0, log[-6000:]
+    nb = nbformat.read(EXECUTION.tmp / "out.ipynb", as_version=4)
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "falling back to the embedded SmolLM2 pair" in text
     assert "4/4 outputs identical to autoregressive decoding" in text

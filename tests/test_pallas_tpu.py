@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
+from conftest import fast_jit
 from dflash_jax import attention as ref
 from dflash_jax.pallas import draft_attention, ragged_verify_attention, unsupported_reason
 
@@ -20,14 +21,23 @@ IP = pltpu.InterpretParams()
 ATOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 
 
+# Inputs are made with numpy (jax.random compiles a program per shape: seconds each on the CPU), and kernels
+# and references run as whole programs compiled for speed (conftest.fast_jit), not op by op.
+
+
 def rand(seed: int, shape: tuple[int, ...], dtype) -> jax.Array:
-    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape, np.float32).astype(dtype))
 
 
 def poison(x: jax.Array, lens) -> jax.Array:
     """NaN in cache slots >= lens[b] of x [B,S,K,H]."""
     valid = np.arange(x.shape[1])[None, :] < np.asarray(lens)[:, None]
-    return jnp.where(jnp.asarray(valid)[:, :, None, None], x, jnp.nan).astype(x.dtype)
+    return jnp.asarray(np.where(valid[:, :, None, None], np.asarray(x, np.float32), np.nan).astype(x.dtype))
+
+
+def clean(x: jax.Array) -> jax.Array:
+    """The poisoned cache with zeros for the reference (which is not NaN-safe)."""
+    return jnp.asarray(np.nan_to_num(np.asarray(x, np.float32)).astype(x.dtype))
 
 
 def check(out: jax.Array, want: jax.Array, dtype) -> None:
@@ -59,10 +69,9 @@ def test_draft_attention_matches_reference(dtype, b, l, k, g, h, s, bkv, ctx_len
     ck, cv = poison(rand(3, (b, s, k, h), dtype), ctx_len), poison(rand(4, (b, s, k, h), dtype), ctx_len)
     lens = jnp.asarray(ctx_len, jnp.int32)
     qpos = lens[:, None] + off + jnp.arange(l, dtype=jnp.int32)
-    out = draft_attention(q, ck, cv, bk, bv, qpos, lens, causal=causal, window=window, interpret=IP,
-                          block_kv=bkv)
-    want = ref.draft_attention(q, jnp.nan_to_num(ck), jnp.nan_to_num(cv), bk, bv, qpos, lens, causal=causal,
-                               window=window)
+    out = fast_jit(draft_attention, causal=causal, window=window, interpret=IP, block_kv=bkv)(
+        q, ck, cv, bk, bv, qpos, lens)
+    want = fast_jit(ref.draft_attention, causal=causal, window=window)(q, clean(ck), clean(cv), bk, bv, qpos, lens)
     check(out, want, dtype)
 
 
@@ -74,8 +83,8 @@ def test_draft_attention_head_groups():
     lens = jnp.array([70], jnp.int32)
     ck, cv = poison(rand(8, (b, s, k, h), f32), lens), poison(rand(9, (b, s, k, h), f32), lens)
     qpos = lens[:, None] + jnp.arange(l, dtype=jnp.int32)
-    out = draft_attention(q, ck, cv, bk, bv, qpos, lens, interpret=IP, block_kv=32, kv_heads_per_block=8)
-    check(out, ref.draft_attention(q, jnp.nan_to_num(ck), jnp.nan_to_num(cv), bk, bv, qpos, lens), f32)
+    out = fast_jit(draft_attention, interpret=IP, block_kv=32, kv_heads_per_block=8)(q, ck, cv, bk, bv, qpos, lens)
+    check(out, fast_jit(ref.draft_attention)(q, clean(ck), clean(cv), bk, bv, qpos, lens), f32)
 
 
 # ------------------------------------------------------------------------------------------------ verify
@@ -102,8 +111,8 @@ VERIFY_CASES = [
 @pytest.mark.parametrize("dtype,win,kv_lens,k,g,h,s,bkv,max_q_len,t_pad", VERIFY_CASES)
 def test_ragged_verify_matches_reference(dtype, win, kv_lens, k, g, h, s, bkv, max_q_len, t_pad):
     q, kc, vc, cu, kvl = verify_inputs(dtype, win, kv_lens, k, g, h, s, t_pad)
-    out = ragged_verify_attention(q, kc, vc, cu, kvl, max_q_len=max_q_len, interpret=IP, block_kv=bkv)
-    want = ref.ragged_verify_attention(q, jnp.nan_to_num(kc), jnp.nan_to_num(vc), cu, kvl)
+    out = fast_jit(ragged_verify_attention, max_q_len=max_q_len, interpret=IP, block_kv=bkv)(q, kc, vc, cu, kvl)
+    want = fast_jit(ref.ragged_verify_attention)(q, clean(kc), clean(vc), cu, kvl)
     check(out, want, dtype)
     if t_pad:
         assert not np.asarray(out[int(cu[-1]):]).any(), "rows past cu_q_lens[B] must be zeros"
@@ -111,15 +120,15 @@ def test_ragged_verify_matches_reference(dtype, win, kv_lens, k, g, h, s, bkv, m
 
 def test_ragged_verify_all_empty_gives_zeros():
     q, kc, vc, cu, kvl = verify_inputs(jnp.float32, [0, 0], [0, 5], 2, 2, 64, 64, 4)
-    out = ragged_verify_attention(q, kc, vc, cu, kvl, max_q_len=4, interpret=IP, block_kv=32)
+    out = fast_jit(ragged_verify_attention, max_q_len=4, interpret=IP, block_kv=32)(q, kc, vc, cu, kvl)
     assert out.shape == q.shape and not np.asarray(out).any()
 
 
 def test_ragged_verify_window_longer_than_max_q_len_is_nan():
     """A contract violation (ℓ_r > max_q_len) must be loud, and must not disturb the other requests."""
     q, kc, vc, cu, kvl = verify_inputs(jnp.float32, [2, 6], [20, 30], 2, 2, 64, 64, 0)
-    out = np.asarray(ragged_verify_attention(q, kc, vc, cu, kvl, max_q_len=4, interpret=IP, block_kv=32))
-    want = np.asarray(ref.ragged_verify_attention(q, jnp.nan_to_num(kc), jnp.nan_to_num(vc), cu, kvl))
+    out = np.asarray(fast_jit(ragged_verify_attention, max_q_len=4, interpret=IP, block_kv=32)(q, kc, vc, cu, kvl))
+    want = np.asarray(fast_jit(ref.ragged_verify_attention)(q, clean(kc), clean(vc), cu, kvl))
     np.testing.assert_allclose(out[:6], want[:6], atol=2e-5, rtol=0)  # request 0, request 1's first 4 rows
     assert np.isnan(out[6:]).all()
 

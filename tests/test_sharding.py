@@ -3,25 +3,28 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from dflash_jax.sharding import ShardingError, check_splittable, parse_mesh
-from conftest import tiny_config
+from conftest import BackgroundRun, tiny_config
+
+
+HERE = Path(__file__).parent
+# Started when the session has collected the test (conftest.BackgroundRun): it runs beside the tests before it.
+MULTIDEVICE = BackgroundRun(
+    "test_sharding.py::test_multidevice_suite",
+    [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "multidevice" / "md_sharding.py")],
+    env={**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
+         "JAX_PLATFORMS": "cpu"}, cwd=HERE.parent)
 
 
 def test_multidevice_suite():
-    here = Path(__file__).parent
-    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8",
-           "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           str(here / "multidevice" / "md_sharding.py")], env=env, capture_output=True, text=True,
-                          timeout=1200, cwd=here.parent)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1]
+    rc, out = MULTIDEVICE.result(timeout=1200)
+    assert rc == 0, out[-9000:]
+    assert " passed" in out and "skipped" not in out.strip().splitlines()[-1]
 
 
 def test_parse_mesh_and_split_checks():

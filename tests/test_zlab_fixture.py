@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from conftest import ZLAB
+from conftest import ZLAB, fast_jit, fast_nnx_jit
 from dflash_jax import generate, load_drafter, speculative_generate
 from dflash_jax.decode import loop
 from dflash_jax.decode.state import LoopSpec
@@ -26,11 +26,14 @@ def golden():
 
 
 def test_target_forward_matches_reference(zlab_target, golden):
-    model = zlab_target.model
-    prompt = jnp.asarray(golden["prompt_ids"])
-    pos = jnp.arange(prompt.shape[1])[None]
-    h, feats, _ = model(prompt, pos, model.new_cache(1, 32), capture=tuple(range(6)), prefill=True)
-    assert rel_err(model.logits(h), golden["target_logits"]) < 1e-5
+    def forward(model, prompt):
+        pos = jnp.arange(prompt.shape[1])[None]
+        h, feats, _ = model(prompt, pos, model.new_cache(1, 32), capture=tuple(range(6)), prefill=True)
+        return model.logits(h), feats
+
+    # One program (op by op, the forward is ~80 programs of its own).
+    logits, feats = fast_nnx_jit(forward)(zlab_target.model, jnp.asarray(golden["prompt_ids"]))
+    assert rel_err(logits, golden["target_logits"]) < 1e-5
     layers = np.asarray(feats).reshape(1, 7, 6, 64).transpose(2, 0, 1, 3)
     # Layers 0..4: raw residual stream; layer 5 (the last) is reported after the final norm, as HF does.
     assert rel_err(layers[:5], golden["target_layer_outputs"][:5]) < 1e-5
@@ -38,32 +41,37 @@ def test_target_forward_matches_reference(zlab_target, golden):
 
 
 def test_drafter_forward_matches_reference(zlab_target, golden):
-    target = zlab_target.model
-    drafter = load_drafter(ZLAB / "drafter", zlab_target).model
-    prompt = jnp.asarray(golden["prompt_ids"])
-    n = prompt.shape[1]
-    pos = jnp.arange(n)[None]
-    _, feats, _ = target(prompt, pos, target.new_cache(1, 32), capture=(1, 3), prefill=True)
-    assert rel_err(feats, golden["target_hidden"]) < 1e-5
-    assert rel_err(drafter.project_context(feats), golden["draft_context_projected"]) < 1e-5
+    def forward(target, drafter, prompt, noise):
+        n = prompt.shape[1]
+        pos = jnp.arange(n)[None]
+        _, feats, _ = target(prompt, pos, target.new_cache(1, 32), capture=(1, 3), prefill=True)
+        cache = drafter.materialize(drafter.new_cache(1, 32), feats, pos)
+        block_pos = n + jnp.arange(4)[None]
+        emb = target.embed(noise)
+        ctx_len = jnp.array([n])
+        # Layer by layer, the same computation DFlashDrafter.__call__ performs.
+        cos, sin = drafter.rope(block_pos)
+        x, layers = emb, []
+        for i, layer in enumerate(drafter.layers):
+            x = layer(x, block_pos, cos, sin, cache.k[i], cache.v[i], ctx_len, impl="xla")
+            layers.append(x)
+        hidden = drafter(emb, block_pos, cache, ctx_len)
+        return dict(feats=feats, projected=drafter.project_context(feats), emb=emb, layers=layers, hidden=hidden,
+                    logits=drafter.draft_logits(hidden[:, 1:], target))
 
-    cache = drafter.materialize(drafter.new_cache(1, 32), feats, pos)
-    noise = jnp.asarray(golden["noise_ids"])
-    block_pos = n + jnp.arange(4)[None]
-    emb = target.embed(noise)
-    assert rel_err(emb, golden["noise_embedding"]) < 1e-6
-    ctx_len = jnp.array([n])
-    # Layer by layer, the same computation DFlashDrafter.__call__ performs.
-    cos, sin = drafter.rope(block_pos)
-    x = emb
-    for i, layer in enumerate(drafter.layers):
-        x = layer(x, block_pos, cos, sin, cache.k[i], cache.v[i], ctx_len, impl="xla")
+    drafter = load_drafter(ZLAB / "drafter", zlab_target).model
+    # One program (op by op, these steps are ~100 programs of their own).
+    out = fast_nnx_jit(forward)(zlab_target.model, drafter, jnp.asarray(golden["prompt_ids"]),
+                                jnp.asarray(golden["noise_ids"]))
+    assert rel_err(out["feats"], golden["target_hidden"]) < 1e-5
+    assert rel_err(out["projected"], golden["draft_context_projected"]) < 1e-5
+    assert rel_err(out["emb"], golden["noise_embedding"]) < 1e-6
+    assert len(out["layers"]) == len(golden["draft_layer_outputs"])
+    for i, x in enumerate(out["layers"]):
         assert rel_err(x, golden["draft_layer_outputs"][i]) < 1e-4, f"draft layer {i}"
-    hidden = drafter(emb, block_pos, cache, ctx_len)
-    assert rel_err(hidden, golden["draft_hidden_out"]) < 1e-4
-    logits = drafter.draft_logits(hidden[:, 1:], target)
-    assert rel_err(logits, golden["draft_logits"]) < 1e-4
-    np.testing.assert_array_equal(np.argmax(logits, -1), golden["draft_tokens"])
+    assert rel_err(out["hidden"], golden["draft_hidden_out"]) < 1e-4
+    assert rel_err(out["logits"], golden["draft_logits"]) < 1e-4
+    np.testing.assert_array_equal(np.argmax(out["logits"], -1), golden["draft_tokens"])
 
 
 @pytest.mark.parametrize("fixture,drafter_dir", [("golden_generate.json", "drafter"),
@@ -97,20 +105,25 @@ def test_verify_blocks_match_reference(zlab_target, fixture, drafter_dir):
     drafter = load_drafter(ZLAB / drafter_dir, zlab_target).model
     target = zlab_target.model
     spec = LoopSpec(block_size=4, new_capacity=64, capture=drafter.config.target_layer_ids)
-    propose = nnx.jit(loop.propose, static_argnums=(3, 4))
-    verify = nnx.jit(loop.verify, static_argnums=(4,))
+    # The steps as compiled programs of the models' (split) parameters: op by op, the prefill alone was ~250
+    # programs; through nnx.jit, flattening the models on every call cost more than the steps themselves.
+    (tdef, tparams), (ddef, dparams) = nnx.split(target), nnx.split(drafter)
+    models = lambda tp, dp: (nnx.merge(tdef, tp), nnx.merge(ddef, dp))  # noqa: E731
+    prefill = fast_jit(lambda tp, dp, *a: loop.prefill(*models(tp, dp), *a, spec=spec, capacity=128))
+    propose = fast_jit(lambda tp, dp, s: loop.propose(*models(tp, dp), s, spec, drafter.config.mask_token_id))
+    verify = fast_jit(lambda tp, dp, s, block: loop.verify(*models(tp, dp), s, block, spec))
     for p in g["prompts"]:
-        ids = jnp.asarray([p["prompt_ids"]], jnp.int32)
-        state = loop.prefill(target, drafter, ids, jnp.asarray([ids.shape[1]]), jnp.asarray([48]),
-                             jnp.asarray([-1]), spec, capacity=128)
+        n = len(p["prompt_ids"])
+        ids = jnp.asarray([p["prompt_ids"] + [0] * (32 - n)], jnp.int32)  # right-padded (as the loop's buckets)
+        state = prefill(tparams, dparams, ids, jnp.asarray([n]), jnp.asarray([48]), jnp.asarray([-1]))
         assert int(state.anchor[0]) == p["prefill"]["first_token"]
         for step in p["steps"]:
             if bool(state.done[0]):
                 break
             assert int(state.anchor_pos[0]) == step["start"]
-            block, _, _, _ = propose(target, drafter, state, spec, drafter.config.mask_token_id)
+            block, _, _, _ = propose(tparams, dparams, state)
             assert np.asarray(block[0]).tolist() == step["verify_block"]
-            state = verify(target, drafter, state, block, spec)
+            state = verify(tparams, dparams, state, block)
             assert int(state.acc_lens[0, state.num_cycles[0] - 1]) == step["acceptance_length"]
 
 
