@@ -23,6 +23,7 @@ rows); prefill stays on the reference (compute-bound, not what the kernels are f
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Callable, NamedTuple
@@ -317,3 +318,78 @@ def ragged_verify_attention(
     pos = kv_lens[row] - win_len + (tok - cu_q_lens[row])
     out = cache_attention(q[:, None], k_cache[row], v_cache[row], pos[:, None])[:, 0]
     return jnp.where((tok < cu_q_lens[b])[:, None, None], out, 0).astype(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# Packed verify windows (compact verify mode, :mod:`dflash_jax.decode.schedule`)
+# --------------------------------------------------------------------------------------------------
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedLayout:
+    """Each row's verify window (its first ℓ_r block tokens) packed end to end into T slots (a compiled tier;
+    slots past ``cu_q_lens[B]`` are padding). Slot t holds block token ``offsets[t]`` of row ``rows[t]``."""
+
+    cu_q_lens: Int[Array, "B+1"]
+    kv_lens: Int[Array, "B"]  # anchor position + ℓ_r: the row's cache length once its window is written
+    rows: Int[Array, "T"]  # padding: a valid row index (its values are never used)
+    offsets: Int[Array, "T"]  # padding: 0
+    valid: Bool[Array, "T"]
+    block: int = dataclasses.field(metadata=dict(static=True))  # L: the longest possible window
+
+    @staticmethod
+    def build(lens: Int[Array, "B"], anchor_pos: Int[Array, "B"], size: int, block: int) -> "PackedLayout":
+        """``lens``: ℓ_r ∈ [0, L] per row (0: the row verifies nothing); ``size``: T ≥ Σ ℓ_r."""
+        b = lens.shape[0]
+        cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lens.astype(jnp.int32))])
+        slot = jnp.arange(size, dtype=jnp.int32)
+        rows = jnp.clip(jnp.searchsorted(cu, slot, side="right") - 1, 0, b - 1).astype(jnp.int32)
+        valid = slot < cu[b]
+        offsets = jnp.where(valid, slot - cu[rows], 0)
+        return PackedLayout(cu, (anchor_pos + lens).astype(jnp.int32), rows, offsets, valid, block)
+
+    @property
+    def positions(self) -> Int[Array, "T"]:
+        """Absolute position of each slot's token (padding: its row's anchor position)."""
+        win = self.cu_q_lens[self.rows + 1] - self.cu_q_lens[self.rows]
+        return self.kv_lens[self.rows] - win + self.offsets
+
+    def pack(self, x: Float[Array, "B L *f"]) -> Float[Array, "T *f"]:
+        return x[self.rows, self.offsets]
+
+    def unpack(self, y: Float[Array, "T *f"]) -> Float[Array, "B L *f"]:
+        """Back to ``[B, L, …]``; block slots past a row's window hold zeros."""
+        t = y.shape[0]
+        j = jnp.arange(self.block)[None, :]
+        idx = self.cu_q_lens[:-1, None] + j  # [B, L]
+        inside = j < (self.cu_q_lens[1:] - self.cu_q_lens[:-1])[:, None]
+        out = y[jnp.clip(idx, 0, t - 1)]
+        return jnp.where(inside.reshape(inside.shape + (1,) * (y.ndim - 1)), out, jnp.zeros((), y.dtype))
+
+
+def packed_cache_attention(
+    q: Float[Array, "T N H"],
+    k_cache: Float[Array, "B S K H"],
+    v_cache: Float[Array, "B S K H"],
+    layout: PackedLayout,
+    *,
+    impl: str = "xla",
+    sinks: Float[Array, "N"] | None = None,
+    window: int | None = None,
+) -> Float[Array, "T N H"]:
+    """Verify attention of packed windows (their K/V already written): slot t attends causally to its own
+    row's cache up to its position. The kernels take the packed rows as they are (:func:`ragged_verify_attention`);
+    the reference puts the windows back into their ``[B, L]`` block, runs :func:`cache_attention` and packs
+    the result (its cost is the static verify's, which for attention over a long cache is the same reads).
+    Padding slots give zeros or their row's first token's output; either way they are never used."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if impl in ("pallas", "cuda") and sinks is None and window is None and (mesh.empty or mesh.size == 1):
+        kernels = _kernels(impl)
+        why = kernels.verify_reason(jax.ShapeDtypeStruct(q.shape, q.dtype), k_cache, layout.block)
+        if why is None:
+            return kernels.verify_op(q, k_cache, v_cache, layout.cu_q_lens, layout.kv_lens, max_q_len=layout.block)
+        _warn_once(f"attention_impl={impl!r}: packed verify attention uses the XLA reference ({why})")
+    win = layout.cu_q_lens[1:] - layout.cu_q_lens[:-1]
+    positions = (layout.kv_lens - win)[:, None] + jnp.arange(layout.block, dtype=jnp.int32)[None, :]
+    out = cache_attention(layout.unpack(q), k_cache, v_cache, positions, impl="xla", sinks=sinks, window=window)
+    return layout.pack(out)

@@ -32,6 +32,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dflash_jax import generation
+from dflash_jax.decode import schedule
 from dflash_jax.loading import Drafter, Target
 
 log = logging.getLogger("dflash_jax")
@@ -216,8 +217,10 @@ def run_batch(
     histogram_path: str | Path | None = None,
     speedup_estimate: bool = False,
     attention_impl: str = "auto",
+    verify_mode: str = "static",
 ) -> dict:
     """Generate for every prompt of ``input_path`` into ``output_path``; returns the summary dict.
+    ``verify_mode``: see :func:`dflash_jax.speculative_generate`.
 
     ``speedup_estimate``: afterwards, decode one batch of this run again both speculatively and
     autoregressively (synchronously timed) and report the ratio of their decode tokens/s in the summary.
@@ -225,6 +228,7 @@ def run_batch(
     output = Path(output_path)
     generation.sampling_params(1, temperature, top_k, top_p)  # validate before any work
     generation.check_max_new_tokens(max_new_tokens)
+    schedule.check_verify_mode(verify_mode)
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     if drafter is not None:
@@ -240,7 +244,7 @@ def run_batch(
 
     kw = dict(max_new_tokens=max_new_tokens, block_size=block_size if drafter is not None else 1,
               temperature=temperature, top_k=top_k, top_p=top_p, draft_sampling=False,
-              attention_impl=attention_impl)
+              attention_impl=attention_impl, verify_mode=verify_mode)
     # Every program of the run is compiled before the first batch is dispatched: a compile between two
     # batches would leave the device idle (on a GPU one decode program takes seconds to compile).
     t_start = time.perf_counter()
@@ -397,7 +401,8 @@ def _speedup_estimate(target: Target, drafter: Drafter, rows: list[Row], kw: dic
     ids = [r.ids for r in rows]
     common = dict(max_new_tokens=kw["max_new_tokens"], temperature=kw["temperature"], top_k=kw["top_k"],
                   top_p=kw["top_p"], seed=seed, attention_impl=kw["attention_impl"])
-    spec = generation.speculative_generate(target, drafter, ids, block_size=kw["block_size"], **common)
+    spec = generation.speculative_generate(target, drafter, ids, block_size=kw["block_size"],
+                                           verify_mode=kw["verify_mode"], **common)
     ar = generation.generate(target, ids, **common)
     s_tps, a_tps = spec.stats["decode_tokens_per_s"], ar.stats["decode_tokens_per_s"]
     return {"rows": len(ids), "tau": spec.tau, "speculative_decode_tokens_per_s": s_tps,

@@ -1,4 +1,4 @@
-"""Command line: ``dflash-jax demo``, ``generate`` (batch), ``chat`` (interactive) and ``train``."""
+"""Command line: ``dflash-jax demo``, ``generate`` (batch), ``chat`` (interactive), ``train`` and ``calibrate``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import os
 import sys
 import textwrap
 
+from pathlib import Path
+
 from dflash_jax.attention import IMPLS
+from dflash_jax.decode.schedule import VERIFY_MODES
 
 DEMO_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -27,7 +30,8 @@ def _demo(args: argparse.Namespace) -> int:
           f"block size {drafter.config.block_size}", flush=True)
     prompts = args.prompt or DEMO_PROMPTS
     kw = dict(max_new_tokens=args.max_new_tokens, attention_impl=args.attention_impl)
-    spec = speculative_generate(target, drafter, prompts, block_size=args.block_size, **kw)
+    spec = speculative_generate(target, drafter, prompts, block_size=args.block_size,
+                                verify_mode=args.verify_mode, **kw)
     ar = generate(target, prompts, **kw)
     for i, p in enumerate(prompts):
         print(f"\n### Prompt {i + 1}: {p}")
@@ -91,7 +95,7 @@ def _chat(args: argparse.Namespace) -> int:
     target, drafter = _load_models(args)
     return run_chat(target, drafter, system=args.system, max_new_tokens=args.max_new_tokens,
                     temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                    block_size=args.block_size, attention_impl=args.attention_impl)
+                    block_size=args.block_size, attention_impl=args.attention_impl, verify_mode=args.verify_mode)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -104,9 +108,36 @@ def _generate(args: argparse.Namespace) -> int:
                         batch_size=args.batch_size, block_size=args.block_size, temperature=args.temperature,
                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, limit=args.limit, resume=args.resume,
                         skip_bad=args.skip_bad, progress=not args.no_progress,
-                        speedup_estimate=not args.no_speedup_estimate, attention_impl=args.attention_impl)
+                        speedup_estimate=not args.no_speedup_estimate, attention_impl=args.attention_impl,
+                        verify_mode=args.verify_mode)
     print(json.dumps({k: v for k, v in summary.items() if k != "acceptance_histogram"}, indent=1))
     return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import jax
+
+    from dflash_jax import costs
+    from dflash_jax.pairs import find_pair_file
+
+    pair_file = find_pair_file(args.config)
+    target, drafter = _load_models(args)
+    batches = [int(b) for b in args.batches.split(",")]
+    print(f"Timing one compact step per tier on {jax.devices()[0].device_kind} ({target.model.dtype}), "
+          f"context {args.context}, batches {batches} …", flush=True)
+    table = costs.measure(target, drafter, batches=batches, block_size=args.block_size, context=args.context,
+                          repeats=args.repeats, pair=Path(pair_file).stem, progress=lambda line: print(line, flush=True))
+    out = Path(args.out) if args.out else costs.tables_path(pair_file)
+    costs.save_table(out, table)
+    png = costs.plot(table, out.with_name(f"{out.name.removesuffix('.json')}.{table.backend}.png"))
+    print(f"wrote the {table.backend} table to {out} and its plot to {png}")
+    return 0
+
+
+def _verify_mode_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verify-mode", default="static", choices=VERIFY_MODES,
+                        help="static: verify whole blocks; compact: the confidence scheduler's windows only, packed; "
+                             "cap-accept: whole blocks, commit the windows (measures what trimming gives up)")
 
 
 def _use_compile_cache(args: argparse.Namespace) -> None:
@@ -154,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--attention-impl", default="auto", choices=IMPLS,
                       help="auto: the backend's kernels (GPU/TPU), the XLA reference elsewhere")
     demo.add_argument("--prompt", action="append", help="a prompt (repeatable); default: three built-in prompts")
+    _verify_mode_option(demo)
     demo.set_defaults(func=_demo)
     train = sub.add_parser("train", parents=[common], help="train a DFlash drafter: data → train → export → eval (resumable)")
     train.add_argument("--config", required=True, help="configs/<pair>.yaml with a 'training' section")
@@ -181,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="auto: the backend's kernels (GPU/TPU), the XLA reference elsewhere")
     gen.add_argument("--no-speedup-estimate", action="store_true",
                      help="skip re-running one batch both ways (speculative vs autoregressive) for the summary")
+    _verify_mode_option(gen)
     gen.set_defaults(func=_generate)
     chat = sub.add_parser("chat", parents=[common], help="interactive chat with streamed answers (τ and tokens/s "
                                                          "after each)")
@@ -190,7 +223,17 @@ def main(argv: list[str] | None = None) -> int:
     _sampling_options(chat)
     chat.add_argument("--block-size", type=int)
     chat.add_argument("--attention-impl", default="auto", choices=IMPLS)
+    _verify_mode_option(chat)
     chat.set_defaults(func=_chat)
+    cal = sub.add_parser("calibrate", parents=[common],
+                         help="measure the step cost table the confidence scheduler uses (compact / cap-accept)")
+    _model_options(cal)
+    cal.add_argument("--batches", default="1,4,16,32,64,128", help="comma-separated batch sizes to time")
+    cal.add_argument("--context", type=int, default=256, help="tokens in each row's cache while timing")
+    cal.add_argument("--repeats", type=int, default=20, help="timed steps per tier (the median is kept)")
+    cal.add_argument("--block-size", type=int, help="default: the drafter's trained verify width")
+    cal.add_argument("--out", help="costs file to write (default: configs/<pair>.costs.json, one table per backend)")
+    cal.set_defaults(func=_calibrate)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     _use_compile_cache(args)

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import attention
-from dflash_jax.decode import loop
+from dflash_jax import attention, costs
+from dflash_jax.decode import loop, schedule
 from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.decode.state import DecodeView, LoopSpec
 from dflash_jax.loading import Drafter, Target, as_drafter, as_target
@@ -46,6 +46,7 @@ class GenerationOutput:
 class Programs:
     prefill: Any  # (params, ints, floats) → (state, packed view)
     decode: Any  # (params, state, max_cycles) → (state, packed view); the state is donated
+    view_widths: tuple[int, ...]  # the packed view's columns (DecodeView.unpack)
 
 
 _PROGRAMS: dict[tuple, Programs] = {}
@@ -76,7 +77,7 @@ def _programs(key: tuple, graphdefs: tuple, params: tuple, pre_args: tuple, spec
             dec = jax.jit(functools.partial(loop.decode_fn, spec=spec, mask_token_id=mask_id), static_argnums=0,
                           donate_argnums=2).lower(graphdefs, params, pre.out_info[0],
                                                   jax.ShapeDtypeStruct((), jnp.int32)).compile(COMPILER_OPTIONS)
-        programs = _PROGRAMS[key] = Programs(pre, dec)
+        programs = _PROGRAMS[key] = Programs(pre, dec, DecodeView.widths(pre.out_info[0]))
         _COMPILE_COUNT += 2
     return programs
 
@@ -190,24 +191,30 @@ class Job:
     pre_args: tuple  # the prefill program's arguments
     spec: LoopSpec
     programs: Programs
-    token_capacity: int  # O: width of the tokens buffer (unpacks the programs' packed views)
     compile_s: float = 0.0
-    survival_width: int = 0  # G: drafts per cycle whose predicted survival is summed (DSpark confidence head)
+
+    @property
+    def survival_width(self) -> int:
+        """G: drafts per cycle whose predicted survival is summed (DSpark confidence head; else 0)."""
+        return self.programs.view_widths[2]
 
 
 @functools.lru_cache(maxsize=256)
 def _loop_spec(block_size: int, new_cap: int, capture: tuple, impl: str, sampled: bool, draft_sampling: bool,
-               top_k: bool, top_p: bool, mesh, target_cfg, drafter_cfg) -> LoopSpec:
+               top_k: bool, top_p: bool, mesh, target_cfg, drafter_cfg, verify_mode: str = "static",
+               tiers: tuple = ()) -> LoopSpec:
     from dflash_jax import sharding as shd
 
     return LoopSpec(block_size=block_size, new_capacity=new_cap, capture=capture, impl=impl,
                     prefill_chunk=PREFILL_CHUNK, sampling=sampled, draft_sampling=sampled and draft_sampling,
-                    top_k=top_k, top_p=top_p, plan=shd.make_plan(mesh, target_cfg, drafter_cfg))
+                    top_k=top_k, top_p=top_p, plan=shd.make_plan(mesh, target_cfg, drafter_cfg),
+                    verify_mode=verify_mode, tiers=tiers)
 
 
 def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, max_new_tokens, block_size: int,
             stop_token_ids=None, attention_impl: str = "auto", temperature=None, top_k=None, top_p=None,
-            seed: int = 0, draft_sampling: bool = False, pad_batch_to: int | None = None) -> Job:
+            seed: int = 0, draft_sampling: bool = False, pad_batch_to: int | None = None,
+            verify_mode: str = "static", cost_table=None) -> Job:
     """Validate and bucket one batch of token-id prompts. ``max_new_tokens``: one value or one per row.
 
     ``pad_batch_to`` adds finished dummy rows so that every batch of a run has the same compiled shape.
@@ -248,6 +255,12 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
     stop_arr = np.full((bucket(max(len(stops), 1), 8),), -1, np.int32)
     stop_arr[: len(stops)] = stops
     sampled = bool((sp.temperature > 0).any())
+    verify_mode = _check_verify_mode(verify_mode, target, drafter, block_size, dp)
+    tiers = schedule.tiers_for(b, block_size) if verify_mode != "static" else ()
+    step_cost = None
+    if tiers:
+        table = costs.resolve(cost_table, jax.default_backend(), drafter.cost_tables)
+        step_cost = table.step_costs(b, tiers).astype(np.float32)
     if pad:  # on the host: eager device ops would compile anew for each partial batch's row count
         sp = SamplingParams(*(np.concatenate([x, np.repeat(x[-1:], pad)]) for x in
                               (sp.temperature, sp.top_k, sp.top_p)))
@@ -255,13 +268,13 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
     spec = _loop_spec(block_size, new_cap, tuple(drafter.config.target_layer_ids) if drafter is not None else (),
                       attention.resolve_impl(attention_impl, target.model.dtype), sampled, bool(draft_sampling),
                       sampled and bool((sp.top_k > 0).any()), sampled and bool((sp.top_p < 1).any()),
-                      target.mesh, cfg, drafter.config.layers if drafter is not None else None)
+                      target.mesh, cfg, drafter.config.layers if drafter is not None else None, verify_mode, tiers)
     tsplit = target.split()
     dsplit = drafter.split() if drafter is not None else None
     mask_id = drafter.config.mask_token_id if drafter is not None else 0
     graphdefs = (tsplit.static, dsplit.static if dsplit else None)
     params = (tsplit.leaves, dsplit.leaves if dsplit else None)
-    ints, floats = pack_inputs(prompt, lens_arr, max_arr, stop_arr, seed, sp if sampled else None)
+    ints, floats = pack_inputs(prompt, lens_arr, max_arr, stop_arr, seed, sp if sampled else None, step_cost)
     # One host-to-device copy per vector (each costs ~0.25 ms on a GPU, whatever its size). On one device the
     # compiled program takes the numpy vectors itself (its C++ path skips device_put's Python: ~0.2 ms less
     # per call on the CPU, bench_transfer.py); under a mesh they are placed replicated first.
@@ -272,17 +285,34 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
            jax.config.jax_default_matmul_precision)
     t0 = time.perf_counter()
     programs = _programs(key, graphdefs, params, pre_args, spec, dict(capacity=capacity, **shapes), mask_id)
-    scored = drafter is not None and drafter.config.sequential and drafter.config.confidence_head
-    return Job(target, drafter, ids, stops, params, pre_args, spec, programs, spec.new_capacity + spec.block_size,
-               time.perf_counter() - t0, spec.block_size - 1 if scored else 0)
+    return Job(target, drafter, ids, stops, params, pre_args, spec, programs, time.perf_counter() - t0)
+
+
+def _check_verify_mode(mode: str, target: Target, drafter: Drafter | None, block_size: int, dp: int) -> str:
+    """The verify mode this batch runs ("static" for autoregressive decoding), or a clear error."""
+    schedule.check_verify_mode(mode)
+    if drafter is None or block_size == 1 or mode == "static":
+        return "static"
+    from dflash_jax.models.hybrid import HybridTargetModel
+
+    if mode == "compact" and isinstance(target.model, HybridTargetModel):
+        raise ValueError("verify_mode='compact' does not support hybrid (linear-attention) targets: their "
+                         "recurrent layers need whole blocks; use 'static' or 'cap-accept'")
+    if mode == "compact" and dp > 1:
+        raise ValueError(f"verify_mode='compact' packs the windows of all rows into one buffer, which a dp={dp} "
+                         f"mesh would split across devices; use 'static' or 'cap-accept' with dp > 1")
+    return mode
 
 
 def pack_inputs(prompt: np.ndarray, lens: np.ndarray, max_new: np.ndarray, stops: np.ndarray, seed: int,
-                sp: SamplingParams | None) -> tuple[np.ndarray, np.ndarray | None]:
+                sp: SamplingParams | None, step_cost: np.ndarray | None = None
+                ) -> tuple[np.ndarray, np.ndarray | None]:
     """The prefill's inputs as two flat vectors (see :func:`dflash_jax.decode.loop.unpack_inputs`)."""
     seed_bits = np.asarray([seed % 2**32], np.uint32).view(np.int32)
     ints = np.concatenate([prompt.reshape(-1), lens, max_new, stops, seed_bits]).astype(np.int32)
-    floats = None if sp is None else np.concatenate([sp.temperature, sp.top_k, sp.top_p]).astype(np.float32)
+    parts = ([] if sp is None else [sp.temperature, sp.top_k, sp.top_p]) + (
+        [] if step_cost is None else [step_cost])
+    floats = np.concatenate(parts).astype(np.float32) if parts else None
     return ints, floats
 
 
@@ -299,7 +329,7 @@ def finish_reasons(token_ids: list[list[int]], stops: Sequence[int]) -> list[str
 
 def fetch_view(job: Job, packed) -> DecodeView:
     """A program's packed view on the host (one device-to-host copy; blocks until it is computed)."""
-    return DecodeView.unpack(np.asarray(packed), job.token_capacity, job.survival_width)
+    return DecodeView.unpack(np.asarray(packed), job.programs.view_widths)
 
 
 def collect(job: Job, packed, stats: dict | None = None) -> GenerationOutput:
@@ -317,6 +347,8 @@ def collect(job: Job, packed, stats: dict | None = None) -> GenerationOutput:
     stats["cycles"] = int(view.num_cycles[:n].max(initial=0))
     if job.survival_width:
         stats.update(survival_stats(view.survival_sum[:n], acc_lens))
+    if job.spec.block_size > 1:
+        stats.update(verify_stats(job.spec, view, n, acc_lens))
     return GenerationOutput(token_ids, texts, acc_lens, float(np.mean(all_acc)) if all_acc else 0.0, stats,
                             job.ids, finish_reasons(token_ids, job.stops))
 
@@ -334,6 +366,29 @@ def survival_stats(survival_sum: np.ndarray, acc_lens: list[list[int]]) -> dict:
     return {"predicted_survival": predicted.round(4).tolist(),
             "realized_survival": [float((accepted > j).mean().round(4)) for j in range(g)],
             "predicted_tau": float(1 + predicted.sum())}
+
+
+def verify_stats(spec: LoopSpec, view: DecodeView, n: int, acc_lens: list[list[int]]) -> dict:
+    """What verifying cost: ``verify_mode``, ``verify_tokens`` (tokens through the target's verify, summed over
+    rows and cycles), ``mean_window`` (verified tokens per row and cycle, anchor included: L for static), and
+    for scheduled modes ``tier_steps`` (steps per compiled tier: {tokens: steps}) and ``row_verify_tokens``
+    (per row); for cap-accept
+    ``utilization``: committed tokens ÷ what committing every accepted draft of the whole block would have
+    given (1.0: trimming gave up nothing)."""
+    cycles = int(view.num_cycles[:n].sum())
+    if spec.scheduled:
+        tokens = int(view.verify_tokens[:n].sum())
+    else:
+        tokens = cycles * spec.block_size
+    out = {"verify_mode": spec.verify_mode, "verify_tokens": tokens, "mean_window": tokens / max(cycles, 1)}
+    if spec.scheduled:
+        out["tier_steps"] = {int(t): int(c) for t, c in zip(spec.tiers, view.tier_steps[0]) if c}
+        out["row_verify_tokens"] = view.verify_tokens[:n, 0].tolist()
+    if spec.verify_mode == "cap-accept":
+        committed = sum(sum(row) for row in acc_lens)
+        out["utilization"] = committed / max(int(view.untrimmed[:n].sum()), 1)
+        out["row_untrimmed"] = view.untrimmed[:n, 0].tolist()  # per row: Σ (a + 1) had nothing been trimmed
+    return out
 
 
 def make_job(target: Target, drafter: Drafter | None, prompts, *, chat: bool, **kw) -> Job:
@@ -390,6 +445,8 @@ def speculative_generate(
     top_p: float | Sequence[float] | None = 1.0,
     seed: int = 0,
     draft_sampling: bool = False,
+    verify_mode: str = "static",
+    cost_table=None,
 ) -> GenerationOutput:
     """Lossless DFlash speculative decoding: greedy output identical to :func:`generate`, sampled output with
     exactly the target's distribution — with fewer target calls.
@@ -400,12 +457,19 @@ def speculative_generate(
     ``temperature`` / ``top_k`` / ``top_p``: HF meanings, a value for all prompts or one per prompt
     (temperature 0 = greedy; ``None`` = off). ``seed`` makes sampled runs reproducible. ``draft_sampling``:
     draw drafts from the drafter's own distribution (accept with min(1, p/q)) instead of taking its argmax.
+    ``verify_mode`` (README "Verify modes"): ``"static"`` verifies the whole block every cycle;
+    ``"compact"`` lets the confidence scheduler pick each row's window per cycle and verifies only those
+    windows, packed; ``"cap-accept"`` verifies the whole block but commits only the windows (what compact
+    commits), recording what trimming gave up (``stats["utilization"]``). ``cost_table``: the scheduler's
+    step costs (a :class:`dflash_jax.costs.CostTable` or a ``.costs.json`` path; default: the pair's, from
+    ``dflash-jax calibrate``, else the one shipped for this backend).
     :func:`dflash_jax.speculative_stream` takes the same arguments and yields the output as it is made.
     """
     target, drafter, block_size = speculative_settings(target, drafter, block_size)
     return _run(target, drafter, prompts, max_new_tokens=max_new_tokens, block_size=block_size,
                 stop_token_ids=stop_token_ids, chat=chat_template, attention_impl=attention_impl,
-                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, draft_sampling=draft_sampling)
+                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, draft_sampling=draft_sampling,
+                verify_mode=verify_mode, cost_table=cost_table)
 
 
 def generate(

@@ -90,6 +90,7 @@ class Drafter(_Handle):
     name: str = "drafter"
     trained: bool = True
     mesh: Mesh | None = None
+    cost_tables: dict | None = None  # backend → dflash_jax.costs.CostTable measured for this pair (load_pair)
 
     @property
     def config(self) -> DrafterConfig:
@@ -379,13 +380,22 @@ def load_pair(name_or_path: str = EMBEDDED_PAIR, dtype: Any = None, mesh: Mesh |
     dtype = dtype or (cfg.dtype if cfg else "float32")
     target = load_target(cfg.target if cfg else EMBEDDED_PAIR, dtype,
                          chat_template_kwargs=cfg.chat_template_kwargs if cfg else None, mesh=mesh)
+    drafter = _pair_drafter(cfg, target)
+    if cfg is not None:
+        from dflash_jax import costs
+
+        drafter.cost_tables = costs.load_tables(costs.tables_path(cfg.path)) or None
+    return target, drafter
+
+
+def _pair_drafter(cfg, target: Target) -> Drafter:
     drafter_src = cfg.drafter if cfg else "embedded"
     if drafter_src == "embedded":
         shipped = _ASSETS / "smollm2-135m-dflash"
         if (shipped / "config.json").is_file():
-            return target, load_drafter(shipped, target)
+            return load_drafter(shipped, target)
         log.warning("no trained drafter is shipped for %s: using a RANDOM (untrained) drafter", EMBEDDED_PAIR)
-        return target, random_drafter(target, mask_token_id=SMOLLM2_MASK_TOKEN_ID, num_layers=2)
+        return random_drafter(target, mask_token_id=SMOLLM2_MASK_TOKEN_ID, num_layers=2)
     if drafter_src is None:
         raise ConfigError(f"pair {cfg.name!r} has no drafter")
-    return target, load_drafter(drafter_src, target)
+    return load_drafter(drafter_src, target)

@@ -228,6 +228,8 @@ def speculative_stream(
     top_p: float | Sequence[float] | None = 1.0,
     seed: int = 0,
     draft_sampling: bool = False,
+    verify_mode: str = "static",
+    cost_table=None,
     segment_cycles: int | None = None,
 ) -> TokenStream:
     """:func:`dflash_jax.speculative_generate` as an iterator of :class:`StreamChunk`: concatenated, the chunks'
@@ -244,7 +246,7 @@ def speculative_stream(
     job = generation.make_job(target, drafter, prompts, chat=chat_template, max_new_tokens=max_new_tokens,
                               block_size=block_size, stop_token_ids=stop_token_ids, attention_impl=attention_impl,
                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                              draft_sampling=draft_sampling)
+                              draft_sampling=draft_sampling, verify_mode=verify_mode, cost_table=cost_table)
     return TokenStream(job, segment_cycles)
 
 

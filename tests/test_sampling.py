@@ -115,13 +115,13 @@ def test_autoregressive_sampling_matches_target_and_speculative(pair, logits):
     assert stats.chi2_contingency(table).pvalue > 1e-3
 
 
-def _accept_always(keys, block, p, q):
+def _accept_always(keys, block, p, q, window=None):
     b, l, _ = p.shape
     a = jnp.full((b,), l - 1, jnp.int32)
-    return a, jax.vmap(sampling.sample)(keys, p[:, -1])
+    return a, jax.vmap(sampling.sample)(keys, p[:, -1]), a
 
 
-def _residual_keeps_draft(keys, block, p, q):
+def _residual_keeps_draft(keys, block, p, q, window=None):
     """A plausible bug: on rejection, resample from p without removing the rejected draft."""
     b, l, _ = p.shape
     k_u, k_tok = jax.vmap(lambda k: tuple(jax.random.split(k)))(keys)
@@ -129,7 +129,7 @@ def _residual_keeps_draft(keys, block, p, q):
     p_x = jnp.take_along_axis(p[:, :-1], block[:, 1:, None], axis=-1)[..., 0]
     a = jnp.cumprod((u < p_x).astype(jnp.int32), axis=1).sum(1)
     p_a = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]
-    return a, jax.vmap(sampling.sample)(k_tok, p_a)
+    return a, jax.vmap(sampling.sample)(k_tok, p_a), a
 
 
 @pytest.mark.parametrize("biased", [_accept_always, _residual_keeps_draft])

@@ -25,8 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from dflash_jax.decode import sampling
-from dflash_jax.decode.state import DecodeState, DecodeView, LoopSpec
+from dflash_jax import attention
+from dflash_jax.decode import sampling, schedule
+from dflash_jax.decode.state import DecodeState, DecodeView, LoopSpec, ScheduleState
 from dflash_jax.models.drafter import DFlashDrafter, DSparkDrafter
 from dflash_jax.models.hybrid import HybridCache, HybridTargetModel
 from dflash_jax.models.split import merge_model
@@ -84,11 +85,12 @@ def prefill(
     capacity: int,
     seed: Int[Array, ""] | None = None,
     sampling_params: sampling.SamplingParams | None = None,
+    step_cost: Float[Array, "K"] | None = None,
 ) -> DecodeState:
     """Target over the (right-padded) prompts; first token; drafter context for all prompt positions.
 
     ``seed``: the PRNG seed (needed when ``spec.sampling``; row ``b`` draws from the ``b``-th key of its split);
-    ``sampling_params``: per-row settings.
+    ``sampling_params``: per-row settings; ``step_cost``: the scheduler's cost per tier (scheduled modes).
     """
     b, p = prompt.shape
     rng = jax.random.split(jax.random.key(seed), b) if spec.sampling else None
@@ -128,9 +130,18 @@ def prefill(
         sampling=sampling_params if spec.sampling else None,
         survival_sum=(jnp.zeros((b, spec.block_size - 1), jnp.float32)
                       if drafter is not None and getattr(drafter, "confidence_head", None) is not None else None),
+        schedule=_new_schedule(drafter, b, spec, step_cost) if spec.scheduled and drafter is not None else None,
     )
     # The first token is committed like any other (it may be a stop token, or the whole budget).
     return shard_state(commit(state, first, jnp.ones((b,), jnp.int32), record=False), spec.plan)
+
+
+def _new_schedule(drafter: DFlashDrafter, b: int, spec: LoopSpec, step_cost) -> ScheduleState:
+    g, k = spec.block_size - 1, len(spec.tiers)
+    confident = getattr(drafter, "confidence_head", None) is not None
+    zeros = jnp.zeros((b,), jnp.int32)
+    return ScheduleState(step_cost.astype(jnp.float32), None if confident else schedule.AcceptanceCounts.zeros(b, g),
+                         zeros, zeros, jnp.zeros((b, k), jnp.int32))
 
 
 def _lengths(target: TargetModel, n: Int[Array, "B"]) -> dict:
@@ -198,12 +209,15 @@ def _split_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def propose(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, spec: LoopSpec,
-            mask_token_id: int) -> tuple[Int[Array, "B L"], jax.Array | None, jax.Array | None, DecodeState]:
+            mask_token_id: int, window: Int[Array, "B"] | None = None, tier: Int[Array, ""] | None = None
+            ) -> tuple[Int[Array, "B L"], jax.Array | None, jax.Array | None, DecodeState]:
     """The block to verify, ``[anchor, d_1 … d_{L-1}]``, from one drafter forward (SPEC §2; DSpark §7).
 
-    Returns the block, the drafts' distribution ``q`` [B, L-1, V] when drafts are sampled (else None), the
-    drafts' confidences [B, L-1] (DSpark drafters with a confidence head, else None), and the state (its PRNG
-    keys advanced when sampling).
+    ``window`` / ``tier`` (compact verify, parallel drafters, windows known before drafting): the LM head runs
+    over the windows' drafts only, packed like the verify (on a CPU it is a third of a draft's time); drafts
+    past a window are 0 (never verified). Returns the block, the drafts' distribution ``q`` [B, L-1, V] when
+    drafts are sampled (else None), the drafts' confidences [B, L-1] (DSpark drafters with a confidence head,
+    else None), and the state (its PRNG keys advanced when sampling).
     """
     l = spec.block_size
     anchor = state.anchor[:, None]
@@ -216,15 +230,38 @@ def propose(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeSta
     if drafter.config.sequential:
         drafts, q, conf, state = _draft_sequential(target, drafter, h, state, spec)
         return jnp.concatenate([anchor, drafts], axis=1), q, conf, state
-    logits = drafter.draft_logits(h[:, 1:], target)
-    if spec.sampling and spec.draft_sampling:
+    sampled = spec.sampling and spec.draft_sampling
+    if window is None:
+        logits = drafter.draft_logits(h[:, 1:], target)
+        drafts = None if sampled else jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+        logits, drafts = _packed_draft_logits(target, drafter, h[:, 1:], jnp.where(state.done, 0, window), tier,
+                                              spec, sampled)
+    q = None
+    if sampled:
         rng, k_draft = _split_rows(state.rng)
         q = sampling.filtered_probs(logits, state.sampling, use_top_k=spec.top_k, use_top_p=spec.top_p)
         drafts = jax.vmap(sampling.sample)(k_draft, q)
         state = dataclasses.replace(state, rng=rng)
-    else:
-        q, drafts = None, jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return jnp.concatenate([anchor, drafts], axis=1), q, None, state
+
+
+def _packed_draft_logits(target, drafter, hidden: Float[Array, "B G D"], window: Int[Array, "B"],
+                         tier: Int[Array, ""], spec: LoopSpec, sampled: bool):
+    """Draft logits [B, G, V] (sampled drafts) or argmax drafts [B, G] for the first ``window`` drafts of each
+    row, the LM head over them packed into tier ``tier`` (zeros past a window)."""
+    b, g = hidden.shape[:2]
+
+    def run(size: int):
+        def branch(hidden):
+            layout = attention.PackedLayout.build(window, jnp.zeros((b,), jnp.int32), size, g)
+            logits = drafter.draft_logits(layout.pack(hidden)[None], target)[0]  # [T, V]
+            if sampled:
+                return layout.unpack(logits), jnp.zeros((b, g), jnp.int32)
+            return jnp.zeros((b, g, 0), logits.dtype), layout.unpack(jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        return branch
+
+    return jax.lax.switch(tier, [run(t) for t in spec.tiers], hidden)
 
 
 def _draft_sequential(target: TargetModel, drafter: DSparkDrafter, hidden: Float[Array, "B G D"],
@@ -269,41 +306,128 @@ def _draft_sequential(target: TargetModel, drafter: DSparkDrafter, hidden: Float
 
 
 def verify(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, block: Int[Array, "B L"],
-           spec: LoopSpec, q: jax.Array | None = None) -> DecodeState:
-    """Target forward over the block, acceptance (greedy or rejection sampling) + bonus, commit, drafter
-    context update (SPEC §3, §5)."""
+           spec: LoopSpec, q: jax.Array | None = None, window: Int[Array, "B"] | None = None) -> DecodeState:
+    """Target forward over the whole block, acceptance (greedy or rejection sampling) + bonus, commit, drafter
+    context update (SPEC §3, §5). ``window`` (cap-accept): commit at most that many drafts per row."""
     positions = block_positions(state, block.shape[1])
     hybrid = isinstance(target, HybridTargetModel)
     hidden, feats, tcache = target(block, positions, state.target_cache, capture=spec.capture, impl=spec.impl,
                                    **({"defer": True} if hybrid else {}))
     logits = target.logits(hidden)  # [B, L, V] float32
+    state, accepted, last, untrimmed = _accept(state, block, logits, None, spec, q, window)
+    if hybrid:  # linear states after the anchor and the accepted drafts (a row cut short by commit is done)
+        tcache = target.settle(tcache, accepted + 1)
+    return _commit_verified(drafter, state, block, positions, tcache, feats, accepted, last, untrimmed, window)
+
+
+def verify_compact(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, block: Int[Array, "B L"],
+                   spec: LoopSpec, q: jax.Array | None, window: Int[Array, "B"], tier: Int[Array, ""]
+                   ) -> DecodeState:
+    """Verify only each row's window (anchor + ``window`` drafts), packed end to end into the compiled tier
+    ``spec.tiers[tier]`` (a ``lax.switch``: every tier is compiled into this one program, chosen per step on
+    the device). Finished rows verify nothing. Commits what :func:`verify` with the same window commits."""
+    b, l = block.shape
+    lens = jnp.where(state.done, 0, window + 1)
+    positions = block_positions(state, l)
+
+    def run(size: int):
+        def branch(tcache):
+            layout = attention.PackedLayout.build(lens, state.anchor_pos, size, l)
+            hidden, feats, tcache = target(layout.pack(block)[None], layout.positions[None], tcache,
+                                           capture=spec.capture, impl=spec.impl, packed=layout)
+            logits = target.logits(hidden[0])  # [T, V]: the LM head only over the packed rows
+            scored = (layout.unpack(logits) if spec.sampling
+                      else layout.unpack(jnp.argmax(logits, axis=-1).astype(jnp.int32)))
+            return scored, (layout.unpack(feats[0]) if feats is not None else None), tcache
+        return branch
+
+    scored, feats, tcache = jax.lax.switch(tier, [run(t) for t in spec.tiers], state.target_cache)
+    logits, choice = (scored, None) if spec.sampling else (None, scored)
+    state, accepted, last, untrimmed = _accept(state, block, logits, choice, spec, q, window)
+    return _commit_verified(drafter, state, block, positions, tcache, feats, accepted, last, None, window)
+
+
+def _accept(state: DecodeState, block, logits, choice, spec: LoopSpec, q, window):
+    """(state with its PRNG keys advanced, accepted drafts a, bonus / replacement token, a without the
+    window). ``choice``: the target's argmax per slot when the logits were reduced already (greedy)."""
     if spec.sampling:
         rng, k_accept = _split_rows(state.rng)
         p = sampling.filtered_probs(logits, state.sampling, use_top_k=spec.top_k, use_top_p=spec.top_p)
-        accepted, last = sampling.accept_sampled(k_accept, block, p, q)
-        state = dataclasses.replace(state, rng=rng)
-    else:
-        accepted, last = sampling.accept_greedy(block, logits)
-    if hybrid:  # linear states after the anchor and the accepted drafts (a row cut short by commit is done)
-        tcache = target.settle(tcache, accepted + 1)
+        accepted, last, untrimmed = sampling.accept_sampled(k_accept, block, p, q, window)
+        return dataclasses.replace(state, rng=rng), accepted, last, untrimmed
+    if choice is None:
+        return state, *sampling.accept_greedy(block, logits, window)
+    return state, *sampling.accept_greedy_ids(block, choice, window)
+
+
+def _commit_verified(drafter, state: DecodeState, block, positions, tcache, feats, accepted, last, untrimmed,
+                     window) -> DecodeState:
+    """Drafter context from the verify's features, scheduler statistics, commit. ``untrimmed``: what the
+    row would have accepted without its window (None: not known, compact)."""
     dcache = state.draft_cache
     if drafter is not None and block.shape[1] > 1:
         # All L rows are written; those past the new anchor are masked by ctx_len and overwritten later.
         dcache = drafter.materialize(dcache, feats, positions)
     state = dataclasses.replace(state, target_cache=tcache, draft_cache=dcache)
+    if state.schedule is not None:
+        state = _record_schedule(state, accepted, untrimmed, window)
     return commit(state, sampling.committed_tokens(block, accepted, last), accepted + 1)
+
+
+def _record_schedule(state: DecodeState, accepted, untrimmed, window) -> DecodeState:
+    """Running acceptance counts and the per-row statistics. The counts see only the window (what compact
+    verified), in cap-accept too: both modes then schedule, and commit, the same."""
+    sch = state.schedule
+    active = ~state.done
+    counts = sch.counts.update(accepted, window, active) if sch.counts is not None else None
+    trimmed_off = sch.untrimmed if untrimmed is None else sch.untrimmed + jnp.where(active, untrimmed + 1, 0)
+    return dataclasses.replace(state, schedule=dataclasses.replace(
+        sch, counts=counts, verify_tokens=sch.verify_tokens + jnp.where(active, window + 1, 0),
+        untrimmed=trimmed_off))
 
 
 def cycle(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, spec: LoopSpec,
           mask_token_id: int) -> DecodeState:
-    """One draft → verify → accept → commit step for every row (finished rows commit nothing)."""
-    block, q, conf, state = propose(target, drafter, state, spec, mask_token_id)
-    if conf is not None and state.survival_sum is not None:
-        # Predicted survival of each draft (Π of the confidences up to it), summed over the row's cycles.
-        survival = jnp.cumprod(conf, axis=1)
-        state = dataclasses.replace(state, survival_sum=state.survival_sum + jnp.where(
-            state.done[:, None], 0.0, survival))
-    return shard_state(verify(target, drafter, state, block, spec, q), spec.plan)
+    """One draft → verify → accept → commit step for every row (finished rows commit nothing).
+
+    Scheduled modes pick each row's window from the drafts' survival: the confidences of a DSpark drafter
+    (known after drafting), else the running acceptance counts (known before: compact then drafts only the
+    windows)."""
+    if not spec.scheduled or drafter is None:
+        block, q, conf, state = propose(target, drafter, state, spec, mask_token_id)
+        state = _record_survival(state, conf)
+        return shard_state(verify(target, drafter, state, block, spec, q), spec.plan)
+    sch = state.schedule
+    compact = spec.verify_mode == "compact"
+    if sch.counts is not None:  # windows before drafting
+        state, window, tier = _schedule(state, sch.counts.conditional_rates(), spec)
+        block, q, conf, state = propose(target, drafter, state, spec, mask_token_id,
+                                        *((window, tier) if compact and not drafter.config.sequential else ()))
+    else:
+        block, q, conf, state = propose(target, drafter, state, spec, mask_token_id)
+        state, window, tier = _schedule(state, conf, spec)
+    state = _record_survival(state, conf)
+    if compact:
+        state = verify_compact(target, drafter, state, block, spec, q, window, tier)
+    else:
+        state = verify(target, drafter, state, block, spec, q, window)
+    return shard_state(state, spec.plan)
+
+
+def _schedule(state: DecodeState, rates: Float[Array, "B G"], spec: LoopSpec):
+    """(state, windows, tier) from per-draft acceptance rates; the step counted in the tier histogram."""
+    sch = state.schedule
+    window, tier = schedule.admit(schedule.survival(rates), ~state.done, sch.step_cost, tiers=spec.tiers)
+    steps = sch.tier_steps + jax.nn.one_hot(tier, len(spec.tiers), dtype=jnp.int32)[None, :]
+    return dataclasses.replace(state, schedule=dataclasses.replace(sch, tier_steps=steps)), window, tier
+
+
+def _record_survival(state: DecodeState, conf) -> DecodeState:
+    """Predicted survival of each draft (Π of the confidences up to it), summed over the row's cycles."""
+    if conf is None or state.survival_sum is None:
+        return state
+    return dataclasses.replace(state, survival_sum=state.survival_sum + jnp.where(
+        state.done[:, None], 0.0, jnp.cumprod(conf, axis=1)))
 
 
 def decode(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, spec: LoopSpec,
@@ -335,23 +459,27 @@ def unpack_inputs(ints: Int[Array, "N"], floats: jax.Array | None, spec: LoopSpe
                   num_stops: int) -> tuple:
     """The prefill's inputs from the host's two packed vectors (one host-to-device copy each): ``ints`` =
     prompt [B·P] | prompt_len [B] | max_new [B] | stop ids [Z] | seed; ``floats`` (sampling only) =
-    temperature [B] | top_k [B] | top_p [B]. Inverse of :func:`dflash_jax.generation.pack_inputs`."""
+    temperature [B] | top_k [B] | top_p [B], then (scheduled verify modes) the step cost per tier [K].
+    Inverse of :func:`dflash_jax.generation.pack_inputs`."""
     b, p, z = batch, prompt_len, num_stops
     cuts = np.cumsum([b * p, b, b, z])
     prompt, lens, max_new, stops, seed = jnp.split(ints, cuts)
-    sp = None
+    sp = cost = None
     if spec.sampling:
-        t, k, top_p = jnp.split(floats, 3)
+        t, k, top_p = floats[0:b], floats[b:2 * b], floats[2 * b:3 * b]
         sp = sampling.SamplingParams(t, k.astype(jnp.int32), top_p)
-    return (prompt.reshape(b, p), lens, max_new, stops, jax.lax.bitcast_convert_type(seed[0], jnp.uint32), sp)
+    if spec.scheduled:
+        cost = floats[floats.shape[0] - len(spec.tiers):]
+    return (prompt.reshape(b, p), lens, max_new, stops, jax.lax.bitcast_convert_type(seed[0], jnp.uint32), sp,
+            cost)
 
 
 def prefill_fn(graphdefs, params, ints, floats, *, spec: LoopSpec, capacity: int, batch: int, prompt_len: int,
                num_stops: int):
     """→ (state, its packed view)."""
     target, drafter = _merge(graphdefs, params)
-    prompt, lens, max_new, stops, seed, sp = unpack_inputs(ints, floats, spec, batch, prompt_len, num_stops)
-    state = prefill(target, drafter, prompt, lens, max_new, stops, spec, capacity, seed, sp)
+    prompt, lens, max_new, stops, seed, sp, cost = unpack_inputs(ints, floats, spec, batch, prompt_len, num_stops)
+    state = prefill(target, drafter, prompt, lens, max_new, stops, spec, capacity, seed, sp, cost)
     return state, DecodeView.pack(state)
 
 

@@ -68,19 +68,32 @@ def sample(key: jax.Array, probs: Float[Array, "*b V"]) -> Int[Array, "*b"]:
     return jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
 
 
-def accept_greedy(block: Int[Array, "B L"], logits: Float[Array, "B L V"]) -> tuple[jax.Array, jax.Array]:
-    """Greedy: a = leading drafts equal to the target's argmax one slot earlier; bonus = argmax at slot a."""
-    choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    matches = (block[:, 1:] == choice[:, :-1]).astype(jnp.int32)
-    a = jnp.cumprod(matches, axis=1).sum(axis=1)
-    return a, jnp.take_along_axis(choice, a[:, None], axis=1)[:, 0]
+def accept_greedy(block: Int[Array, "B L"], logits: Float[Array, "B L V"],
+                  window: Int[Array, "B"] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Greedy: see :func:`accept_greedy_ids` (``choice`` = the target's argmax)."""
+    return accept_greedy_ids(block, jnp.argmax(logits, axis=-1).astype(jnp.int32), window)
+
+
+def accept_greedy_ids(block: Int[Array, "B L"], choice: Int[Array, "B L"],
+                      window: Int[Array, "B"] | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """a = leading drafts equal to the target's choice one slot earlier, at most ``window`` (drafts verified
+    per row; default all L-1); bonus = the choice at slot a. Returns (a, bonus, a without the window)."""
+    matches = block[:, 1:] == choice[:, :-1]
+    untrimmed = jnp.cumprod(matches.astype(jnp.int32), axis=1).sum(axis=1)
+    a = untrimmed if window is None else jnp.minimum(untrimmed, window)
+    return a, jnp.take_along_axis(choice, a[:, None], axis=1)[:, 0], untrimmed
 
 
 def accept_sampled(keys: jax.Array, block: Int[Array, "B L"], p: Float[Array, "B L V"],
-                   q: Float[Array, "B L-1 V"] | None) -> tuple[jax.Array, jax.Array]:
+                   q: Float[Array, "B L-1 V"] | None, window: Int[Array, "B"] | None = None
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Speculative rejection sampling over a block. ``q`` None: argmax (point-mass) drafts.
 
-    ``keys``: one PRNG key per row. Returns (a, replacement-or-bonus token) per row.
+    ``keys``: one PRNG key per row. ``window``: drafts verified per row (default all L-1; ``p`` past slot
+    ``window`` is never read): a row that accepts its whole window draws its bonus from ``p`` at the window's
+    end, exactly as a block of that length would. The draws do not depend on the window, so windows that
+    verify more of the same block commit the same tokens up to where the shorter one stopped.
+    Returns (a, replacement-or-bonus token, a without the window) per row.
     """
     b, l, v = p.shape
     drafts = block[:, 1:]  # [B, L-1]
@@ -93,9 +106,11 @@ def accept_sampled(keys: jax.Array, block: Int[Array, "B L"], p: Float[Array, "B
         q_x = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
         ratio = jnp.where(q_x > 0, p_x / jnp.maximum(q_x, 1e-38), 1.0)
     ok: Bool[Array, "B L-1"] = u < ratio
-    a = jnp.cumprod(ok.astype(jnp.int32), axis=1).sum(axis=1)
+    untrimmed = jnp.cumprod(ok.astype(jnp.int32), axis=1).sum(axis=1)
+    w = jnp.full((b,), l - 1, jnp.int32) if window is None else window
+    a = jnp.minimum(untrimmed, w)
     p_a = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]  # target distribution at slot a
-    rejected = a < l - 1
+    rejected = a < w
     x_a = jnp.take_along_axis(drafts, jnp.minimum(a, l - 2)[:, None], axis=1)[:, 0]
     if q is None:
         residual = jnp.where(jax.nn.one_hot(x_a, v, dtype=bool), 0.0, p_a)
@@ -108,7 +123,7 @@ def accept_sampled(keys: jax.Array, block: Int[Array, "B L"], p: Float[Array, "B
     residual = jnp.where(total > 0, residual / jnp.maximum(total, 1e-38), p_a)
     dist = jnp.where(rejected[:, None], residual, p_a)
     token = jax.vmap(sample)(k_tok, dist)
-    return a, token
+    return a, token, untrimmed
 
 
 def committed_tokens(block: Int[Array, "B L"], a: Int[Array, "B"], last: Int[Array, "B"]) -> Int[Array, "B L"]:

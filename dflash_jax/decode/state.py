@@ -10,6 +10,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from dflash_jax.decode.sampling import SamplingParams
+from dflash_jax.decode.schedule import AcceptanceCounts
 from dflash_jax.sharding import Plan
 from dflash_jax.models.target import KVCache
 
@@ -28,6 +29,24 @@ class LoopSpec:
     top_p: bool = False  # some row uses top-p
     plan: Plan | None = None  # mesh placement of the state (None: one device)
     prefill_chunk: int | None = None  # longer prompts are prefilled this many positions at a time
+    verify_mode: str = "static"  # see dflash_jax.decode.schedule: "static", "compact" or "cap-accept"
+    tiers: tuple[int, ...] = ()  # compiled packed-verify sizes (scheduled modes; the last is B·L)
+
+    @property
+    def scheduled(self) -> bool:
+        return self.verify_mode != "static" and self.block_size > 1
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ScheduleState:
+    """The confidence scheduler's inputs and its statistics (scheduled verify modes only)."""
+
+    step_cost: Float[Array, "K"]  # seconds of a step at each tier (draft + verify), from the cost table
+    counts: AcceptanceCounts | None  # running acceptance counts (drafters without a confidence head)
+    verify_tokens: Int[Array, "B"]  # Σ over the row's active cycles of its verified tokens (window + anchor)
+    untrimmed: Int[Array, "B"]  # cap-accept: Σ of a + 1 had the whole block been committable
+    tier_steps: Int[Array, "B K"]  # steps run at each tier (the same in every row)
 
 
 @jax.tree_util.register_dataclass
@@ -54,33 +73,50 @@ class DecodeState:
     rng: jax.Array | None = None  # one PRNG key per row (sampling only)
     sampling: SamplingParams | None = None
     survival_sum: Float[Array, "B G"] | None = None  # DSpark: Σ over cycles of each draft's predicted survival
+    schedule: ScheduleState | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeView:
     """What the host reads of a state (numpy arrays). The programs return it packed into one int32 array
     beside the state (:meth:`pack`): one device-to-host copy per call or stream segment, and the state itself
-    can be donated to the next segment while the host reads the copy."""
+    can be donated to the next segment while the host reads the copy. Columns absent from a state (no
+    confidence head, static verify) come back with width 0."""
 
     tokens: np.ndarray  # [B, O]
     acc_lens: np.ndarray  # [B, C]
+    survival_sum: np.ndarray  # [B, G] float32 (G = 0 without a confidence head)
+    verify_tokens: np.ndarray  # [B, 1] (width 0 for static verify)
+    untrimmed: np.ndarray  # [B, 1] (width 0 for static verify)
+    tier_steps: np.ndarray  # [B, K] (K = 0 for static verify)
     num_new: np.ndarray  # [B]
     done: np.ndarray  # [B] bool
     num_cycles: np.ndarray  # [B]
-    survival_sum: np.ndarray  # [B, G] float32 (G = 0 without a confidence head)
 
     @staticmethod
-    def pack(state: DecodeState) -> Int[Array, "B O+C+G+3"]:
-        i32 = lambda x: x.astype(jnp.int32)[:, None]  # noqa: E731
-        survival = () if state.survival_sum is None else (
-            jax.lax.bitcast_convert_type(state.survival_sum, jnp.int32),)
-        return jnp.concatenate([state.tokens, state.acc_lens, *survival, i32(state.num_new), i32(state.done),
-                                i32(state.num_cycles)], axis=1)
+    def columns(state: DecodeState) -> list[jax.Array]:
+        i32 = lambda x: x.astype(jnp.int32).reshape(x.shape[0], -1)  # noqa: E731
+        empty = jnp.zeros((state.tokens.shape[0], 0), jnp.int32)
+        sch = state.schedule
+        return [state.tokens, state.acc_lens,
+                empty if state.survival_sum is None else jax.lax.bitcast_convert_type(state.survival_sum,
+                                                                                       jnp.int32),
+                empty if sch is None else i32(sch.verify_tokens), empty if sch is None else i32(sch.untrimmed),
+                empty if sch is None else sch.tier_steps,
+                i32(state.num_new), i32(state.done), i32(state.num_cycles)]
 
     @staticmethod
-    def unpack(packed: np.ndarray, token_capacity: int, survival_width: int = 0) -> "DecodeView":
-        """``token_capacity``: O, the tokens buffer's width; ``survival_width``: G (0 without survival)."""
-        o, g = token_capacity, survival_width
-        survival = packed[:, packed.shape[1] - 3 - g: packed.shape[1] - 3].view(np.float32)
-        return DecodeView(packed[:, :o], packed[:, o:packed.shape[1] - 3 - g], packed[:, -3],
-                          packed[:, -2].astype(bool), packed[:, -1], survival)
+    def widths(state: DecodeState) -> tuple[int, ...]:
+        """The column widths of :meth:`pack` (static; the host unpacks with them)."""
+        return tuple(c.shape[1] for c in jax.eval_shape(DecodeView.columns, state))
+
+    @staticmethod
+    def pack(state: DecodeState) -> Int[Array, "B W"]:
+        return jnp.concatenate(DecodeView.columns(state), axis=1)
+
+    @staticmethod
+    def unpack(packed: np.ndarray, widths: tuple[int, ...]) -> "DecodeView":
+        parts = np.split(packed, np.cumsum(widths)[:-1], axis=1)
+        tokens, acc_lens, survival, verify_tokens, untrimmed, tier_steps, num_new, done, cycles = parts
+        return DecodeView(tokens, acc_lens, survival.view(np.float32), verify_tokens, untrimmed, tier_steps,
+                          num_new[:, 0], done[:, 0].astype(bool), cycles[:, 0])

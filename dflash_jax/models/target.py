@@ -45,6 +45,14 @@ def write_rows(cache: Float[Array, "B S K H"], new: Float[Array, "B T K H"], sta
     return jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u.astype(c.dtype), (s, 0, 0)))(cache, new, start)
 
 
+def write_packed(cache: Float[Array, "B S K H"], new: Float[Array, "T K H"],
+                 packed: attention.PackedLayout) -> jax.Array:
+    """Write packed slots into their rows at their positions; padding slots are dropped (scattered out of
+    bounds)."""
+    pos = jnp.where(packed.valid, packed.positions, cache.shape[1])
+    return cache.at[packed.rows, pos].set(new.astype(cache.dtype), mode="drop")
+
+
 class Attention(nnx.Module):
     """``window``: keys older than ``window`` positions are masked (gpt-oss sliding layers); gpt-oss also adds
     per-head attention ``sinks`` to the softmax (see :func:`attention.cache_attention`)."""
@@ -73,10 +81,15 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def __call__(self, x, positions, cos, sin, k_cache, v_cache, *, prefill: bool, impl: str):
+    def __call__(self, x, positions, cos, sin, k_cache, v_cache, *, prefill: bool, impl: str,
+                 packed: attention.PackedLayout | None = None):
         q, k, v = self.project_qkv(x, cos, sin)
         extra = dict(sinks=None if self.sinks is None else self.sinks[...], window=self.window)
-        if prefill:
+        if packed is not None:  # x is [1, T, D]: verify windows packed end to end
+            k_cache = write_packed(k_cache, k[0], packed)
+            v_cache = write_packed(v_cache, v[0], packed)
+            out = attention.packed_cache_attention(q[0], k_cache, v_cache, packed, impl=impl, **extra)[None]
+        elif prefill:
             # Empty cache: attend over the prompt's own keys (slot j = position j), then store them. Prefill is
             # compute-bound and long: the reference, not the decode kernels.
             out = attention.cache_attention(q, k, v, positions, impl="xla", **extra)
@@ -107,9 +120,9 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, cos, sin, k_cache, v_cache, *, prefill: bool, impl: str):
+    def __call__(self, x, positions, cos, sin, k_cache, v_cache, *, prefill: bool, impl: str, packed=None):
         a, k_cache, v_cache = self.self_attn(self.input_layernorm(x), positions, cos, sin, k_cache, v_cache,
-                                             prefill=prefill, impl=impl)
+                                             prefill=prefill, impl=impl, packed=packed)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
 
@@ -153,11 +166,13 @@ class TargetModel(nnx.Module):
         capture: tuple[int, ...] = (),
         prefill: bool = False,
         impl: str = "xla",
+        packed: attention.PackedLayout | None = None,
     ) -> tuple[Float[Array, "B T D"], Float[Array, "B T F"] | None, KVCache]:
         """Run ``tokens`` at ``positions`` (consecutive per row), writing their K/V into ``cache``.
 
         ``prefill=True`` means the cache is empty and positions are ``0..T-1``; then ``cache`` may be ``None``
-        (no K/V are kept). Returns the final-normed
+        (no K/V are kept). ``packed``: the compact verify's windows packed end to end — then ``tokens`` and
+        ``positions`` are ``[1, T]`` (``packed.pack`` of the block and its positions). Returns the final-normed
         hidden states, the concatenated outputs of the ``capture`` layers (HF ``hidden_states[l+1]``; for the
         last layer HF reports it after the final norm, and so do we) and the updated cache.
         """
@@ -169,7 +184,8 @@ class TargetModel(nnx.Module):
         ks, vs = (list(cache.k), list(cache.v)) if cache is not None else ([None] * n, [None] * n)
         captured = {}
         for i, layer in enumerate(self.layers):
-            x, ks[i], vs[i] = layer(x, positions, cos, sin, ks[i], vs[i], prefill=prefill, impl=impl)
+            x, ks[i], vs[i] = layer(x, positions, cos, sin, ks[i], vs[i], prefill=prefill, impl=impl,
+                                    packed=packed)
             if i in capture and i != n - 1:
                 captured[i] = x
         h = self.norm(x)

@@ -1,0 +1,220 @@
+"""Step cost tables for the confidence scheduler (:mod:`dflash_jax.decode.schedule`).
+
+A table holds, for a (target, drafter) pair on one machine, the time of one decode step — draft, compact
+verify, accept, commit — at each packed-verify tier: ``step_ms[batch][tokens per row]``, where a tier of
+``batch`` rows verifies ``batch × tokens per row`` tokens (:func:`schedule.tiers_for`). ``dflash-jax
+calibrate --config <pair>`` measures it (:func:`measure`) and writes ``<pair>.costs.json`` next to the pair's
+YAML, one table per backend; :func:`dflash_jax.load_pair` picks up the one for this backend. Without one,
+the table shipped for the backend (``dflash_jax/assets/costs/<backend>.json``, the embedded pair measured on
+our machines) is used: the scheduler only compares costs of one batch shape, so a table's shape matters more
+than its absolute figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("dflash_jax")
+SHIPPED = Path(__file__).parent / "assets" / "costs"
+
+
+class CostTableError(ValueError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+    backend: str  # "cpu", "gpu", "tpu"
+    device: str  # e.g. "NVIDIA H200"
+    dtype: str
+    pair: str
+    block_size: int  # L the tiers were measured for
+    context: int  # cache length the steps attended over
+    step_ms: dict[int, dict[int, float]]  # batch → tokens per row → ms per step
+    created: str = ""  # date, commit
+
+    def step_costs(self, batch: int, tiers: tuple[int, ...]) -> np.ndarray:
+        """Milliseconds of a step at each tier of ``batch`` rows: interpolated in tokens per row, and in
+        log₂ batch between measured batches (beyond the largest, scaled with the batch)."""
+        batches = sorted(self.step_ms)
+        per_row = np.asarray(tiers, np.float64) / batch
+
+        def at(b: int) -> np.ndarray:
+            row = self.step_ms[b]
+            xs = sorted(row)
+            return np.interp(per_row, xs, [row[x] for x in xs])
+
+        if batch >= batches[-1]:
+            return at(batches[-1]) * batch / batches[-1]
+        if batch <= batches[0]:
+            return at(batches[0])
+        hi = next(i for i, b in enumerate(batches) if b >= batch)
+        lo_b, hi_b = batches[hi - 1], batches[hi]
+        f = (np.log2(batch) - np.log2(lo_b)) / (np.log2(hi_b) - np.log2(lo_b))
+        return (1 - f) * at(lo_b) + f * at(hi_b)
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["step_ms"] = {str(b): {str(t): round(ms, 4) for t, ms in row.items()} for b, row in self.step_ms.items()}
+        return d
+
+    @staticmethod
+    def from_json(d: Any, where: str) -> "CostTable":
+        try:
+            step = {int(b): {int(t): float(ms) for t, ms in row.items()} for b, row in d["step_ms"].items()}
+            table = CostTable(str(d["backend"]), str(d.get("device", "")), str(d.get("dtype", "")),
+                              str(d.get("pair", "")), int(d["block_size"]), int(d.get("context", 0)), step,
+                              str(d.get("created", "")))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CostTableError(f"{where}: not a cost table ({type(e).__name__}: {e})") from None
+        if not step or any(not row or min(row.values()) <= 0 for row in step.values()):
+            raise CostTableError(f"{where}: a cost table needs positive step times for at least one batch")
+        return table
+
+
+def tables_path(pair_yaml: str | Path) -> Path:
+    """``configs/<pair>.yaml`` → ``configs/<pair>.costs.json``."""
+    p = Path(pair_yaml)
+    return p.with_name(p.stem + ".costs.json")
+
+
+def load_tables(path: str | Path) -> dict[str, CostTable]:
+    """backend → table, from a costs file (missing file: empty)."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CostTableError(f"{path}: invalid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise CostTableError(f"{path}: expected a mapping of backend → table")
+    return {backend: CostTable.from_json(t, f"{path} [{backend}]") for backend, t in raw.items()}
+
+
+def save_table(path: str | Path, table: CostTable) -> None:
+    """Add (or replace) ``table``'s backend in the costs file ``path``."""
+    path = Path(path)
+    tables = {k: v.to_json() for k, v in load_tables(path).items()}
+    tables[table.backend] = table.to_json()
+    path.write_text(json.dumps(tables, indent=1) + "\n")
+
+
+def shipped_table(backend: str) -> CostTable:
+    """The table shipped for ``backend`` (a GPU's for a backend we have none for)."""
+    for name in (backend, "gpu"):
+        tables = load_tables(SHIPPED / f"{name}.json")
+        if tables:
+            if name != backend:
+                log.info("no step cost table is shipped for the %s backend: using the GPU's", backend)
+            return next(iter(tables.values()))
+    raise CostTableError(f"no shipped cost table in {SHIPPED}")
+
+
+def resolve(table: "CostTable | str | Path | None", backend: str, attached: dict | None = None) -> CostTable:
+    """The table to schedule with: the one given (or read from a costs file), else the pair's for this backend
+    (``attached``: what :func:`dflash_jax.load_pair` found next to the pair), else the shipped one."""
+    if isinstance(table, CostTable):
+        return table
+    if table is not None:
+        tables = load_tables(table)
+        if not tables:
+            raise CostTableError(f"cost table {table} does not exist")
+        if backend not in tables:
+            raise CostTableError(f"{table} has no table for the {backend} backend (it has {sorted(tables)}): run "
+                                 f"`dflash-jax calibrate` on this machine")
+        return tables[backend]
+    if attached and backend in attached:
+        return attached[backend]
+    return shipped_table(backend)
+
+
+# --------------------------------------------------------------------------------------------------
+# Measuring
+# --------------------------------------------------------------------------------------------------
+
+def measure(target, drafter, *, batches=(1, 4, 16, 32, 64, 128), block_size: int | None = None,
+            context: int = 256, repeats: int = 20, pair: str = "", progress=None) -> CostTable:
+    """Time one compact step (draft + packed verify of ``per_row`` tokens per row + accept + commit) at every
+    tier of every batch, the rows' caches holding ``context`` tokens. One program per batch (the tier is a
+    runtime argument, as in the decode loop); ``repeats`` timed runs per tier after one warm-up, the median
+    kept. ``progress``: called with a line per batch."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax import generation
+    from dflash_jax.decode import loop, schedule
+
+    target, drafter, block = generation.speculative_settings(target, drafter, block_size)
+    rng = np.random.default_rng(0)
+    step_ms: dict[int, dict[int, float]] = {}
+    for b in batches:
+        tiers = schedule.tiers_for(b, block)
+        ids = rng.integers(0, target.config.vocab_size, (b, context)).tolist()
+        job = generation.prepare(target, drafter, ids, max_new_tokens=4 * block,
+                                 block_size=block, stop_token_ids=[], verify_mode="compact",
+                                 cost_table=CostTable("", "", "", "", block, 0, {1: {1: 1.0}}))  # unused here
+        state, _ = job.programs.prefill(*job.pre_args)
+        graphdefs = (job.target.split().static, job.drafter.split().static)
+        spec = job.spec
+
+        def step(params, state, tier, spec=spec, tiers=tiers):
+            t, d = loop._merge(graphdefs, params)
+            block_tokens, q, _, state = loop.propose(t, d, state, spec, d.config.mask_token_id)
+            sizes = jnp.asarray(tiers, jnp.int32) // b - 1
+            window = jnp.full((b,), sizes[tier], jnp.int32)
+            out = loop.verify_compact(t, d, state, block_tokens, spec, q, window, tier)
+            return out.anchor  # the committed tokens' last: depends on the whole step
+
+        fn = jax.jit(step).lower(job.params, state, np.int32(0)).compile()
+        row = {}
+        for i, size in enumerate(tiers):
+            fn(job.params, state, np.int32(i)).block_until_ready()
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn(job.params, state, np.int32(i)).block_until_ready()
+                times.append(time.perf_counter() - t0)
+            row[size // b] = float(np.median(times) * 1e3)
+        step_ms[b] = row
+        if progress:
+            progress(f"batch {b:4d}: " + "  ".join(f"{n}/row {ms:.2f} ms" for n, ms in row.items()))
+    device = jax.devices()[0]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
+    return CostTable(jax.default_backend(), getattr(device, "device_kind", str(device)),
+                     str(target.model.dtype), pair or target.name, block, context, step_ms,
+                     f"{datetime.date.today().isoformat()} {commit}".strip())
+
+
+def plot(table: CostTable, path: str | Path) -> Path:
+    """Step time against verify tokens, one line per batch (and the ideal: flat until compute-bound)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for b, row in sorted(table.step_ms.items()):
+        xs = sorted(row)
+        ax.plot([b * x for x in xs], [row[x] for x in xs], marker="o", label=f"batch {b}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("verify tokens in the step (batch × tokens per row)")
+    ax.set_ylabel("step time (ms): draft + verify + commit")
+    ax.set_title(f"{table.pair} on {table.device} ({table.dtype}, context {table.context})", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)

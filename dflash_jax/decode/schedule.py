@@ -1,0 +1,113 @@
+"""The confidence scheduler (SPEC §7, seed 002): how many drafts each row verifies this step.
+
+Every step, for each active row ``r`` and draft ``j`` (0-based, G = L − 1 drafts), the *survival*
+``a[r, j]`` is the probability that drafts ``0 … j`` are all accepted: the product of the row's per-draft
+acceptance probabilities — a DSpark drafter's calibrated confidences, or (drafters without a confidence head)
+running acceptance counts kept on the device (:class:`AcceptanceCounts`). Verifying draft ``j`` adds
+``a[r, j]`` expected committed tokens and one verify token. The step's cost is a function of its total verify
+tokens ``T``: the packed verify runs at the smallest compiled *tier* ``≥ T`` (tiers are a few fixed token
+counts), so ``cost(T) = step_cost[tier(T)]`` (draft + verify time, from a measured cost table,
+:mod:`dflash_jax.costs`). The scheduler admits drafts across the batch in descending survival and keeps the
+count ``k`` that maximises expected committed tokens per second,
+
+    (n_active + Σ of the k best survivals) / step_cost[tier(n_active + k)].
+
+Survival falls along each row, so the k best are always a prefix of each row's block (ties go to the lower
+draft index): the result is a window per row, which may be empty (the step then commits the bonus only). For
+any total ``k`` the k best survivals are the most expected tokens that ``k`` drafts can buy, so the maximum
+over ``k`` is the best window assignment there is (tests/test_schedule.py checks it against brute force).
+
+Shapes: B rows, G drafts per block (L = G + 1 verify tokens), K tiers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+VERIFY_MODES = ("static", "compact", "cap-accept")
+# Running acceptance counts start from this prior per draft position (a Beta(PRIOR_ACCEPT, PRIOR_REJECT), mean
+# 0.8): optimistic on purpose — compact mode never sees past a window, so a pessimistic estimate for a position
+# would never be corrected, while an optimistic one is verified and corrected; a few cycles outweigh it.
+PRIOR_ACCEPT, PRIOR_REJECT = 4.0, 1.0
+# A row's own counts are pooled with the batch's (weight POOL in pseudo-observations): the batch's rates
+# steer a row early on and whenever its window has stopped short of a position for a while.
+POOL = 4.0
+
+
+def check_verify_mode(mode: str) -> str:
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"verify_mode must be one of {', '.join(map(repr, VERIFY_MODES))}, got {mode!r}")
+    return mode
+
+
+def tiers_for(batch: int, block_size: int) -> tuple[int, ...]:
+    """The compiled packed-verify sizes for ``batch`` rows of ``block_size`` (= L) tokens: 1, 2, 4, 8 … tokens
+    per row, and the whole block (L per row). Five or fewer programs inside one step, the largest the
+    static verify's size, so the whole block always fits."""
+    per_row = [1]
+    while per_row[-1] * 2 < block_size:
+        per_row.append(per_row[-1] * 2)
+    per_row.append(block_size)
+    return tuple(batch * n for n in per_row)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AcceptanceCounts:
+    """Per row and draft position, how often the draft was verified with every draft before it accepted
+    (``reached``) and how often it was then accepted (``accepted``). Only positions that were verified count:
+    compact mode never sees past a row's window."""
+
+    reached: Float[Array, "B G"]
+    accepted: Float[Array, "B G"]
+
+    @staticmethod
+    def zeros(batch: int, drafts: int) -> "AcceptanceCounts":
+        z = jnp.zeros((batch, drafts), jnp.float32)
+        return AcceptanceCounts(z, z)
+
+    def update(self, accepted: Int[Array, "B"], verified: Int[Array, "B"], active: Bool[Array, "B"]):
+        """One cycle per active row: ``accepted`` leading drafts accepted out of ``verified`` verified ones."""
+        j = jnp.arange(self.reached.shape[1])[None, :]
+        reached = (j <= accepted[:, None]) & (j < verified[:, None]) & active[:, None]
+        passed = (j < accepted[:, None]) & active[:, None]
+        return AcceptanceCounts(self.reached + reached, self.accepted + passed)
+
+    def conditional_rates(self) -> Float[Array, "B G"]:
+        """P(draft j accepted | drafts before it accepted), per row: the row's counts pooled with the batch's
+        (which start from the Beta prior)."""
+        pooled = (self.accepted.sum(0) + PRIOR_ACCEPT) / (self.reached.sum(0) + PRIOR_ACCEPT + PRIOR_REJECT)
+        return (self.accepted + POOL * pooled[None, :]) / (self.reached + POOL)
+
+
+def survival(conditional: Float[Array, "B G"]) -> Float[Array, "B G"]:
+    """a[r, j] = Π_{i ≤ j} c[r, i]."""
+    return jnp.cumprod(jnp.clip(conditional.astype(jnp.float32), 0.0, 1.0), axis=1)
+
+
+def tier_index(tokens: Int[Array, "*n"], tiers: tuple[int, ...]) -> Int[Array, "*n"]:
+    """The smallest tier holding ``tokens`` (the largest if none does)."""
+    return jnp.minimum(jnp.searchsorted(jnp.asarray(tiers, jnp.int32), tokens, side="left"), len(tiers) - 1)
+
+
+def admit(surv: Float[Array, "B G"], active: Bool[Array, "B"], step_cost: Float[Array, "K"], *,
+          tiers: tuple[int, ...]) -> tuple[Int[Array, "B"], Int[Array, ""]]:
+    """Windows (drafts to verify per row; 0 for inactive rows) and the tier index of the step."""
+    b, g = surv.shape
+    n_active = active.sum().astype(jnp.int32)
+    flat = jnp.where(active[:, None], surv, -1.0).reshape(-1)  # inactive rows sort last, never admitted
+    order = jnp.argsort(-flat, stable=True)  # row-major index: equal survivals keep draft order within a row
+    best = flat[order]
+    k = jnp.arange(b * g + 1, dtype=jnp.int32)
+    gain = n_active + jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.maximum(best, 0.0))])
+    cost = step_cost[tier_index(n_active + k, tiers)]
+    rate = jnp.where(k <= n_active * g, gain / cost, -jnp.inf)
+    chosen = jnp.argmax(rate).astype(jnp.int32)
+    admitted = jnp.zeros((b * g,), bool).at[order].set(k[:-1] < chosen)
+    windows = admitted.reshape(b, g).sum(1).astype(jnp.int32)
+    return windows, tier_index(n_active + chosen, tiers)
+

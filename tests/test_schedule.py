@@ -1,0 +1,265 @@
+"""The confidence scheduler and the verify modes (static / compact / cap-accept): the admission rule against a
+brute-force search, ragged packing, identical commits of compact and cap-accept, losslessness in every mode,
+one program whatever tier a step picks, cost tables."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import fast_jit, oracle_drafter, random_prompts, tiny_target
+from test_sampling import V, chi2_pvalue, draw, exact_distribution, logits, pair  # noqa: F401 (fixtures)
+from dflash_jax import costs, generate, generation, random_drafter, speculative_generate
+from dflash_jax.attention import PackedLayout, cache_attention, packed_cache_attention
+from dflash_jax.costs import CostTable
+from dflash_jax.decode import schedule
+from dflash_jax.models.target import write_packed
+
+MODES = ("static", "compact", "cap-accept")
+
+
+# --------------------------------------------------------------------------------------------------
+# Admission
+# --------------------------------------------------------------------------------------------------
+
+def brute_force_best(surv: np.ndarray, active: np.ndarray, tiers: tuple[int, ...], step_cost: np.ndarray) -> float:
+    """The best expected tokens per unit of cost over every window assignment (exponential in the batch)."""
+    rows = [r for r in range(surv.shape[0]) if active[r]]
+    best = -np.inf
+    for windows in itertools.product(range(surv.shape[1] + 1), repeat=len(rows)):
+        gain = len(rows) + sum(float(surv[r, :w].sum()) for r, w in zip(rows, windows))
+        tier = min(int(np.searchsorted(tiers, len(rows) + sum(windows))), len(tiers) - 1)
+        best = max(best, gain / float(step_cost[tier]))
+    return best
+
+
+def rate_of(windows: np.ndarray, surv: np.ndarray, active: np.ndarray, tiers, step_cost) -> float:
+    gain = active.sum() + sum(float(surv[r, :w].sum()) for r, w in enumerate(windows))
+    tokens = active.sum() + windows.sum()
+    return gain / float(step_cost[min(int(np.searchsorted(tiers, tokens)), len(tiers) - 1)])
+
+
+@pytest.mark.parametrize("b,g", [(1, 3), (2, 3), (3, 2), (3, 3)])
+def test_admission_is_the_best_window_assignment(b, g):
+    tiers = schedule.tiers_for(b, g + 1)
+    admit = fast_jit(schedule.admit, tiers=tiers)
+    rng = np.random.default_rng(b * 10 + g)
+    for case in range(25):
+        conf = rng.uniform(0.05, 1.0, (b, g)) ** rng.uniform(0.2, 3)
+        if case % 5 == 0:
+            conf[:, 1:] = conf[:, :1]  # ties along a row
+        surv = np.cumprod(conf, axis=1).astype(np.float32)
+        active = rng.random(b) < 0.8
+        active[rng.integers(b)] = True
+        # Costs rising with the tier: from flat (verify is free) to proportional (verify is everything).
+        step_cost = np.cumsum(rng.uniform(0.0, 1.0, len(tiers)) * rng.uniform(0, 2)) + 1.0
+        windows, tier = admit(jnp.asarray(surv), jnp.asarray(active), jnp.asarray(step_cost, jnp.float32))
+        windows = np.asarray(windows)
+        assert (windows[~active] == 0).all() and (0 <= windows).all() and (windows <= g).all()
+        assert int(tier) == min(int(np.searchsorted(tiers, active.sum() + windows.sum())), len(tiers) - 1)
+        want = brute_force_best(surv, active, tiers, step_cost)
+        assert rate_of(windows, surv, active, tiers, step_cost) == pytest.approx(want, rel=1e-5), (case, windows)
+
+
+def test_admission_extremes():
+    tiers = schedule.tiers_for(2, 4)  # (2, 4, 8)
+    admit = fast_jit(schedule.admit, tiers=tiers)
+    surv = jnp.asarray([[0.9, 0.8, 0.7], [0.01, 0.001, 0.0001]], jnp.float32)
+    both = jnp.asarray([True, True])
+    w, _ = admit(surv, both, jnp.asarray([1.0, 1.0, 1.0]))  # verifying is free: everything
+    assert w.tolist() == [3, 3]
+    w, _ = admit(surv, both, jnp.asarray([1.0, 2.0, 4.0]))  # every token costs a step: nothing pays
+    assert w.tolist() == [0, 0]
+    w, _ = admit(surv, both, jnp.asarray([1.0, 1.2, 2.0]))  # the sure row keeps its drafts, the hopeless loses them
+    assert w.tolist()[1] <= 1 and w.tolist()[0] >= 2
+
+
+def test_acceptance_counts_pool_rows_and_see_only_the_window():
+    counts = schedule.AcceptanceCounts.zeros(2, 3)
+    prior = schedule.PRIOR_ACCEPT / (schedule.PRIOR_ACCEPT + schedule.PRIOR_REJECT)
+    assert np.allclose(counts.conditional_rates(), prior)
+    # Row 0 verified 3 drafts and accepted 1 (draft 0 passed, draft 1 failed, draft 2 unseen); row 1 is done.
+    counts = counts.update(jnp.asarray([1, 2]), jnp.asarray([3, 3]), jnp.asarray([True, False]))
+    assert counts.reached.tolist() == [[1, 1, 0], [0, 0, 0]]
+    assert counts.accepted.tolist() == [[1, 0, 0], [0, 0, 0]]
+    rates = np.asarray(counts.conditional_rates())
+    assert rates[0, 0] > prior > rates[0, 1] and rates[0, 2] == pytest.approx(prior)
+    assert rates[1, 0] > prior > rates[1, 1]  # the batch's evidence reaches the row that saw nothing
+
+
+# --------------------------------------------------------------------------------------------------
+# Ragged packing
+# --------------------------------------------------------------------------------------------------
+
+def _cache(rng, b=3, s=24, k=2, h=16):
+    return (jnp.asarray(rng.normal(size=(b, s, k, h)), jnp.float32), jnp.asarray(rng.normal(size=(b, s, k, h)),
+                                                                                   jnp.float32))
+
+
+def test_packed_layout_round_trip_and_writes():
+    lens = jnp.asarray([2, 0, 4], jnp.int32)
+    anchor = jnp.asarray([5, 9, 3], jnp.int32)
+    layout = PackedLayout.build(lens, anchor, 8, 4)
+    assert layout.cu_q_lens.tolist() == [0, 2, 2, 6]
+    assert layout.rows[:6].tolist() == [0, 0, 2, 2, 2, 2] and layout.valid.tolist() == [True] * 6 + [False] * 2
+    assert layout.positions[:6].tolist() == [5, 6, 3, 4, 5, 6]
+    block = jnp.arange(12).reshape(3, 4)
+    back = layout.unpack(layout.pack(block))
+    assert back.tolist() == [[0, 1, 0, 0], [0, 0, 0, 0], [8, 9, 10, 11]]
+    # K/V writes land at (row, position); padding slots are dropped.
+    cache = jnp.zeros((3, 12, 1, 1))
+    new = jnp.arange(1, 9, dtype=jnp.float32).reshape(8, 1, 1)
+    out = np.asarray(write_packed(cache, new, layout))[..., 0, 0]
+    assert out[0, 5:7].tolist() == [1, 2] and out[2, 3:7].tolist() == [3, 4, 5, 6]
+    assert out.sum() == sum(range(1, 7))  # nothing else written (slots 7, 8 were padding)
+
+
+@pytest.mark.parametrize("impl", ["xla", "cuda"])
+def test_packed_attention_sees_only_its_own_row(impl):
+    """Each slot attends to its own row's cache up to its position; other rows' caches and NaN in the padding
+    slots change nothing."""
+    rng = np.random.default_rng(0)
+    k, v = _cache(rng)
+    lens, anchor = jnp.asarray([3, 0, 4], jnp.int32), jnp.asarray([6, 10, 2], jnp.int32)
+    layout = PackedLayout.build(lens, anchor, 10, 4)
+    q = jnp.asarray(rng.normal(size=(10, 4, 16)), jnp.float32)
+    q = jnp.where(layout.valid[:, None, None], q, jnp.nan)  # poisoned padding
+    run = fast_jit(lambda q, k, v, layout: packed_cache_attention(q, k, v, layout, impl=impl))
+    out = np.asarray(run(q, k, v, layout))
+    assert np.isfinite(out[:7]).all()
+    for r, start in ((0, 0), (2, 3)):
+        n = int(lens[r])
+        pos = anchor[r] + jnp.arange(n)
+        want = cache_attention(q[start:start + n][None], k[r:r + 1], v[r:r + 1], pos[None])[0]
+        np.testing.assert_allclose(out[start:start + n], want, rtol=2e-5, atol=2e-5)
+    # Other rows' caches (and row 0's entries past its window) do not matter.
+    k2 = k.at[1].set(1e4).at[2].set(-1e4).at[0, 9:].set(7.0)
+    out2 = np.asarray(run(q, k2, v.at[1].set(3.0), layout))
+    np.testing.assert_allclose(out2[:3], out[:3], rtol=1e-6)
+
+
+# --------------------------------------------------------------------------------------------------
+# Verify modes in the decode loop
+# --------------------------------------------------------------------------------------------------
+
+PROMPTS = random_prompts(4, [5, 9, 14, 7], 64, seed=7)
+MAX_NEW = 28
+# Step cost per tokens-per-row: a machine where verifying gets dearer, so windows vary.
+TABLE = CostTable("cpu", "test", "float32", "tiny", 8, 32, {4: {1: 1.0, 2: 1.25, 4: 1.8, 8: 3.2}})
+FLAT = CostTable("cpu", "test", "float32", "tiny", 8, 32, {4: {1: 1.0, 8: 1.01}})  # verifying is ~free
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target("qwen3", seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return generate(target, PROMPTS, MAX_NEW, stop_token_ids=[])
+
+
+@pytest.fixture(scope="module")
+def oracle(target, reference):
+    """Right ~80 % of the time: acceptance lengths over the whole range (count-based survival)."""
+    return oracle_drafter(target, PROMPTS, reference.token_ids, block_size=8, corrupt=0.2, seed=1)
+
+
+@pytest.fixture(scope="module")
+def runs(target, oracle):
+    return {mode: speculative_generate(target, oracle, PROMPTS, MAX_NEW, stop_token_ids=[], verify_mode=mode,
+                                       cost_table=TABLE) for mode in MODES}
+
+
+def test_every_mode_is_lossless_and_compact_commits_what_cap_accept_commits(runs, reference):
+    for mode, out in runs.items():
+        assert out.token_ids == reference.token_ids, mode
+        assert out.stats["verify_mode"] == mode
+    compact, cap = runs["compact"], runs["cap-accept"]
+    assert compact.acceptance_lengths == cap.acceptance_lengths
+    assert compact.stats["tier_steps"] == cap.stats["tier_steps"] and len(compact.stats["tier_steps"]) >= 2
+    assert compact.stats["verify_tokens"] < runs["static"].stats["verify_tokens"]
+    assert 1 <= compact.stats["mean_window"] < 8
+    assert 0 < cap.stats["utilization"] < 1  # trimming gave something up on this drafter
+    # Tokens per verified token: what the scheduler buys.
+    per_token = {m: o.stats["new_tokens"] / o.stats["verify_tokens"] for m, o in runs.items()}
+    assert per_token["compact"] > per_token["static"]
+
+
+def test_the_tier_is_chosen_on_the_device_without_recompiling(target, oracle, runs):
+    before = generation.compile_count()
+    flat = speculative_generate(target, oracle, PROMPTS, MAX_NEW, stop_token_ids=[], verify_mode="compact",
+                                cost_table=FLAT)
+    assert generation.compile_count() == before  # another cost table: the same program
+    assert flat.stats["tier_steps"] != runs["compact"].stats["tier_steps"]
+    assert max(flat.stats["tier_steps"]) == 4 * 8  # verifying is free: whole blocks
+    assert flat.acceptance_lengths == runs["static"].acceptance_lengths
+
+
+def test_dspark_confidences_schedule_compact_and_cap_accept_alike(target, reference):
+    dspark = random_drafter(target, kind="dspark", block_size=5, num_layers=1, markov_rank=8, seed=4)
+    outs = [speculative_generate(target, dspark, PROMPTS, MAX_NEW, stop_token_ids=[], verify_mode=m,
+                                 cost_table=TABLE) for m in ("compact", "cap-accept")]
+    for out in outs:
+        assert out.token_ids == reference.token_ids
+    assert outs[0].acceptance_lengths == outs[1].acceptance_lengths
+    assert outs[0].stats["tier_steps"] == outs[1].stats["tier_steps"]
+
+
+def test_sampled_compact_matches_target_distribution(pair, logits):
+    """Rejection sampling over a window: the bonus at a window's end is drawn from p there (χ²), and cap-accept
+    draws the same tokens with the same seed."""
+    target, drafter = pair
+    probs = exact_distribution(logits, 1.0, 0, 1.0)
+    table = CostTable("cpu", "test", "float32", "tiny", 4, 8, {1: {1: 1.0, 2: 1.1, 4: 1.6}})
+    samples, out = draw(lambda *a, **k: speculative_generate(target, drafter, *a, **k), with_output=True,
+                        temperature=1.0, seed=3, verify_mode="compact", cost_table=table)
+    assert chi2_pvalue(samples, probs) > 1e-3
+    assert len(out.stats["tier_steps"]) >= 2
+    cap = draw(lambda *a, **k: speculative_generate(target, drafter, *a, **k), temperature=1.0, seed=3,
+               verify_mode="cap-accept", cost_table=table)
+    assert (cap == samples).all()
+
+
+def test_verify_mode_errors(target, oracle):
+    with pytest.raises(ValueError, match="verify_mode must be one of .*got 'fast'"):
+        speculative_generate(target, oracle, PROMPTS, 4, verify_mode="fast")
+    with pytest.raises(costs.CostTableError, match="does not exist"):
+        speculative_generate(target, oracle, PROMPTS, 4, verify_mode="compact", cost_table="/nonexistent.json")
+
+
+# --------------------------------------------------------------------------------------------------
+# Cost tables
+# --------------------------------------------------------------------------------------------------
+
+def test_cost_table_interpolation_and_files(tmp_path):
+    table = CostTable("cpu", "x", "float32", "p", 16, 64, {1: {1: 1.0, 16: 4.0}, 4: {1: 2.0, 16: 10.0}})
+    assert table.step_costs(1, (1, 16)).tolist() == [1.0, 4.0]
+    assert table.step_costs(2, (2, 32)).tolist() == pytest.approx([1.5, 7.0])  # halfway in log₂ batch
+    assert table.step_costs(8, (8, 128)).tolist() == pytest.approx([4.0, 20.0])  # beyond: scaled with the batch
+    assert table.step_costs(1, (1, 2, 4)).tolist() == pytest.approx([1.0, 1.2, 1.6])  # tokens per row
+    path = tmp_path / "pair.costs.json"
+    costs.save_table(path, table)
+    costs.save_table(path, CostTable("gpu", "H200", "bfloat16", "p", 16, 64, {1: {1: 0.5, 16: 0.6}}))
+    tables = costs.load_tables(path)
+    assert sorted(tables) == ["cpu", "gpu"] and tables["cpu"] == table
+    assert costs.resolve(str(path), "gpu").device == "H200"
+    with pytest.raises(costs.CostTableError, match="no table for the tpu backend"):
+        costs.resolve(str(path), "tpu")
+    path.write_text(json.dumps({"cpu": {"backend": "cpu", "block_size": 16, "step_ms": {"1": {"1": -1}}}}))
+    with pytest.raises(costs.CostTableError, match="positive step times"):
+        costs.load_tables(path)
+    assert costs.shipped_table("cpu").backend == "cpu"  # the shipped default
+
+
+def test_measure_and_plot(target, tmp_path):
+    drafter = random_drafter(target, block_size=8, num_layers=1, seed=2)
+    table = costs.measure(target, drafter, batches=(1, 2), context=16, repeats=2, pair="tiny")
+    assert sorted(table.step_ms) == [1, 2] and sorted(table.step_ms[1]) == [1, 2, 4, 8]
+    assert all(ms > 0 for row in table.step_ms.values() for ms in row.values())
+    assert costs.plot(table, tmp_path / "costs.png").stat().st_size > 1000
