@@ -1,0 +1,220 @@
+"""Verify modes across batch sizes: autoregressive vs static vs compact (confidence scheduler), and a mixed batch.
+
+* ``--calibrate``: first measure the step cost table for this machine (:func:`dflash_jax.costs.measure`) and
+  schedule with it (written to ``--out`` beside the results); otherwise the pair's / the shipped table is used.
+* Sweep: for each batch size, the evaluation prompts (HumanEval + MT-Bench first turns, token ids made here by
+  ``--make-prompts``) in consecutive batches of that size, one call per batch, each mode on the same batches
+  after an untimed compile call. Per mode: tokens/s over the whole run (prefill + decode, host included), the
+  mean per-row latency per token (a batch's wall time ÷ its mean answer length: what one user waits per token),
+  τ, verified tokens per committed token, the tier histogram. Drawn as a throughput–latency spectrum.
+* Mixed batch: code, chat and poetry prompts in one batch, cap-accept (whose commits equal compact's): mean
+  window and utilisation (committed ÷ what the whole block would have committed) per kind.
+
+    python benchmarks/bench_schedule.py --make-prompts benchmarks/data/schedule_prompts.json   # here, once
+    python benchmarks/bench_schedule.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --calibrate --out sched.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_jax import costs, generate, load_drafter, load_target, speculative_generate  # noqa: E402
+from dflash_jax.loading import _ASSETS  # noqa: E402
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "schedule_prompts.json"
+# Poetry: free-form text that a drafter predicts worst (seed 002's "poetry" kind).
+THEMES = ["the sea at night", "a city waking up", "an old clock", "autumn leaves", "a lighthouse keeper",
+          "the first snow", "a train leaving", "a forgotten garden", "the moon over a desert", "a violin",
+          "rain on a tin roof", "a letter never sent", "fireflies", "a mountain pass", "the smell of bread",
+          "a kite string"]
+FORMS = ["a short free-verse poem", "a sonnet", "a haiku sequence of three haiku", "a limerick"]
+
+
+def make_prompts(path: Path) -> None:
+    from dflash_jax.train.data import evaluation_prompts
+
+    target = load_target("smollm2-135m")
+    sets = evaluation_prompts()
+    rows = [{"set": name, "ids": target.tokenizer.encode(text)} for name in ("humaneval", "mtbench")
+            for text in sets[name]]
+    poems = [f"Write {FORMS[i % len(FORMS)]} about {theme}." for i, theme in enumerate(THEMES)]
+    rows += [{"set": "poetry", "ids": target.tokenizer.encode(text)} for text in poems]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows) + "\n")
+    print(f"{len(rows)} prompts → {path}")
+
+
+def run_mode(mode: str, target, drafter, batches: list[list[list[int]]], max_new: int) -> dict:
+    def call(batch):
+        if mode == "ar":
+            return generate(target, batch, max_new_tokens=max_new)
+        return speculative_generate(target, drafter, batch, max_new_tokens=max_new, verify_mode=mode)
+
+    call(batches[0])  # compile (every batch here has one shape bucket or two; the rest compile when met)
+    wall = tokens = cycles = verified = 0
+    latency, tiers = [], {}
+    outs = []
+    for batch in batches:
+        t0 = time.perf_counter()
+        out = call(batch)
+        dt = time.perf_counter() - t0
+        outs.append(out)
+        n = out.stats["new_tokens"]
+        wall, tokens = wall + dt, tokens + n
+        latency.append(1e3 * dt / (n / len(batch)))
+        cycles += sum(len(a) for a in out.acceptance_lengths)
+        verified += out.stats.get("verify_tokens", n)
+        for t, c in out.stats.get("tier_steps", {}).items():
+            tiers[t] = tiers.get(t, 0) + c
+    res = dict(tokens_per_s=tokens / wall, row_ms_per_token=float(np.mean(latency)), tokens=tokens, wall_s=wall,
+               tau=(tokens - sum(map(len, batches))) / max(cycles, 1), verified_per_token=verified / tokens)
+    if tiers:
+        res["tier_steps"] = dict(sorted(tiers.items()))
+    return res, outs
+
+
+def sweep(target, drafter, rows: list[dict], batch_sizes: list[int], max_new: int, max_prompts: int) -> dict:
+    prompts = [r["ids"] for r in rows if r["set"] != "poetry"]
+    results = {}
+    for b in batch_sizes:
+        n = min(len(prompts), max(b, max_prompts if b < 16 else len(prompts)))
+        n -= n % b if n >= b else 0
+        batches = [prompts[i: i + b] for i in range(0, n, b)]
+        res = {}
+        ids = {}
+        for mode in ("ar", "static", "compact"):
+            t0 = time.perf_counter()
+            res[mode], outs = run_mode(mode, target, drafter, batches, max_new)
+            ids[mode] = [t for o in outs for t in o.token_ids]
+            print(f"batch {b:4d} {mode:8s} {res[mode]['tokens_per_s']:9.1f} tok/s  "
+                  f"{res[mode]['row_ms_per_token']:7.2f} ms/token/row  τ {res[mode]['tau']:.2f}  "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        for mode in ("static", "compact"):
+            res[f"{mode}_vs_ar"] = res[mode]["tokens_per_s"] / res["ar"]["tokens_per_s"]
+            res[f"{mode}_identical_to_ar"] = float(np.mean([a == s for a, s in zip(ids["ar"], ids[mode])]))
+        res["compact_vs_static"] = res["compact"]["tokens_per_s"] / res["static"]["tokens_per_s"]
+        res["prompts"] = n
+        results[b] = res
+    return results
+
+
+def mixed(target, drafter, rows: list[dict], per_kind: int, max_new: int) -> dict:
+    kinds = {"code": "humaneval", "chat": "mtbench", "poetry": "poetry"}
+    batch, labels = [], []
+    for kind, name in kinds.items():
+        chosen = [r["ids"] for r in rows if r["set"] == name][:per_kind]
+        batch += chosen
+        labels += [kind] * len(chosen)
+    out = {}
+    for mode in ("cap-accept", "compact"):
+        speculative_generate(target, drafter, batch, max_new_tokens=max_new, verify_mode=mode)  # compile
+        t0 = time.perf_counter()
+        res = speculative_generate(target, drafter, batch, max_new_tokens=max_new, verify_mode=mode)
+        out[f"{mode}_tokens_per_s"] = res.stats["new_tokens"] / (time.perf_counter() - t0)
+        if mode == "cap-accept":
+            cap = res
+    per_kind_stats = {}
+    s = cap.stats
+    for kind in kinds:
+        idx = [i for i, k in enumerate(labels) if k == kind]
+        cycles = sum(len(cap.acceptance_lengths[i]) for i in idx)
+        committed = sum(sum(cap.acceptance_lengths[i]) for i in idx)
+        per_kind_stats[kind] = dict(
+            rows=len(idx), tau=committed / max(cycles, 1),
+            mean_window=sum(s["row_verify_tokens"][i] for i in idx) / max(cycles, 1),
+            utilization=committed / max(sum(s["row_untrimmed"][i] for i in idx), 1),
+            untrimmed_tau=sum(s["row_untrimmed"][i] for i in idx) / max(cycles, 1))
+    out.update(per_kind=per_kind_stats, utilization=s["utilization"], batch=len(batch),
+               tier_steps=s["tier_steps"])
+    return out
+
+
+def plot_spectrum(results: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.6, 4.4))
+    for mode, style in (("ar", "s-"), ("static", "o-"), ("compact", "^-")):
+        xs = [1e3 / results[b][mode]["row_ms_per_token"] for b in results]
+        ys = [results[b][mode]["tokens_per_s"] for b in results]
+        ax.plot(xs, ys, style, label={"ar": "autoregressive"}.get(mode, mode))
+        for b, x, y in zip(results, xs, ys):
+            ax.annotate(str(b), (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens/s per request (interactivity)")
+    ax.set_ylabel("tokens/s in total (throughput)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--make-prompts", type=Path)
+    ap.add_argument("--gguf", help="the SmolLM2 GGUF (default: the embedded one)")
+    ap.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batches", default="1,4,16,32,64,128", help="batch sizes of the sweep (and calibration)")
+    ap.add_argument("--cost-table", type=Path, help="a costs file from an earlier --calibrate (instead of calibrating)")
+    ap.add_argument("--max-new", type=int, default=256)
+    ap.add_argument("--small-batch-prompts", type=int, default=16, help="prompts per mode below batch 16")
+    ap.add_argument("--calibrate", action="store_true")
+    ap.add_argument("--mixed-per-kind", type=int, default=16)
+    ap.add_argument("--skip-sweep", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path("schedule.json"))
+    args = ap.parse_args()
+    if args.make_prompts:
+        make_prompts(args.make_prompts)
+        return 0
+    target = load_target(args.gguf or "smollm2-135m", dtype=args.dtype)
+    drafter = load_drafter(_ASSETS / "smollm2-135m-dflash", target)
+    rows = json.loads(args.prompts.read_text())
+    result = dict(date=time.strftime("%Y-%m-%d"), device=jax.devices()[0].device_kind, dtype=args.dtype,
+                  platform=platform.platform(), max_new=args.max_new,
+                  commit=os.environ.get("BENCH_COMMIT") or subprocess.run(
+                      ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip())
+    if args.calibrate:
+        t0 = time.perf_counter()
+        table = costs.measure(target, drafter, batches=[int(b) for b in args.batches.split(",")],
+                              pair="smollm2-135m", progress=lambda line: print(line, flush=True))
+        print(f"calibrated in {time.perf_counter() - t0:.0f} s", flush=True)
+        drafter.cost_tables = {table.backend: table}
+        result["cost_table"] = table.to_json()
+        costs.save_table(args.out.with_name(args.out.stem + ".costs.json"), table)
+        costs.plot(table, args.out.with_name(args.out.stem + ".costs.png"))
+    elif args.cost_table:
+        drafter.cost_tables = costs.load_tables(args.cost_table)
+        result["cost_table"] = drafter.cost_tables[jax.default_backend()].to_json()
+    if not args.skip_sweep:
+        result["sweep"] = sweep(target, drafter, rows, [int(b) for b in args.batches.split(",")], args.max_new,
+                                args.small_batch_prompts)
+        plot_spectrum(result["sweep"], args.out.with_name(args.out.stem + ".spectrum.png"),
+                      f"SmolLM2-135M + DFlash drafter, {result['device']}, {args.dtype}")
+    if args.mixed_per_kind:
+        result["mixed"] = mixed(target, drafter, rows, args.mixed_per_kind, args.max_new)
+        print(json.dumps(result["mixed"], indent=1), flush=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"→ {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
