@@ -4,7 +4,7 @@
   schedule with it (written to ``--out`` beside the results); otherwise the pair's / the shipped table is used.
 * Sweep: for each batch size, the evaluation prompts (HumanEval + MT-Bench first turns, token ids made here by
   ``--make-prompts``) in consecutive batches of that size, one call per batch, each mode on the same batches
-  after an untimed compile call. Per mode: tokens/s over the whole run (prefill + decode, host included), the
+  after an untimed pass over them (every shape bucket compiled). Per mode: tokens/s over the whole run (prefill + decode, host included), the
   mean per-row latency per token (a batch's wall time ÷ its mean answer length: what one user waits per token),
   τ, verified tokens per committed token, the tier histogram. Drawn as a throughput–latency spectrum.
 * Mixed batch: code, chat and poetry prompts in one batch, cap-accept (whose commits equal compact's): mean
@@ -62,7 +62,8 @@ def run_mode(mode: str, target, drafter, batches: list[list[list[int]]], max_new
             return generate(target, batch, max_new_tokens=max_new)
         return speculative_generate(target, drafter, batch, max_new_tokens=max_new, verify_mode=mode)
 
-    call(batches[0])  # compile (every batch here has one shape bucket or two; the rest compile when met)
+    for batch in batches:  # compile every shape bucket first (from the persistent cache when it has them)
+        call(batch)
     wall = tokens = cycles = verified = 0
     latency, tiers = [], {}
     outs = []
@@ -85,7 +86,8 @@ def run_mode(mode: str, target, drafter, batches: list[list[list[int]]], max_new
     return res, outs
 
 
-def sweep(target, drafter, rows: list[dict], batch_sizes: list[int], max_new: int, max_prompts: int) -> dict:
+def sweep(target, drafter, rows: list[dict], batch_sizes: list[int], max_new: int, max_prompts: int,
+          save=lambda results: None) -> dict:
     prompts = [r["ids"] for r in rows if r["set"] != "poetry"]
     results = {}
     for b in batch_sizes:
@@ -107,6 +109,7 @@ def sweep(target, drafter, rows: list[dict], batch_sizes: list[int], max_new: in
         res["compact_vs_static"] = res["compact"]["tokens_per_s"] / res["static"]["tokens_per_s"]
         res["prompts"] = n
         results[b] = res
+        save(results)  # a run cut short keeps the batches it finished
     return results
 
 
@@ -204,8 +207,11 @@ def main() -> int:
         drafter.cost_tables = costs.load_tables(args.cost_table)
         result["cost_table"] = drafter.cost_tables[jax.default_backend()].to_json()
     if not args.skip_sweep:
+        def save(partial):
+            args.out.write_text(json.dumps(dict(result, sweep=partial), indent=1) + "\n")
+
         result["sweep"] = sweep(target, drafter, rows, [int(b) for b in args.batches.split(",")], args.max_new,
-                                args.small_batch_prompts)
+                                args.small_batch_prompts, save)
         plot_spectrum(result["sweep"], args.out.with_name(args.out.stem + ".spectrum.png"),
                       f"SmolLM2-135M + DFlash drafter, {result['device']}, {args.dtype}")
     if args.mixed_per_kind:
