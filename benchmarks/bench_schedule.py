@@ -12,6 +12,7 @@
 
     python benchmarks/bench_schedule.py --make-prompts benchmarks/data/schedule_prompts.json   # here, once
     python benchmarks/bench_schedule.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --calibrate --out sched.json
+    python benchmarks/bench_schedule.py --demo --dtype float32 --max-new 96 --out demo_cpu.json   # CPU
 """
 
 from __future__ import annotations
@@ -144,6 +145,27 @@ def mixed(target, drafter, rows: list[dict], per_kind: int, max_new: int) -> dic
     return out
 
 
+def demo_case(target, drafter, max_new: int) -> dict:
+    """`make demo`'s batch (its three prompts together) in every mode: the decode time of a second call."""
+    from dflash_jax.cli import DEMO_PROMPTS
+
+    res = {}
+    for mode in ("ar", "static", "compact", "cap-accept"):
+        def call():
+            if mode == "ar":
+                return generate(target, DEMO_PROMPTS, max_new_tokens=max_new)
+            return speculative_generate(target, drafter, DEMO_PROMPTS, max_new_tokens=max_new, verify_mode=mode)
+        call()
+        out = call()
+        s = out.stats
+        res[mode] = dict(decode_s=s["decode_s"], tokens=s["new_tokens"], tau=out.tau, cycles=s["cycles"],
+                         mean_window=s.get("mean_window"), utilization=s.get("utilization"),
+                         tier_steps=s.get("tier_steps"))
+        res[mode]["vs_ar"] = res["ar"]["decode_s"] / s["decode_s"]
+        print(mode, {k: v for k, v in res[mode].items()}, flush=True)
+    return res
+
+
 def plot_spectrum(results: dict, path: Path, title: str) -> None:
     import matplotlib
 
@@ -182,6 +204,7 @@ def main() -> int:
     ap.add_argument("--calibrate", action="store_true")
     ap.add_argument("--mixed-per-kind", type=int, default=16)
     ap.add_argument("--skip-sweep", action="store_true")
+    ap.add_argument("--demo", action="store_true", help="only `make demo`'s batch in every mode (a CPU check)")
     ap.add_argument("--out", type=Path, default=Path("schedule.json"))
     args = ap.parse_args()
     if args.make_prompts:
@@ -194,6 +217,10 @@ def main() -> int:
                   platform=platform.platform(), max_new=args.max_new,
                   commit=os.environ.get("BENCH_COMMIT") or subprocess.run(
                       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip())
+    if args.demo:
+        result["demo"] = demo_case(target, drafter, args.max_new)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     if args.calibrate:
         t0 = time.perf_counter()
         table = costs.measure(target, drafter, batches=[int(b) for b in args.batches.split(",")],

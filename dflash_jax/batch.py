@@ -217,7 +217,7 @@ def run_batch(
     histogram_path: str | Path | None = None,
     speedup_estimate: bool = False,
     attention_impl: str = "auto",
-    verify_mode: str = "static",
+    verify_mode: str = "auto",
 ) -> dict:
     """Generate for every prompt of ``input_path`` into ``output_path``; returns the summary dict.
     ``verify_mode``: see :func:`dflash_jax.speculative_generate`.

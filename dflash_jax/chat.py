@@ -20,7 +20,7 @@ HELP = "/reset clears the conversation · /exit (or Ctrl-D) ends the chat · Ctr
 def run_chat(target: Target, drafter: Drafter | None, *, stdin: TextIO | None = None, stdout: TextIO | None = None,
              system: str | None = None, max_new_tokens: int = 512, temperature: float | None = 0.0,
              top_k: int | None = 0, top_p: float | None = 1.0, seed: int = 0, block_size: int | None = None,
-             attention_impl: str = "auto", verify_mode: str = "static") -> int:
+             attention_impl: str = "auto", verify_mode: str = "auto") -> int:
     """The chat loop over ``stdin`` / ``stdout`` (the terminal by default); ``drafter=None`` decodes
     autoregressively. Returns the exit status."""
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout

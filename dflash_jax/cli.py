@@ -135,8 +135,9 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _verify_mode_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--verify-mode", default="static", choices=VERIFY_MODES,
-                        help="static: verify whole blocks; compact: the confidence scheduler's windows only, packed; "
+    parser.add_argument("--verify-mode", default="auto", choices=("auto",) + VERIFY_MODES,
+                        help="auto: compact where the cost table says trimming pays, else static; static: verify "
+                             "whole blocks; compact: the confidence scheduler's windows only, packed; "
                              "cap-accept: whole blocks, commit the windows (measures what trimming gives up)")
 
 

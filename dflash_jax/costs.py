@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import logging
 import subprocess
@@ -109,6 +110,7 @@ def save_table(path: str | Path, table: CostTable) -> None:
     path.write_text(json.dumps(tables, indent=1) + "\n")
 
 
+@functools.cache
 def shipped_table(backend: str) -> CostTable:
     """The table shipped for ``backend`` (a GPU's for a backend we have none for)."""
     for name in (backend, "gpu"):
@@ -169,13 +171,15 @@ def measure(target, drafter, *, batches=(1, 4, 16, 32, 64, 128), block_size: int
 
         def step(params, state, tier, spec=spec, tiers=tiers):
             t, d = loop._merge(graphdefs, params)
-            block_tokens, q, _, state = loop.propose(t, d, state, spec, d.config.mask_token_id)
-            sizes = jnp.asarray(tiers, jnp.int32) // b - 1
-            window = jnp.full((b,), sizes[tier], jnp.int32)
-            out = loop.verify_compact(t, d, state, block_tokens, spec, q, window, tier)
+            window = jnp.full((b,), (jnp.asarray(tiers, jnp.int32) // b - 1)[tier], jnp.int32)
+            if d.config.sequential:  # as the decode loop runs a step (decode/loop.cycle)
+                block_tokens, q, _, state = loop.propose(t, d, state, spec, d.config.mask_token_id)
+                out = loop.verify_compact(t, d, state, block_tokens, spec, q, window, tier)
+            else:
+                out = loop.draft_and_verify_compact(t, d, state, spec, d.config.mask_token_id, window, tier)
             return out.anchor  # the committed tokens' last: depends on the whole step
 
-        fn = jax.jit(step).lower(job.params, state, np.int32(0)).compile()
+        fn = jax.jit(step).lower(job.params, state, np.int32(0)).compile(generation.COMPILER_OPTIONS)
         row = {}
         for i, size in enumerate(tiers):
             fn(job.params, state, np.int32(i)).block_until_ready()

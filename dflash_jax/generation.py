@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import time
 from typing import Any, Sequence
 
@@ -85,6 +86,14 @@ def _programs(key: tuple, graphdefs: tuple, params: tuple, pre_args: tuple, spec
 # --------------------------------------------------------------------------------------------------
 # Buckets and validation
 # --------------------------------------------------------------------------------------------------
+
+# verify_mode="auto" runs compact when, at the batch's size, the cost table's whole-block step costs at least
+# this many times its one-token-per-row step: where verifying fewer tokens cannot save more than that, the
+# compact path's fixed costs (the scheduler; on a GPU, reading the tier index on the host every step) eat
+# the saving (benchmarks/RESULTS.md, 2026-12-02: on the H200 compact lost to static at batch 1–32, whose
+# ratios are 1.02–1.18, and won at 128, ratio 1.47; on a 2-core CPU, ratio ~2, it wins at batch 3).
+# $DFLASH_JAX_AUTO_COMPACT_RATIO overrides it ("inf": auto is always static).
+AUTO_COMPACT_RATIO = float(os.environ.get("DFLASH_JAX_AUTO_COMPACT_RATIO", 1.25))
 
 # Prompts longer than this are prefilled in chunks of this many positions (prompt buckets above 1024 are
 # multiples of 1024, so it always divides them): bounds prefill attention memory for long contexts.
@@ -214,7 +223,7 @@ def _loop_spec(block_size: int, new_cap: int, capture: tuple, impl: str, sampled
 def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, max_new_tokens, block_size: int,
             stop_token_ids=None, attention_impl: str = "auto", temperature=None, top_k=None, top_p=None,
             seed: int = 0, draft_sampling: bool = False, pad_batch_to: int | None = None,
-            verify_mode: str = "static", cost_table=None) -> Job:
+            verify_mode: str = "auto", cost_table=None) -> Job:
     """Validate and bucket one batch of token-id prompts. ``max_new_tokens``: one value or one per row.
 
     ``pad_batch_to`` adds finished dummy rows so that every batch of a run has the same compiled shape.
@@ -256,11 +265,14 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
     stop_arr[: len(stops)] = stops
     sampled = bool((sp.temperature > 0).any())
     verify_mode = _check_verify_mode(verify_mode, target, drafter, block_size, dp)
-    tiers = schedule.tiers_for(b, block_size) if verify_mode != "static" else ()
-    step_cost = None
-    if tiers:
+    tiers, step_cost = (), None
+    if verify_mode != "static":
+        tiers = schedule.tiers_for(b, block_size)
         table = costs.resolve(cost_table, jax.default_backend(), drafter.cost_tables)
         step_cost = table.step_costs(b, tiers).astype(np.float32)
+        if verify_mode == "auto":
+            verify_mode = "compact" if step_cost[-1] >= AUTO_COMPACT_RATIO * step_cost[0] else "static"
+            tiers, step_cost = (tiers, step_cost) if verify_mode == "compact" else ((), None)
     if pad:  # on the host: eager device ops would compile anew for each partial batch's row count
         sp = SamplingParams(*(np.concatenate([x, np.repeat(x[-1:], pad)]) for x in
                               (sp.temperature, sp.top_k, sp.top_p)))
@@ -289,11 +301,15 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
 
 
 def _check_verify_mode(mode: str, target: Target, drafter: Drafter | None, block_size: int, dp: int) -> str:
-    """The verify mode this batch runs ("static" for autoregressive decoding), or a clear error."""
+    """The verify mode this batch runs ("static" for autoregressive decoding; "auto" still to be resolved
+    against the cost table), or a clear error."""
     schedule.check_verify_mode(mode)
     if drafter is None or block_size == 1 or mode == "static":
         return "static"
     from dflash_jax.models.hybrid import HybridTargetModel
+
+    if mode == "auto":
+        return "static" if isinstance(target.model, HybridTargetModel) or dp > 1 else "auto"
 
     if mode == "compact" and isinstance(target.model, HybridTargetModel):
         raise ValueError("verify_mode='compact' does not support hybrid (linear-attention) targets: their "
@@ -445,7 +461,7 @@ def speculative_generate(
     top_p: float | Sequence[float] | None = 1.0,
     seed: int = 0,
     draft_sampling: bool = False,
-    verify_mode: str = "static",
+    verify_mode: str = "auto",
     cost_table=None,
 ) -> GenerationOutput:
     """Lossless DFlash speculative decoding: greedy output identical to :func:`generate`, sampled output with
@@ -457,7 +473,9 @@ def speculative_generate(
     ``temperature`` / ``top_k`` / ``top_p``: HF meanings, a value for all prompts or one per prompt
     (temperature 0 = greedy; ``None`` = off). ``seed`` makes sampled runs reproducible. ``draft_sampling``:
     draw drafts from the drafter's own distribution (accept with min(1, p/q)) instead of taking its argmax.
-    ``verify_mode`` (README "Verify modes"): ``"static"`` verifies the whole block every cycle;
+    ``verify_mode`` (README "Verify modes"): ``"auto"`` (default) is compact where the cost table says
+    trimming can pay at this batch size (:data:`AUTO_COMPACT_RATIO`), static elsewhere and for targets compact
+    does not support; ``"static"`` verifies the whole block every cycle;
     ``"compact"`` lets the confidence scheduler pick each row's window per cycle and verifies only those
     windows, packed; ``"cap-accept"`` verifies the whole block but commits only the windows (what compact
     commits), recording what trimming gave up (``stats["utilization"]``). ``cost_table``: the scheduler's

@@ -228,7 +228,7 @@ def speculative_stream(
     top_p: float | Sequence[float] | None = 1.0,
     seed: int = 0,
     draft_sampling: bool = False,
-    verify_mode: str = "static",
+    verify_mode: str = "auto",
     cost_table=None,
     segment_cycles: int | None = None,
 ) -> TokenStream:

@@ -81,7 +81,7 @@ def fast_nnx_jit(fun, static_argnums: tuple[int, ...] = ()):
 def tiny_subprocess_env(**extra: str) -> dict[str, str]:
     """The environment of a subprocess that runs tiny models only (e.g. the CLI on the z-lab fixture): CPU,
     and FAST_COMPILE as XLA_FLAGS (which there apply to every program of the process)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", **extra}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "DFLASH_JAX_AUTO_COMPACT_RATIO": "inf", **extra}
     if fast_options():
         flags = " ".join(f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items())
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
@@ -166,6 +166,10 @@ def pytest_runtest_setup(item):
 
     _start_next_background_run()
     generation.COMPILER_OPTIONS = compiler_options(item)
+    # verify_mode="auto" is static here unless a test asks for the default (marker auto_verify): on the CPU it
+    # resolves to compact, whose tier programs compile several verify passes; tests/test_schedule.py covers the
+    # modes, and one real-pair test the default.
+    generation.AUTO_COMPACT_RATIO = 1.25 if item.get_closest_marker("auto_verify") else float("inf")
 
 
 @pytest.fixture

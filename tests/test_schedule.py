@@ -226,8 +226,28 @@ def test_sampled_compact_matches_target_distribution(pair, logits):
     assert (cap == samples).all()
 
 
+@pytest.mark.auto_verify
+def test_auto_is_compact_where_the_table_says_trimming_pays(target, oracle, runs):
+    before = generation.compile_count()
+    auto = speculative_generate(target, oracle, PROMPTS, MAX_NEW, stop_token_ids=[], cost_table=TABLE)
+    assert auto.stats["verify_mode"] == "compact" and generation.compile_count() == before  # runs' program
+    assert auto.acceptance_lengths == runs["compact"].acceptance_lengths
+    flat = speculative_generate(target, oracle, PROMPTS, MAX_NEW, stop_token_ids=[], cost_table=FLAT)
+    assert flat.stats["verify_mode"] == "static"  # verifying costs the same whatever the window
+
+
+@pytest.mark.auto_verify
+@pytest.mark.slow
+def test_real_pair_default_is_compact_on_the_cpu_and_lossless(smollm2, smollm2_drafter):
+    prompts = ["Write a Python function that checks whether a number is prime.", "Name three rivers in Asia."]
+    out = speculative_generate(smollm2, smollm2_drafter, prompts, max_new_tokens=24)
+    ref = generate(smollm2, prompts, max_new_tokens=24)
+    assert out.stats["verify_mode"] == "compact"  # the shipped CPU table: whole blocks cost ~2x one token
+    assert out.token_ids == ref.token_ids and out.tau > 1.3
+
+
 def test_verify_mode_errors(target, oracle):
-    with pytest.raises(ValueError, match="verify_mode must be one of .*got 'fast'"):
+    with pytest.raises(ValueError, match="verify_mode must be 'auto' or one of .*got 'fast'"):
         speculative_generate(target, oracle, PROMPTS, 4, verify_mode="fast")
     with pytest.raises(costs.CostTableError, match="does not exist"):
         speculative_generate(target, oracle, PROMPTS, 4, verify_mode="compact", cost_table="/nonexistent.json")
@@ -254,12 +274,14 @@ def test_cost_table_interpolation_and_files(tmp_path):
     path.write_text(json.dumps({"cpu": {"backend": "cpu", "block_size": 16, "step_ms": {"1": {"1": -1}}}}))
     with pytest.raises(costs.CostTableError, match="positive step times"):
         costs.load_tables(path)
-    assert costs.shipped_table("cpu").backend == "cpu"  # the shipped default
+    assert costs.shipped_table("cpu").backend == "cpu"  # the shipped defaults
+    assert costs.shipped_table("gpu").device == "NVIDIA H200"
+    assert costs.shipped_table("tpu").backend == "gpu"  # none measured on a TPU yet
 
 
 def test_measure_and_plot(target, tmp_path):
     drafter = random_drafter(target, block_size=8, num_layers=1, seed=2)
-    table = costs.measure(target, drafter, batches=(1, 2), context=16, repeats=2, pair="tiny")
-    assert sorted(table.step_ms) == [1, 2] and sorted(table.step_ms[1]) == [1, 2, 4, 8]
+    table = costs.measure(target, drafter, batches=(2,), context=16, repeats=2, pair="tiny")
+    assert sorted(table.step_ms) == [2] and sorted(table.step_ms[2]) == [1, 2, 4, 8]
     assert all(ms > 0 for row in table.step_ms.values() for ms in row.values())
     assert costs.plot(table, tmp_path / "costs.png").stat().st_size > 1000

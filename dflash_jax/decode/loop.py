@@ -209,59 +209,48 @@ def _split_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def propose(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, spec: LoopSpec,
-            mask_token_id: int, window: Int[Array, "B"] | None = None, tier: Int[Array, ""] | None = None
-            ) -> tuple[Int[Array, "B L"], jax.Array | None, jax.Array | None, DecodeState]:
+            mask_token_id: int) -> tuple[Int[Array, "B L"], jax.Array | None, jax.Array | None, DecodeState]:
     """The block to verify, ``[anchor, d_1 … d_{L-1}]``, from one drafter forward (SPEC §2; DSpark §7).
 
-    ``window`` / ``tier`` (compact verify, parallel drafters, windows known before drafting): the LM head runs
-    over the windows' drafts only, packed like the verify (on a CPU it is a third of a draft's time); drafts
-    past a window are 0 (never verified). Returns the block, the drafts' distribution ``q`` [B, L-1, V] when
-    drafts are sampled (else None), the drafts' confidences [B, L-1] (DSpark drafters with a confidence head,
-    else None), and the state (its PRNG keys advanced when sampling).
+    Returns the block, the drafts' distribution ``q`` [B, L-1, V] when drafts are sampled (else None), the
+    drafts' confidences [B, L-1] (DSpark drafters with a confidence head, else None), and the state (its PRNG
+    keys advanced when sampling).
     """
-    l = spec.block_size
     anchor = state.anchor[:, None]
-    if drafter is None or l == 1:
+    if drafter is None or spec.block_size == 1:
         return anchor, None, None, state
-    n_in = l - 1 if drafter.config.sequential else l  # DSpark: the anchor predicts the first draft
-    masks = jnp.full((anchor.shape[0], n_in - 1), mask_token_id, jnp.int32)
-    h = drafter(target.embed(jnp.concatenate([anchor, masks], axis=1)), block_positions(state, n_in),
-                state.draft_cache, state.anchor_pos, impl=spec.impl)
+    h = _draft_hidden(target, drafter, state, spec, mask_token_id)
     if drafter.config.sequential:
         drafts, q, conf, state = _draft_sequential(target, drafter, h, state, spec)
         return jnp.concatenate([anchor, drafts], axis=1), q, conf, state
-    sampled = spec.sampling and spec.draft_sampling
-    if window is None:
-        logits = drafter.draft_logits(h[:, 1:], target)
-        drafts = None if sampled else jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    else:
-        logits, drafts = _packed_draft_logits(target, drafter, h[:, 1:], jnp.where(state.done, 0, window), tier,
-                                              spec, sampled)
-    q = None
-    if sampled:
-        rng, k_draft = _split_rows(state.rng)
-        q = sampling.filtered_probs(logits, state.sampling, use_top_k=spec.top_k, use_top_p=spec.top_p)
-        drafts = jax.vmap(sampling.sample)(k_draft, q)
-        state = dataclasses.replace(state, rng=rng)
+    state, k_draft = _draft_keys(state, spec)
+    drafts, q = _pick_drafts(drafter.draft_logits(h[:, 1:], target), state, spec, k_draft)
     return jnp.concatenate([anchor, drafts], axis=1), q, None, state
 
 
-def _packed_draft_logits(target, drafter, hidden: Float[Array, "B G D"], window: Int[Array, "B"],
-                         tier: Int[Array, ""], spec: LoopSpec, sampled: bool):
-    """Draft logits [B, G, V] (sampled drafts) or argmax drafts [B, G] for the first ``window`` drafts of each
-    row, the LM head over them packed into tier ``tier`` (zeros past a window)."""
-    b, g = hidden.shape[:2]
+def _draft_hidden(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, spec: LoopSpec,
+                  mask_token_id: int) -> Float[Array, "B L D"]:
+    """The drafter trunk over ``[anchor, MASK…]`` (DSpark: γ = L − 1 inputs, the anchor predicting draft 1)."""
+    n_in = spec.block_size - 1 if drafter.config.sequential else spec.block_size
+    masks = jnp.full((state.anchor.shape[0], n_in - 1), mask_token_id, jnp.int32)
+    return drafter(target.embed(jnp.concatenate([state.anchor[:, None], masks], axis=1)),
+                   block_positions(state, n_in), state.draft_cache, state.anchor_pos, impl=spec.impl)
 
-    def run(size: int):
-        def branch(hidden):
-            layout = attention.PackedLayout.build(window, jnp.zeros((b,), jnp.int32), size, g)
-            logits = drafter.draft_logits(layout.pack(hidden)[None], target)[0]  # [T, V]
-            if sampled:
-                return layout.unpack(logits), jnp.zeros((b, g), jnp.int32)
-            return jnp.zeros((b, g, 0), logits.dtype), layout.unpack(jnp.argmax(logits, axis=-1).astype(jnp.int32))
-        return branch
 
-    return jax.lax.switch(tier, [run(t) for t in spec.tiers], hidden)
+def _draft_keys(state: DecodeState, spec: LoopSpec) -> tuple[DecodeState, jax.Array | None]:
+    """The state with its PRNG keys advanced and the keys to draw drafts with (sampled drafts only)."""
+    if not (spec.sampling and spec.draft_sampling):
+        return state, None
+    rng, k_draft = _split_rows(state.rng)
+    return dataclasses.replace(state, rng=rng), k_draft
+
+
+def _pick_drafts(logits: Float[Array, "B G V"], state: DecodeState, spec: LoopSpec, k_draft):
+    """(drafts [B, G], q [B, G, V] or None): argmax, or draws from the filtered distribution q."""
+    if k_draft is None:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+    q = sampling.filtered_probs(logits, state.sampling, use_top_k=spec.top_k, use_top_p=spec.top_p)
+    return jax.vmap(sampling.sample)(k_draft, q), q
 
 
 def _draft_sequential(target: TargetModel, drafter: DSparkDrafter, hidden: Float[Array, "B G D"],
@@ -326,22 +315,55 @@ def verify_compact(target: TargetModel, drafter: DFlashDrafter, state: DecodeSta
     """Verify only each row's window (anchor + ``window`` drafts), packed end to end into the compiled tier
     ``spec.tiers[tier]`` (a ``lax.switch``: every tier is compiled into this one program, chosen per step on
     the device). Finished rows verify nothing. Commits what :func:`verify` with the same window commits."""
-    b, l = block.shape
+    return _verify_packed(target, drafter, state, spec, window, tier, lambda size, _: (block, q), None)
+
+
+def draft_and_verify_compact(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, spec: LoopSpec,
+                             mask_token_id: int, window: Int[Array, "B"], tier: Int[Array, ""]) -> DecodeState:
+    """Compact verify for a parallel (DFlash) drafter whose windows are known before drafting: the drafts' LM
+    head runs over the windows only (on a CPU the full head is a third of a draft's time), in the same tier
+    branch as the verify — one conditional per step: a GPU runs one by reading its branch index on the host.
+    Drafts past a window are 0 (never verified)."""
+    hidden = _draft_hidden(target, drafter, state, spec, mask_token_id)[:, 1:]  # [B, G, D]
+    state, k_draft = _draft_keys(state, spec)
+    b, g = hidden.shape[:2]
+    n_drafts = jnp.where(state.done, 0, window)
+
+    def make_block(size: int, hidden):
+        layout = attention.PackedLayout.build(n_drafts, jnp.zeros((b,), jnp.int32), size, g)
+        logits = drafter.draft_logits(layout.pack(hidden)[None], target)[0]  # [T, V]
+        if k_draft is None:
+            drafts, q = layout.unpack(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None
+        else:
+            drafts, q = _pick_drafts(layout.unpack(logits), state, spec, k_draft)
+        return jnp.concatenate([state.anchor[:, None], drafts], axis=1), q
+
+    return _verify_packed(target, drafter, state, spec, window, tier, make_block, hidden)
+
+
+def _verify_packed(target, drafter, state: DecodeState, spec: LoopSpec, window, tier, make_block, operand
+                   ) -> DecodeState:
+    """The packed verify, in one ``lax.switch`` over the tiers; ``make_block(size, operand)`` → (block [B, L],
+    q) runs first inside the branch."""
+    l = spec.block_size
     lens = jnp.where(state.done, 0, window + 1)
     positions = block_positions(state, l)
 
     def run(size: int):
-        def branch(tcache):
+        def branch(operands):
+            tcache, operand = operands
+            block, q = make_block(size, operand)
             layout = attention.PackedLayout.build(lens, state.anchor_pos, size, l)
             hidden, feats, tcache = target(layout.pack(block)[None], layout.positions[None], tcache,
                                            capture=spec.capture, impl=spec.impl, packed=layout)
             logits = target.logits(hidden[0])  # [T, V]: the LM head only over the packed rows
             scored = (layout.unpack(logits) if spec.sampling
                       else layout.unpack(jnp.argmax(logits, axis=-1).astype(jnp.int32)))
-            return scored, (layout.unpack(feats[0]) if feats is not None else None), tcache
+            return block, q, scored, (layout.unpack(feats[0]) if feats is not None else None), tcache
         return branch
 
-    scored, feats, tcache = jax.lax.switch(tier, [run(t) for t in spec.tiers], state.target_cache)
+    block, q, scored, feats, tcache = jax.lax.switch(tier, [run(t) for t in spec.tiers],
+                                                     (state.target_cache, operand))
     logits, choice = (scored, None) if spec.sampling else (None, scored)
     state, accepted, last, untrimmed = _accept(state, block, logits, choice, spec, q, window)
     return _commit_verified(drafter, state, block, positions, tcache, feats, accepted, last, None, window)
@@ -401,8 +423,10 @@ def cycle(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState
     compact = spec.verify_mode == "compact"
     if sch.counts is not None:  # windows before drafting
         state, window, tier = _schedule(state, sch.counts.conditional_rates(), spec)
-        block, q, conf, state = propose(target, drafter, state, spec, mask_token_id,
-                                        *((window, tier) if compact and not drafter.config.sequential else ()))
+        if compact and not drafter.config.sequential:
+            return shard_state(draft_and_verify_compact(target, drafter, state, spec, mask_token_id, window, tier),
+                               spec.plan)
+        block, q, conf, state = propose(target, drafter, state, spec, mask_token_id)
     else:
         block, q, conf, state = propose(target, drafter, state, spec, mask_token_id)
         state, window, tier = _schedule(state, conf, spec)

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-VERIFY_MODES = ("static", "compact", "cap-accept")
+VERIFY_MODES = ("static", "compact", "cap-accept")  # and "auto": compact where the cost table says it pays
 # Running acceptance counts start from this prior per draft position (a Beta(PRIOR_ACCEPT, PRIOR_REJECT), mean
 # 0.8): optimistic on purpose — compact mode never sees past a window, so a pessimistic estimate for a position
 # would never be corrected, while an optimistic one is verified and corrected; a few cycles outweigh it.
@@ -39,8 +39,8 @@ POOL = 4.0
 
 
 def check_verify_mode(mode: str) -> str:
-    if mode not in VERIFY_MODES:
-        raise ValueError(f"verify_mode must be one of {', '.join(map(repr, VERIFY_MODES))}, got {mode!r}")
+    if mode != "auto" and mode not in VERIFY_MODES:
+        raise ValueError(f"verify_mode must be 'auto' or one of {', '.join(map(repr, VERIFY_MODES))}, got {mode!r}")
     return mode
 
 
