@@ -120,13 +120,19 @@ def _calibrate(args: argparse.Namespace) -> int:
     from dflash_jax import costs
     from dflash_jax.pairs import find_pair_file
 
-    pair_file = find_pair_file(args.config)
+    if args.target and not args.out:
+        raise SystemExit("calibrate --target needs --out (the costs file to write; with --config it goes next to "
+                         "the pair's YAML)")
+    pair_file = None if args.target else find_pair_file(args.config)
     target, drafter = _load_models(args)
+    if drafter is None:
+        raise SystemExit("calibrate times speculative steps: it needs a drafter (--config, or --target with --drafter)")
     batches = [int(b) for b in args.batches.split(",")]
     print(f"Timing one compact step per tier on {jax.devices()[0].device_kind} ({target.model.dtype}), "
           f"context {args.context}, batches {batches} …", flush=True)
     table = costs.measure(target, drafter, batches=batches, block_size=args.block_size, context=args.context,
-                          repeats=args.repeats, pair=Path(pair_file).stem, progress=lambda line: print(line, flush=True))
+                          repeats=args.repeats, pair=Path(pair_file).stem if pair_file else Path(args.target).name,
+                          progress=lambda line: print(line, flush=True))
     out = Path(args.out) if args.out else costs.tables_path(pair_file)
     costs.save_table(out, table)
     png = costs.plot(table, out.with_name(f"{out.name.removesuffix('.json')}.{table.backend}.png"))

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import fast_jit, oracle_drafter, random_prompts, tiny_target
+from conftest import ZLAB, fast_jit, oracle_drafter, random_prompts, tiny_target
 from test_sampling import V, chi2_pvalue, draw, exact_distribution, logits, pair  # noqa: F401 (fixtures)
 from dflash_jax import costs, generate, generation, random_drafter, speculative_generate
 from dflash_jax.attention import PackedLayout, cache_attention, packed_cache_attention
@@ -279,9 +279,16 @@ def test_cost_table_interpolation_and_files(tmp_path):
     assert costs.shipped_table("tpu").backend == "gpu"  # none measured on a TPU yet
 
 
-def test_measure_and_plot(target, tmp_path):
-    drafter = random_drafter(target, block_size=8, num_layers=1, seed=2)
-    table = costs.measure(target, drafter, batches=(2,), context=16, repeats=2, pair="tiny")
-    assert sorted(table.step_ms) == [2] and sorted(table.step_ms[2]) == [1, 2, 4, 8]
-    assert all(ms > 0 for row in table.step_ms.values() for ms in row.values())
-    assert costs.plot(table, tmp_path / "costs.png").stat().st_size > 1000
+def test_calibrate_command_writes_a_table_and_its_plot(tmp_path, capsys):
+    """`dflash-jax calibrate` on the z-lab fixture pair: a table per backend in the costs file, and its plot."""
+    from dflash_jax.cli import main
+
+    out = tmp_path / "pair.costs.json"
+    assert main(["calibrate", "--target", str(ZLAB / "target"), "--drafter", str(ZLAB / "drafter"),
+                 "--batches", "2", "--context", "16", "--repeats", "2", "--out", str(out),
+                 "--no-compile-cache"]) == 0
+    table = costs.load_tables(out)["cpu"]
+    assert sorted(table.step_ms) == [2] and sorted(table.step_ms[2]) == [1, 2, 4]  # the drafter's block of 4
+    assert all(ms > 0 for ms in table.step_ms[2].values()) and table.block_size == 4
+    assert (tmp_path / "pair.costs.cpu.png").stat().st_size > 1000
+    assert "wrote the cpu table" in capsys.readouterr().out

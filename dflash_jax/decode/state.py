@@ -107,8 +107,12 @@ class DecodeView:
 
     @staticmethod
     def widths(state: DecodeState) -> tuple[int, ...]:
-        """The column widths of :meth:`pack` (static; the host unpacks with them)."""
-        return tuple(c.shape[1] for c in jax.eval_shape(DecodeView.columns, state))
+        """The column widths of :meth:`pack` (from the shapes alone; the host unpacks with them)."""
+        sch = state.schedule
+        return (state.tokens.shape[1], state.acc_lens.shape[1],
+                0 if state.survival_sum is None else state.survival_sum.shape[1],
+                0 if sch is None else 1, 0 if sch is None else 1, 0 if sch is None else sch.tier_steps.shape[1],
+                1, 1, 1)
 
     @staticmethod
     def pack(state: DecodeState) -> Int[Array, "B W"]:
