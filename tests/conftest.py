@@ -148,7 +148,9 @@ def _start_next_background_run() -> None:
 
 
 def pytest_collection_finish(session):
-    if not session.config.option.collectonly:
+    # Under pytest-xdist each worker collects every test but runs only its share: there a test starts its own
+    # run when it gets to it (the workers already keep both cores busy).
+    if not session.config.option.collectonly and not os.environ.get("PYTEST_XDIST_WORKER"):
         _QUEUE[:] = [job for job in BACKGROUND if any(item.nodeid == job.test or item.nodeid.endswith("/" + job.test)
                                                       for item in session.items)]
         _start_next_background_run()

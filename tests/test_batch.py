@@ -251,22 +251,31 @@ def test_cli_keeps_compiled_programs_on_disk(tmp_path):
     base = tiny_subprocess_env(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     base.pop("JAX_COMPILATION_CACHE_DIR", None)
 
-    def generate_cli(name: str, cache: Path, *extra: str, **env: str) -> dict:
+    def generate_cli(name: str, cache: Path, *extra: str, **env: str):
+        """Starts the CLI; the returned function waits for it and reads its output."""
         out = tmp_path / f"{name}.jsonl"
-        subprocess.run([sys.executable, "-m", "dflash_jax.cli", "generate", "--target", str(ZLAB / "target"),
-                        "--drafter", str(ZLAB / "drafter_fitted"), "--input", str(inp), "--output", str(out),
-                        "--max-new-tokens", "8", "--no-progress", "--no-speedup-estimate", *extra],
-                       env={**base, "DFLASH_JAX_CACHE": str(cache), **env}, check=True, capture_output=True)
-        return {i: r["token_ids"] for i, r in read_out(out).items()}
+        proc = subprocess.Popen([sys.executable, "-m", "dflash_jax.cli", "generate", "--target",
+                                 str(ZLAB / "target"), "--drafter", str(ZLAB / "drafter_fitted"), "--input", str(inp),
+                                 "--output", str(out), "--max-new-tokens", "8", "--no-progress",
+                                 "--no-speedup-estimate", *extra], env={**base, "DFLASH_JAX_CACHE": str(cache), **env},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
-    first = generate_cli("first", tmp_path / "a")
+        def result() -> dict:
+            assert proc.wait(timeout=600) == 0, proc.stderr.read().decode()[-3000:]
+            return {i: r["token_ids"] for i, r in read_out(out).items()}
+        return result
+
+    # Two at a time (two cores): the runs with other caches do not depend on the first two.
+    first, off = generate_cli("first", tmp_path / "a"), generate_cli("off", tmp_path / "b", "--no-compile-cache")
+    first, off = first(), off()
     entries = sorted(p.name for p in (tmp_path / "a" / "xla").glob("*-cache"))
     assert any(e.startswith("jit_decode") for e in entries)
-    assert generate_cli("second", tmp_path / "a") == first
+    second = generate_cli("second", tmp_path / "a")
+    own = generate_cli("jax", tmp_path / "c", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "own"))
+    assert second() == first
     assert sorted(p.name for p in (tmp_path / "a" / "xla").glob("*-cache")) == entries  # all found: none added
-    assert generate_cli("off", tmp_path / "b", "--no-compile-cache") == first
-    assert not (tmp_path / "b" / "xla").exists()
-    assert generate_cli("jax", tmp_path / "c", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "own")) == first
+    assert off == first and not (tmp_path / "b" / "xla").exists()
+    assert own() == first
     assert not (tmp_path / "c" / "xla").exists() and list((tmp_path / "own").glob("*-cache"))
 
 

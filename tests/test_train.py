@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import pytest
 import yaml
 from flax import nnx
 
-from conftest import ZLAB, random_prompts, tiny_target
+from conftest import ZLAB, random_prompts, tiny_subprocess_env, tiny_target
 from dflash_jax import ConfigError, generate, load_drafter, random_drafter, speculative_generate
 from dflash_jax.loading import deepen_drafter, load_target
 from dflash_jax.checkpoints.export import export_drafter
@@ -348,8 +347,8 @@ def test_sigkill_then_resume(tmp_path):
                                              out=str(tmp_path / out), result=str(tmp_path / result)))
         return [sys.executable, str(path)]
 
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    subprocess.run(script("ref", "ref.npz"), check=True, env=env, timeout=600)
+    env = tiny_subprocess_env()
+    ref = subprocess.Popen(script("ref", "ref.npz"), env=env)  # the unbroken run, beside the killed one
     proc = subprocess.Popen(script("killed", "killed.npz"), env=env)
     ckpts = tmp_path / "killed" / "checkpoints"
     deadline = time.time() + 300
@@ -363,6 +362,7 @@ def test_sigkill_then_resume(tmp_path):
     proc.wait()
     assert not (tmp_path / "killed.npz").exists()
     subprocess.run(script("killed", "killed.npz"), check=True, env=env, timeout=600)
+    assert ref.wait(timeout=600) == 0
     ref, res = np.load(tmp_path / "ref.npz"), np.load(tmp_path / "killed.npz")
     for k in ref.files:
         np.testing.assert_array_equal(ref[k], res[k])
