@@ -20,8 +20,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/dflash-jax demo
 
+# Two pytest-xdist workers, one per core, each test file on one worker (its module fixtures and compiled
+# programs shared): 9.4 minutes on 2 cores against 12.8 in one process (the tiny models' programs compile on one
+# thread each, tests/conftest.py: FAST_COMPILE).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV)
