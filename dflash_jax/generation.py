@@ -386,24 +386,22 @@ def survival_stats(survival_sum: np.ndarray, acc_lens: list[list[int]]) -> dict:
 
 def verify_stats(spec: LoopSpec, view: DecodeView, n: int, acc_lens: list[list[int]]) -> dict:
     """What verifying cost: ``verify_mode``, ``verify_tokens`` (tokens through the target's verify, summed over
-    rows and cycles), ``mean_window`` (verified tokens per row and cycle, anchor included: L for static), and
-    for scheduled modes ``tier_steps`` (steps per compiled tier: {tokens: steps}) and ``row_verify_tokens``
-    (per row); for cap-accept
-    ``utilization``: committed tokens ÷ what committing every accepted draft of the whole block would have
-    given (1.0: trimming gave up nothing)."""
+    rows and cycles), ``mean_window`` (the tokens per row and cycle the schedule verifies or — cap-accept —
+    commits from, anchor included: L for static); for scheduled modes ``tier_steps`` (steps per compiled tier:
+    {tokens: steps}) and ``row_verify_tokens`` (each row's windows, summed); for cap-accept ``utilization``:
+    committed tokens ÷ what committing every accepted draft of the whole block would have given (1.0:
+    trimming gave up nothing) and ``row_untrimmed`` (per row, that whole-block figure)."""
     cycles = int(view.num_cycles[:n].sum())
-    if spec.scheduled:
-        tokens = int(view.verify_tokens[:n].sum())
-    else:
-        tokens = cycles * spec.block_size
-    out = {"verify_mode": spec.verify_mode, "verify_tokens": tokens, "mean_window": tokens / max(cycles, 1)}
+    windows = int(view.verify_tokens[:n].sum()) if spec.scheduled else cycles * spec.block_size
+    verified = cycles * spec.block_size if spec.verify_mode in ("static", "cap-accept") else windows
+    out = {"verify_mode": spec.verify_mode, "verify_tokens": verified, "mean_window": windows / max(cycles, 1)}
     if spec.scheduled:
         out["tier_steps"] = {int(t): int(c) for t, c in zip(spec.tiers, view.tier_steps[0]) if c}
         out["row_verify_tokens"] = view.verify_tokens[:n, 0].tolist()
     if spec.verify_mode == "cap-accept":
         committed = sum(sum(row) for row in acc_lens)
         out["utilization"] = committed / max(int(view.untrimmed[:n].sum()), 1)
-        out["row_untrimmed"] = view.untrimmed[:n, 0].tolist()  # per row: Σ (a + 1) had nothing been trimmed
+        out["row_untrimmed"] = view.untrimmed[:n, 0].tolist()
     return out
 
 

@@ -186,6 +186,8 @@ def test_every_mode_is_lossless_and_compact_commits_what_cap_accept_commits(runs
     assert compact.stats["verify_tokens"] < runs["static"].stats["verify_tokens"]
     assert 1 <= compact.stats["mean_window"] < 8
     assert 0 < cap.stats["utilization"] < 1  # trimming gave something up on this drafter
+    assert cap.stats["verify_tokens"] == 8 * sum(map(len, cap.acceptance_lengths))  # it verified whole blocks
+    assert cap.stats["mean_window"] == compact.stats["mean_window"]
     # Tokens per verified token: what the scheduler buys.
     per_token = {m: o.stats["new_tokens"] / o.stats["verify_tokens"] for m, o in runs.items()}
     assert per_token["compact"] > per_token["static"]
