@@ -9,6 +9,6 @@ $PY -m dflash_jax.cli train --config configs/smollm2-135m.yaml --stages prompts 
 gzip -9 -c runs/prep/prompts.jsonl > runs/device/prompts.jsonl.gz
 $PY benchmarks/device_runs/make_run_config.py --data-seed "${DATA_SEED:-0}"
 G=$($PY -c "from dflash_jax.loading import embedded_gguf_path; print(embedded_gguf_path())")
-split -b 38000000 -a 1 --numeric-suffixes=0 "$G" .xfer/p
+split -b 36500000 -a 1 --numeric-suffixes=0 "$G" .xfer/p
 $PY -m pip download --quiet --no-deps "gguf==$($PY -c 'import importlib.metadata as m; print(m.version("gguf"))')" -d .whl
 ls -la runs/device .xfer .whl
