@@ -172,11 +172,7 @@ def measure(target, drafter, *, batches=(1, 4, 16, 32, 64, 128), block_size: int
         def step(params, state, tier, spec=spec, tiers=tiers):
             t, d = loop._merge(graphdefs, params)
             window = jnp.full((b,), (jnp.asarray(tiers, jnp.int32) // b - 1)[tier], jnp.int32)
-            if d.config.sequential:  # as the decode loop runs a step (decode/loop.cycle)
-                block_tokens, q, _, state = loop.propose(t, d, state, spec, d.config.mask_token_id)
-                out = loop.verify_compact(t, d, state, block_tokens, spec, q, window, tier)
-            else:
-                out = loop.draft_and_verify_compact(t, d, state, spec, d.config.mask_token_id, window, tier)
+            out = loop.compact_step(t, d, state, spec, d.config.mask_token_id, window, tier)
             return out.anchor  # the committed tokens' last: depends on the whole step
 
         fn = jax.jit(step).lower(job.params, state, np.int32(0)).compile(generation.COMPILER_OPTIONS)

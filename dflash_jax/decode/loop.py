@@ -365,7 +365,7 @@ def _verify_packed(target, drafter, state: DecodeState, spec: LoopSpec, window, 
     block, q, scored, feats, tcache = jax.lax.switch(tier, [run(t) for t in spec.tiers],
                                                      (state.target_cache, operand))
     logits, choice = (scored, None) if spec.sampling else (None, scored)
-    state, accepted, last, untrimmed = _accept(state, block, logits, choice, spec, q, window)
+    state, accepted, last, _ = _accept(state, block, logits, choice, spec, q, window)
     return _commit_verified(drafter, state, block, positions, tcache, feats, accepted, last, None, window)
 
 
@@ -423,9 +423,8 @@ def cycle(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState
     compact = spec.verify_mode == "compact"
     if sch.counts is not None:  # windows before drafting
         state, window, tier = _schedule(state, sch.counts.conditional_rates(), spec)
-        if compact and not drafter.config.sequential:
-            return shard_state(draft_and_verify_compact(target, drafter, state, spec, mask_token_id, window, tier),
-                               spec.plan)
+        if compact:
+            return shard_state(compact_step(target, drafter, state, spec, mask_token_id, window, tier), spec.plan)
         block, q, conf, state = propose(target, drafter, state, spec, mask_token_id)
     else:
         block, q, conf, state = propose(target, drafter, state, spec, mask_token_id)
@@ -436,6 +435,17 @@ def cycle(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState
     else:
         state = verify(target, drafter, state, block, spec, q, window)
     return shard_state(state, spec.plan)
+
+
+def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, spec: LoopSpec,
+                 mask_token_id: int, window: Int[Array, "B"], tier: Int[Array, ""]) -> DecodeState:
+    """Draft, then verify the given windows packed into tier ``tier`` (windows known before drafting: a
+    parallel drafter's LM head runs over the windows only; a sequential one drafts its whole block). Also
+    what ``dflash-jax calibrate`` times (:func:`dflash_jax.costs.measure`)."""
+    if not drafter.config.sequential:
+        return draft_and_verify_compact(target, drafter, state, spec, mask_token_id, window, tier)
+    block, q, _, state = propose(target, drafter, state, spec, mask_token_id)  # no confidence head here
+    return verify_compact(target, drafter, state, block, spec, q, window, tier)
 
 
 def _schedule(state: DecodeState, rates: Float[Array, "B G"], spec: LoopSpec):
