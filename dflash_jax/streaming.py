@@ -2,10 +2,10 @@
 
 The device runs the same prefill and decode programs as a whole call (:mod:`dflash_jax.generation`), the decode
 loop in segments of a few cycles (its ``max_cycles`` is a runtime argument, so streamed and whole calls commit
-identical tokens, greedy or sampled). A worker thread dispatches the segments back to back — the next one
-before it fetches the previous one's :class:`DecodeView` (one small copy) — and passes the views on; the
-caller's thread turns new token ids into text. On a GPU a decode call returns only when its while loop is done,
-which is why dispatching lives on its own thread: the device never waits for the host's text work.
+identical tokens, greedy or sampled). A worker thread dispatches the segments back to back and hands each
+segment's packed view over with its device-to-host copy already started; the caller's thread fetches the
+:class:`DecodeView` and turns new token ids into text. On a GPU a decode call returns only when its while loop
+is done, which is why dispatching lives on its own thread: the device never waits for the host's text work.
 
 The worker stays at most two segments ahead of the reader, so a caller that stops reading (``break``,
 ``close()``, or dropping the iterator) stops the device work within two segments.
@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import threading
 import time
 import weakref
 from typing import Any, Sequence
 
+import jax
 import numpy as np
 
 from dflash_jax import generation
@@ -27,11 +29,9 @@ from dflash_jax.generation import GenerationOutput, Job, Prompt
 from dflash_jax.loading import Drafter, Target, as_target
 from dflash_jax.tokenizer import IncrementalDetokenizer
 
-# Cycles per segment: short first segments for an early first chunk, then `segment_cycles` each, or, by
-# default, as many as take about SEGMENT_S. Each device call has a fixed cost (1.6-1.7 ms measured on the
-# H200 for a SmolLM2-shaped pair, ~400 parameter buffers handed over): a 256-token stream cost 5.6% more
-# decode time than a whole call with 50 ms segments and 3.4% with 100 ms (RESULTS.md, 2026-12-02).
-_FIRST_SEGMENTS = (1, 2, 4)
+# Cycles per segment (see _Pacer): one for an early first chunk, then `segment_cycles` each, or, by default, as
+# many as take about SEGMENT_S. Each device call has a fixed cost (1.6-1.7 ms measured on the H200 for a
+# SmolLM2-shaped pair, ~400 parameter buffers handed over), so a stream's cost is its segment count.
 SEGMENT_S = 0.1
 _MAX_SEGMENT_CYCLES = 1024
 
@@ -65,7 +65,7 @@ class TokenStream:
         self._seen = np.zeros(n, np.int64)  # tokens already yielded, per prompt
         self._finished = np.zeros(n, bool)
         self._text = [IncrementalDetokenizer(tok) if tok else None for _ in range(n)]
-        self._channel = _Channel(capacity=2)
+        self._channel = _Channel(capacity=1)
         self._t0 = time.perf_counter()
         self._first_token_s: float | None = None
         self._segments = [0]  # decode segments dispatched (the worker counts)
@@ -95,14 +95,14 @@ class TokenStream:
             if isinstance(item, BaseException):
                 self.close()
                 raise item
-            chunk = self._chunk(item)
+            chunk = self._chunk(generation.fetch_view(self._job, item))
             if chunk is not None:
                 return chunk
 
     def _chunk(self, view) -> StreamChunk | None:
         """New tokens and text of every prompt since the previous chunk; None when nothing happened."""
         n = len(self._job.ids)
-        tokens, num_new, done = view.tokens, view.num_new[:n], view.done[:n]  # numpy (fetched by the worker)
+        tokens, num_new, done = view.tokens, view.num_new[:n], view.done[:n]
         ids = [tokens[i, self._seen[i]: num_new[i]].tolist() for i in range(n)]
         newly_done = done & ~self._finished
         if not any(ids) and not newly_done.any():
@@ -186,29 +186,67 @@ def _stop_worker(channel: _Channel, worker: threading.Thread) -> None:
     worker.join()
 
 
+class _Pacer:
+    """Cycles per segment: one for an early first chunk, then (once a cycle's time is known from this stream, or
+    from the last stream that ran the same programs) as many as take about ``SEGMENT_S``, rounded down to a
+    power of two so that the few cycle counts a stream uses stay on the device (no copy per call); doubling until
+    then. A fixed ``segment_cycles`` is used as given after the first segment."""
+
+    _CYCLE_S: dict[int, float] = {}  # id(decode program) → seconds per cycle measured by the last stream
+
+    def __init__(self, decode, segment_cycles: int | None):
+        self.key, self.fixed = id(decode), segment_cycles
+        sharding = decode.input_shardings[0][-1]
+        self._on_device = functools.lru_cache(maxsize=None)(lambda c: jax.device_put(np.int32(c), sharding))
+        self.cycle_s = self._CYCLE_S.get(self.key)
+        self.sizes: list[int] = []  # cycles of each segment dispatched
+        self.ends: dict[int, float] = {}  # segment index → when its results were seen to be ready
+
+    def next_cycles(self):
+        if not self.sizes:
+            c = 1
+        elif self.fixed:
+            c = self.fixed
+        elif self.cycle_s is None:
+            c = min(2 * self.sizes[-1], _MAX_SEGMENT_CYCLES)
+        else:
+            c = 1 << int(np.log2(np.clip(SEGMENT_S / self.cycle_s, 1, _MAX_SEGMENT_CYCLES)))
+        self.sizes.append(c)
+        return self._on_device(c)
+
+    def ready(self, k: int) -> None:
+        """Segment ``k``'s results are ready now: the time since segment ``k - 1``'s were is its duration."""
+        self.ends.setdefault(k, time.perf_counter())
+        if k - 1 in self.ends:
+            self.cycle_s = self._CYCLE_S[self.key] = (self.ends[k] - self.ends[k - 1]) / self.sizes[k]
+
+
 def _dispatch_segments(job: Job, segment_cycles: int | None, out: _Channel, count: list[int]) -> None:
-    """Worker thread: prefill, then decode segments back to back until every row is done or ``out`` closes."""
+    """Worker thread: prefill, then decode segments back to back until ``out`` closes (the reader closes it once
+    every row is done, or when it stops reading).
+
+    Each segment's packed view is handed to the reader (its device-to-host copy started) before the next segment
+    is dispatched: the reader fetches and decodes it while the device runs on. On a GPU a decode call returns
+    once its while loop is done, so the worker's only gap on the device is the next call's dispatch; on a CPU the
+    call returns at once, and the worker waits for the previous segment after dispatching the next, which keeps
+    it at most one segment ahead (a reader that stops costs at most that)."""
     try:
-        state, packed = job.programs.prefill(*job.pre_args)
-        first = iter(_FIRST_SEGMENTS)
-        cycles, cycle_s = 0, None
+        pacer = _Pacer(job.programs.decode, segment_cycles)
+        state, _ = job.programs.prefill(*job.pre_args)
+        previous = None
         while True:
-            # Dispatch the next segment before fetching this one's view: on a CPU the device then works while the
-            # view is copied and read; on a GPU the call returns once its segment is done (the view waits a
-            # segment). A segment after the last one does nothing (every row is done; its loop never runs).
-            if segment_cycles:
-                cycles = min(next(first, segment_cycles), segment_cycles)
-            else:
-                cycles = next(first, None) or int(np.clip(SEGMENT_S / max(cycle_s, 1e-6), 1, _MAX_SEGMENT_CYCLES))
-            t0 = time.perf_counter()
-            nxt = job.programs.decode(job.params, state, np.int32(cycles))
+            state, packed = job.programs.decode(job.params, state, pacer.next_cycles())
+            k = count[0]
             count[0] += 1
-            view = generation.fetch_view(job, packed)
-            cycle_s = (time.perf_counter() - t0) / cycles  # rough: a GPU call returns when its segment is done
-            if not out.put(view) or view.done[: len(job.ids)].all():
+            if packed.is_ready():  # a GPU: the call returned with its segment done
+                pacer.ready(k)
+            packed.copy_to_host_async()
+            if not out.put(packed):
                 break
-            state, packed = nxt
-        out.put(_END)
+            if previous is not None:
+                previous.block_until_ready()
+                pacer.ready(k - 1)
+            previous = packed
     except BaseException as e:  # handed to the reader's thread
         out.put(e)
 
