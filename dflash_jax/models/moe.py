@@ -4,7 +4,7 @@ Dimension letters: N tokens (the block flattens B·T), D model dim, E experts, F
 token. Expert weights are stacked ``gate_proj``/``up_proj`` ``[E, D, F]`` and ``down_proj`` ``[E, F, D]`` so an
 expert is an index on axis 0 and tensor parallelism can split F like the dense MLP's hidden.
 
-Three equivalent expert computations (pure jnp, XLA-compiled; no MoE kernels yet):
+Three equivalent expert computations in jnp (XLA-compiled), the references of the kernels:
 
 * :func:`experts_gathered` takes only the routed experts' weights per token: what a decode or verify step
   wants (a few tokens: reading K weight sets per token beats reading all E);
@@ -13,17 +13,25 @@ Three equivalent expert computations (pure jnp, XLA-compiled; no MoE kernels yet
 * :func:`experts_grouped` sorts the (token, expert) pairs by expert and runs ``lax.ragged_dot``: no wasted
   arithmetic, but XLA's ragged_dot was the slowest of the three for many tokens on the CPU and GPU.
 
-:func:`experts_auto` gathers while a call gathers no more weight sets than there are experts, and otherwise
-runs all experts (or the grouped form on the backends of ``GROUPED_ON``).
+Grouped Pallas kernels (:mod:`dflash_jax.cuda.moe` on GPUs, :mod:`dflash_jax.pallas.moe` on TPUs; same
+signature) read each routed expert's weights once and never touch an unrouted one, from the pairs grouped by
+:func:`group_pairs`. On the H200 XLA's paths were far from that: one token, ragged_dot 334 µs and the
+gathered einsum 217 µs against a 13.9 µs bandwidth floor (issue 20).
 
-All three take gpt-oss's variations as keywords: ``biases`` (per-expert gate, up and down biases) and ``act``
+:func:`experts_auto` runs the kernel on ``KERNELS_ON`` backends for calls of at most ``KERNEL_MAX_TOKENS``
+tokens; otherwise it gathers while a call gathers no more weight sets than there are experts, and runs all
+experts (or the grouped form on the backends of ``GROUPED_ON``) beyond that.
+
+All of them take gpt-oss's variations as keywords: ``biases`` (per-expert gate, up and down biases) and ``act``
 (the gated activation of the gate and up projections; Qwen3-MoE's SwiGLU by default).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +103,49 @@ def experts_grouped(x: Float[Array, "N D"], weights: Float[Array, "N K"], idx: I
     return _combine(y.reshape(n, k, -1), weights)
 
 
+class PairGroups(NamedTuple):
+    """The P = N·K (token, expert) pairs grouped by expert, for the grouped kernels; G = min(E, P) groups (a
+    static bound on the routed experts), one per routed expert in ascending expert order."""
+
+    pos: jax.Array  # [P] pair p's row in the expert-sorted order (stable: tokens ascending within an expert)
+    rank: jax.Array  # [P] pair p's index among its expert's pairs (< N: a token routes an expert once)
+    group: jax.Array  # [P] pair p's group
+    expert: jax.Array  # [G] group g's expert; groups g >= n_active repeat the last routed expert
+    start: jax.Array  # [G] group g's first sorted row
+    count: jax.Array  # [G] group g's pairs (0 for g >= n_active)
+    n_active: jax.Array  # [] int32: routed experts (>= 1)
+
+
+# Up to this many pairs the stable sort rank is a [P, P] comparison (one fused reduction, no sort kernel:
+# decode and verify steps); above it an argsort.
+_PAIRWISE_MAX = 1024
+
+
+def group_pairs(idx: Int[Array, "N K"], num_experts: int, *, pairwise_max: int = _PAIRWISE_MAX) -> PairGroups:
+    """Group the (token, expert) pairs of ``idx`` (pair p = token p // K, slot p % K) by expert."""
+    p = math.prod(idx.shape)
+    flat = idx.reshape(p).astype(jnp.int32)
+    counts = jnp.sum(flat[:, None] == jnp.arange(num_experts, dtype=jnp.int32)[None, :], axis=0, dtype=jnp.int32)
+    offsets = jnp.cumsum(counts) - counts  # [E] first sorted row of each expert
+    if p <= pairwise_max:  # earlier pairs of the same expert
+        q = jnp.arange(p)
+        rank = jnp.sum((flat[None, :] == flat[:, None]) & (q[None, :] < q[:, None]), axis=1, dtype=jnp.int32)
+        pos = offsets[flat] + rank
+    else:
+        pos = jnp.zeros(p, jnp.int32).at[jnp.argsort(flat, stable=True)].set(jnp.arange(p, dtype=jnp.int32))
+        rank = pos - offsets[flat]
+    routed = counts > 0
+    gid = jnp.cumsum(routed, dtype=jnp.int32) - 1  # [E] each routed expert's group
+    g = min(num_experts, p)
+    n_active = gid[-1] + 1
+    expert = jnp.zeros(g, jnp.int32).at[jnp.where(routed, gid, g)].set(
+        jnp.arange(num_experts, dtype=jnp.int32), mode="drop")
+    live = jnp.arange(g) < n_active
+    expert = jnp.where(live, expert, expert[n_active - 1])  # idle groups point at blocks already fetched
+    return PairGroups(pos=pos, rank=rank, group=gid[flat], expert=expert, start=offsets[expert],
+                      count=jnp.where(live, counts[expert], 0), n_active=n_active)
+
+
 def experts_dense(x: Float[Array, "N D"], weights: Float[Array, "N K"], idx: Int[Array, "N K"],
                   gate: Float[Array, "E D F"], up: Float[Array, "E D F"], down: Float[Array, "E F D"],
                   *, biases: Biases | None = None, act: Callable = _swiglu) -> Float[Array, "N D"]:
@@ -118,13 +169,102 @@ def experts_dense(x: Float[Array, "N D"], weights: Float[Array, "N K"], idx: Int
 GROUPED_ON: tuple[str, ...] = ()
 
 
+# Backends whose decode-sized calls run the grouped kernels (cuda.moe on "gpu", pallas.moe on "tpu"), up to
+# KERNEL_MAX_TOKENS tokens: they read each routed expert once, like experts_dense but without the unrouted
+# ones; prefill keeps the XLA paths (the kernels' per-call layout costs grow with N·E there, and they are not
+# tuned for compute-bound sizes). Float32 on a GPU keeps the XLA paths, as attention does, until measured.
+# Read at trace time.
+KERNELS_ON: tuple[str, ...] = ("gpu", "tpu")
+KERNEL_MAX_TOKENS = 64
+
+log = logging.getLogger("dflash_jax")
+
+
+@functools.cache
+def _log_once(level: int, message: str) -> None:
+    log.log(level, message)
+
+
+def kernel_unsupported_reason(backend: str, x, weights, idx, gate, up, down, *, biases: Biases | None = None
+                              ) -> str | None:
+    """Why :func:`experts_auto` keeps the XLA paths for these arguments on ``backend`` (None: the kernel runs;
+    on a TPU after it compiled on its own). Arrays or ShapeDtypeStructs."""
+    if backend not in KERNELS_ON:
+        return f"no MoE kernel for backend {backend!r} (KERNELS_ON = {KERNELS_ON})"
+    if x.shape[0] > KERNEL_MAX_TOKENS:
+        return f"{x.shape[0]} tokens > KERNEL_MAX_TOKENS = {KERNEL_MAX_TOKENS}"
+    mesh = jax.sharding.get_abstract_mesh()
+    if not (mesh.empty or mesh.size == 1):
+        return "traced under a multi-device mesh (the kernels run unsharded)"
+    if backend == "gpu":
+        if jnp.dtype(x.dtype) == jnp.float32:
+            return "float32 on GPU (the kernel is measured in bfloat16 only)"
+        from dflash_jax.cuda import moe as mod
+    elif backend == "tpu":
+        from dflash_jax.pallas import moe as mod
+    else:
+        return f"no MoE kernel for backend {backend!r}"
+    return mod.unsupported_reason(x, weights, idx, gate, up, down, biases=biases)
+
+
+_PROBED: dict[tuple, str | None] = {}
+
+
+def _compile_probe(fn: Callable, args: tuple, key: tuple) -> str | None:
+    """Compile ``fn`` alone once per shapes; the error's first line if it fails. The TPU kernel has never met a
+    real Mosaic compiler, and a kernel that fails to compile must not take the decode program down with it."""
+    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args)
+    key = key + tuple((s.shape, str(s.dtype)) for s in shapes)
+    if key not in _PROBED:
+        try:
+            jax.jit(fn).lower(*shapes).compile()
+            _PROBED[key] = None
+        except Exception as e:  # noqa: BLE001 — any compiler error means "use the XLA path"
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            _PROBED[key] = f"the kernel failed to compile: {type(e).__name__}: {first}"
+    return _PROBED[key]
+
+
+def _act_key(act: Callable) -> tuple:
+    if isinstance(act, functools.partial):
+        return (_act_key(act.func), act.args, tuple(sorted(act.keywords.items())))
+    return (getattr(act, "__module__", None), getattr(act, "__qualname__", repr(act)))
+
+
+def _experts_kernel(x, weights, idx, gate, up, down, *, biases: Biases | None = None, act: Callable = _swiglu
+                    ) -> jax.Array | None:
+    """The grouped kernel's result, or None (after a log line where that is news) when the XLA paths must run."""
+    backend = jax.default_backend()
+    why = kernel_unsupported_reason(backend, x, weights, idx, gate, up, down, biases=biases)
+    if why is None:
+        if backend == "gpu":
+            from dflash_jax.cuda.moe import grouped_experts
+        else:
+            from dflash_jax.pallas.moe import grouped_experts
+        args = (x, weights, idx, gate, up, down, *(biases or ()))
+        fn = lambda x, w, i, g, u, d, *b: grouped_experts(x, w, i, g, u, d, biases=tuple(b) or None,  # noqa: E731
+                                                           act=act)
+        if backend == "tpu":
+            why = _compile_probe(fn, args, ("moe", _act_key(act)))
+        if why is None:
+            return fn(*args)
+    if backend in KERNELS_ON and x.shape[0] <= KERNEL_MAX_TOKENS:
+        _log_once(logging.WARNING if "compile" in why else logging.INFO,
+                  f"MoE experts: XLA path instead of the {backend} kernel ({why})")
+    return None
+
+
 def experts_auto(x, weights, idx, gate, up, down, **kw) -> jax.Array:
-    """Gathered while N·K ≤ E (it then reads at most as many weight sets as exist), else all experts.
+    """The grouped kernel where it applies (module docstring), else gathered while N·K ≤ E (it then reads at
+    most as many weight sets as exist), else all experts.
 
     Shapes are static, so the choice is made at trace time: decode/verify steps of small batches gather,
     prefill and wide verify batches run every expert (H200, numbers above: 1 token 68 µs gathered vs 0.80 ms
     dense, 16 tokens 0.70 vs 0.80 ms).
     """
+    out = _experts_kernel(x, weights, idx, gate, up, down, **kw)
+    if out is not None:
+        return out
     if math.prod(idx.shape) <= gate.shape[0]:
         return experts_gathered(x, weights, idx, gate, up, down, **kw)
     impl = experts_grouped if jax.default_backend() in GROUPED_ON else experts_dense

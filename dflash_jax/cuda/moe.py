@@ -1,0 +1,250 @@
+"""GPU grouped-expert MLP (Pallas → Triton): the routed experts' SwiGLU for a few tokens, reading only the
+weights of experts some token routed to.
+
+Same semantics and signature as :func:`dflash_jax.models.moe.experts_gathered` (the jnp reference):
+``x [N, D]``, routing ``weights``/``idx [N, K]``, experts ``gate``/``up [E, D, F]``, ``down [E, F, D]``,
+optional gpt-oss ``biases`` and any elementwise ``act(g, u)`` (computed in float32 here). P = N·K pairs.
+
+Why: on the H200 (bf16, E=128, D=2048, F=768, K=8) XLA's ``ragged_dot`` read more than all 128 experts for
+one token and the gathered einsum was ~15× the routed experts' bytes. Decode is memory-bound, so the goal is
+to stream exactly the routed experts' weights once, with enough programs in flight to fill the HBM pipe.
+
+Layout: the P (token, expert) pairs are sorted by expert (:func:`dflash_jax.models.moe.group_pairs`, a few
+small XLA ops) and each pair's token row is copied to ``xs [P, D]`` in that order, so an expert's rows are
+contiguous. Group g (g < G = min(E, P), one per routed expert; idle groups have count 0 and return at once)
+owns rows ``start[g] : start[g] + count[g]`` — count ≤ N since a token routes an expert once, so for N ≤ 64
+a group is one tile of ``rows`` = clamp(next_pow2(N), 16, 64) rows (``tl.dot`` needs 16; padding rows load
+zeros and are never stored; larger N loops over row tiles).
+
+Two kernels:
+
+* **gate/up** — grid ``(G, F / block_f, splits)``: a program reads ``gate[e]`` and ``up[e]`` columns
+  ``[f0, f0 + block_f)`` for its split's D rows (``block_d`` rows per loop step, software-pipelined) and
+  writes float32 partial sums ``[splits, P, F]``. The D split exists for parallelism: one token has only
+  K=8 groups × 12 column blocks, so D is cut into ~6 splits to put ~4 programs on every SM (splits ≥ 256
+  rows); with 16 tokens (~85 routed experts) one split is enough.
+* **down** — grid ``(G, D / block_n)``: a program sums the splits' partials for its rows, adds the biases,
+  applies ``act`` in float32, casts to the weights' dtype and multiplies by ``down[e]`` rows ``[f0, f0 +
+  block_k)`` × columns ``[d0, d0 + block_n)``, looping over all of F; adds the down bias and writes
+  ``ys [P, D]`` (x's dtype, like the reference's per-expert outputs).
+
+XLA then puts ``ys`` back in (token, slot) order and applies the routing weights (the reference's
+``_combine``). Each routed expert's weights are read once (the partials and ``xs`` are ~1% of the bytes at
+decode sizes); no program touches an unrouted expert. Defaults (64-wide blocks, 4 warps, 3 stages) are
+reasoned, not swept: ``benchmarks/bench_moe.py --sweep`` times alternatives.
+
+Float32 inputs follow JAX's default matmul precision (TF32, or IEEE under "highest"), as in
+:mod:`dflash_jax.cuda`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from dflash_jax.cuda import _cdiv, _highest_precision_requested, _next_pow2, _num_sms
+from dflash_jax.models.moe import Biases, _combine, _swiglu, group_pairs
+
+__all__ = ["grouped_experts", "unsupported_reason"]
+
+_SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_PROGRAMS_PER_SM = 4  # gate/up kernel: D splits until ~this many programs per SM (routed groups × blocks)
+_MIN_SPLIT_ROWS = 256  # fewest D rows per split (more splits: more partial-sum traffic than parallelism)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    rows: int  # pair rows per tile (power of two, >= 16)
+    block_f: int  # gate/up: F columns per program
+    block_d: int  # gate/up: D rows per loop step
+    splits: int  # gate/up: D splits (programs), summed by the down kernel
+    chunk_d: int  # gate/up: D rows per split (a multiple of block_d)
+    block_n: int  # down: D columns per program
+    block_k: int  # down: F rows per loop step
+    num_warps: int
+    num_stages: int
+    ieee_f32: bool
+
+
+def _block(size: int | None, default: int, extent: int) -> int:
+    """A power-of-two block of at least 16 (tl.dot's minimum), never much larger than the extent."""
+    b = _next_pow2(size or default)
+    return max(16, min(b, _next_pow2(extent)))
+
+
+def _make_config(n: int, groups: int, d: int, f: int, dtype, *, block_f, block_d, num_splits, block_n, block_k,
+                 num_warps, num_stages) -> _Config:
+    rows = min(max(_next_pow2(n), 16), 64)
+    bf, bd = _block(block_f, 64, f), _block(block_d, 64, d)
+    if num_splits is None:
+        want = _cdiv(_PROGRAMS_PER_SM * _num_sms(), groups * _cdiv(f, bf))
+        num_splits = max(1, min(want, d // _MIN_SPLIT_ROWS))
+    num_splits = max(1, min(num_splits, _cdiv(d, bd)))
+    chunk = _cdiv(_cdiv(d, num_splits), bd) * bd
+    return _Config(rows=rows, block_f=bf, block_d=bd, splits=_cdiv(d, chunk), chunk_d=chunk,
+                   block_n=_block(block_n, 64, d), block_k=_block(block_k, 64, f), num_warps=num_warps or 4,
+                   num_stages=num_stages or 3,
+                   ieee_f32=jnp.dtype(dtype) == jnp.float32 and _highest_precision_requested())
+
+
+def _dot(a: jax.Array, b: jax.Array, c: _Config) -> jax.Array:
+    prec = lax.Precision.HIGHEST if c.ieee_f32 else lax.Precision.DEFAULT
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=prec, preferred_element_type=jnp.float32)
+
+
+def _and(*masks):
+    """Conjunction of the masks that exist (None: every element of that axis is in bounds)."""
+    masks = [m for m in masks if m is not None]
+    return functools.reduce(jnp.logical_and, masks) if masks else None
+
+
+def _load(ref, mask):
+    return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0)
+
+
+def _tail_mask(start, block: int, extent: int):
+    """[block] mask of indices < extent, or None when blocks tile the extent exactly."""
+    return None if extent % block == 0 else start + jnp.arange(block) < extent
+
+
+def _over_row_tiles(start, count, rows: int, tile: Callable) -> None:
+    """``tile(r0, row_mask)`` for each tile of ``rows`` rows of the group (one tile while count <= rows)."""
+
+    def body(r, carry):
+        tile(start + r * rows, jnp.arange(rows) < count - r * rows)
+        return carry
+
+    lax.fori_loop(0, lax.div(count + rows - 1, rows), body, None)  # no carry: Triton cannot yield literals
+
+
+def _gate_up_kernel(expert_ref, start_ref, count_ref, xs_ref, gate_ref, up_ref, pg_ref, pu_ref, *, c: _Config,
+                    d: int, f: int):
+    # expert/start/count [G]; xs [P, D]; gate/up [E, D, F]; pg/pu [splits, P, F] float32.
+    # Program ids are read outside the pl.when body (interpret mode cannot lower them inside a cond).
+    g, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    e, count = expert_ref[g], count_ref[g]
+    f0 = j * c.block_f
+    fmask = _tail_mask(f0, c.block_f, f)
+    d_lo = s * c.chunk_d
+    steps = lax.div(jnp.minimum(c.chunk_d, d - d_lo) + c.block_d - 1, c.block_d)
+
+    def tile(r0, rmask):
+        def step(i, acc):
+            d0 = d_lo + i * c.block_d
+            dmask = _tail_mask(d0, c.block_d, d)
+            x = _load(xs_ref.at[pl.ds(r0, c.rows), pl.ds(d0, c.block_d)],
+                      _and(rmask[:, None], None if dmask is None else dmask[None, :]))
+            wmask = _and(None if dmask is None else dmask[:, None], None if fmask is None else fmask[None, :])
+            wg = _load(gate_ref.at[e, pl.ds(d0, c.block_d), pl.ds(f0, c.block_f)], wmask)
+            wu = _load(up_ref.at[e, pl.ds(d0, c.block_d), pl.ds(f0, c.block_f)], wmask)
+            return acc[0] + _dot(x, wg, c), acc[1] + _dot(x, wu, c)
+
+        zero = jnp.zeros((c.rows, c.block_f), jnp.float32)
+        acc_g, acc_u = lax.fori_loop(0, steps, step, (zero, zero))
+        omask = _and(rmask[:, None], None if fmask is None else fmask[None, :])
+        plgpu.store(pg_ref.at[s, pl.ds(r0, c.rows), pl.ds(f0, c.block_f)], acc_g, mask=omask)
+        plgpu.store(pu_ref.at[s, pl.ds(r0, c.rows), pl.ds(f0, c.block_f)], acc_u, mask=omask)
+
+    @pl.when(count > 0)
+    def _():
+        _over_row_tiles(start_ref[g], count, c.rows, tile)
+
+
+def _down_kernel(expert_ref, start_ref, count_ref, pg_ref, pu_ref, down_ref, *refs, c: _Config, d: int, f: int,
+                 act: Callable, has_bias: bool):
+    # pg/pu [splits, P, F] float32; down [E, F, D]; [bias_g, bias_u [E, F], bias_d [E, D]]; ys [P, D].
+    *bias_refs, ys_ref = refs
+    g, j = pl.program_id(0), pl.program_id(1)
+    e, count = expert_ref[g], count_ref[g]
+    d0 = j * c.block_n
+    dmask = _tail_mask(d0, c.block_n, d)
+
+    def tile(r0, rmask):
+        def step(i, acc):
+            k0 = i * c.block_k
+            kmask = _tail_mask(k0, c.block_k, f)
+            hmask = _and(rmask[:, None], None if kmask is None else kmask[None, :])
+            part = lambda ref: functools.reduce(jnp.add, (  # noqa: E731 — the splits' partial sums
+                _load(ref.at[jnp.int32(s), pl.ds(r0, c.rows), pl.ds(k0, c.block_k)], hmask) for s in range(c.splits)))
+            hg, hu = part(pg_ref), part(pu_ref)
+            if has_bias:
+                hg = hg + _load(bias_refs[0].at[e, pl.ds(k0, c.block_k)], kmask).astype(jnp.float32)[None, :]
+                hu = hu + _load(bias_refs[1].at[e, pl.ds(k0, c.block_k)], kmask).astype(jnp.float32)[None, :]
+            # Columns past F hold act(0, 0) (0 for SwiGLU and gpt-oss's), padding rows are never stored,
+            # and the matching down rows load as 0: nothing out of bounds reaches an output.
+            h = act(hg, hu).astype(down_ref.dtype)
+            wmask = _and(None if kmask is None else kmask[:, None], None if dmask is None else dmask[None, :])
+            w = _load(down_ref.at[e, pl.ds(k0, c.block_k), pl.ds(d0, c.block_n)], wmask)
+            return acc + _dot(h, w, c)
+
+        acc = lax.fori_loop(0, _cdiv(f, c.block_k), step, jnp.zeros((c.rows, c.block_n), jnp.float32))
+        if has_bias:
+            acc = acc + _load(bias_refs[2].at[e, pl.ds(d0, c.block_n)], dmask).astype(jnp.float32)[None, :]
+        plgpu.store(ys_ref.at[pl.ds(r0, c.rows), pl.ds(d0, c.block_n)], acc.astype(ys_ref.dtype),
+                    mask=_and(rmask[:, None], None if dmask is None else dmask[None, :]))
+
+    @pl.when(count > 0)
+    def _():
+        _over_row_tiles(start_ref[g], count, c.rows, tile)
+
+
+def unsupported_reason(x, weights, idx, gate, up, down, *, biases: Biases | None = None, interpret: bool = False,
+                       **_: object) -> str | None:
+    """Why :func:`grouped_experts` cannot run these arguments here (None when it can). Arrays or
+    ShapeDtypeStructs."""
+    if not interpret and jax.default_backend() != "gpu":
+        return f"needs a GPU backend (have {jax.default_backend()!r}; interpret=True runs on any backend)"
+    if x.ndim != 2 or idx.ndim != 2 or gate.ndim != 3:
+        return "expected x [N, D], idx [N, K], gate [E, D, F]"
+    (n, d), (e, _, f) = x.shape, gate.shape
+    if gate.shape != (e, d, f) or up.shape != gate.shape or down.shape != (e, f, d) or weights.shape != idx.shape:
+        return "expert / routing shapes do not match x"
+    if idx.shape[0] != n or n < 1 or not 1 <= idx.shape[1] <= e:
+        return f"idx {idx.shape} does not route N={n} tokens to at most E={e} experts"
+    if jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES:
+        return f"dtype {jnp.dtype(x.dtype)} is not one of bfloat16/float16/float32"
+    if any(jnp.dtype(a.dtype) != jnp.dtype(x.dtype) for a in (gate, up, down)):
+        return "x and expert weight dtypes differ"
+    if biases is not None and (biases[0].shape != (e, f) or biases[1].shape != (e, f) or biases[2].shape != (e, d)):
+        return "bias shapes do not match the experts"
+    return None
+
+
+def grouped_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Array, up: jax.Array,
+                    down: jax.Array, *, biases: Biases | None = None, act: Callable = _swiglu,
+                    block_f: int | None = None, block_d: int | None = None, num_splits: int | None = None,
+                    block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                    num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+    """The routed experts' MLP of :func:`dflash_jax.models.moe.experts_gathered`, reading only routed experts'
+    weights (module docstring). Not jitted itself (``act`` may be a fresh closure each call): call it inside
+    a jitted program. Tuning (static): ``block_f``/``block_d``/``num_splits`` of the gate/up kernel,
+    ``block_n``/``block_k`` of the down kernel (powers of two ≥ 16; default 64, splits for ~4 programs per
+    SM), ``num_warps`` (4), ``num_stages`` (3)."""
+    n, k = idx.shape
+    e, d, f = gate.shape
+    p = n * k
+    groups = min(e, p)
+    c = _make_config(n, groups, d, f, x.dtype, block_f=block_f, block_d=block_d, num_splits=num_splits,
+                     block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    grp = group_pairs(idx, e)
+    xs = jnp.zeros((p, d), x.dtype).at[grp.pos].set(jnp.repeat(x, k, axis=0))  # pair rows in expert order
+    meta = (grp.expert, grp.start, grp.count)
+    params = plgpu.CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages)
+    partial = jax.ShapeDtypeStruct((c.splits, p, f), jnp.float32)
+    pg, pu = pl.pallas_call(
+        functools.partial(_gate_up_kernel, c=c, d=d, f=f), out_shape=[partial, partial],
+        grid=(groups, _cdiv(f, c.block_f), c.splits), compiler_params=params, interpret=interpret,
+        name="dflash_moe_gate_up")(*meta, xs, gate, up)
+    ys = pl.pallas_call(
+        functools.partial(_down_kernel, c=c, d=d, f=f, act=act, has_bias=biases is not None),
+        out_shape=jax.ShapeDtypeStruct((p, d), x.dtype), grid=(groups, _cdiv(d, c.block_n)),
+        compiler_params=params, interpret=interpret, name="dflash_moe_down")(
+        *meta, pg, pu, down, *(biases or ()))
+    return _combine(ys[grp.pos].reshape(n, k, d), weights)
