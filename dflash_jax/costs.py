@@ -42,11 +42,13 @@ class CostTable:
     context: int  # cache length the steps attended over
     step_ms: dict[int, dict[int, float]]  # batch → tokens per row → ms per step
     created: str = ""  # date, commit
+    # batch → ms of a plain autoregressive step (no drafting): the scheduler may then skip drafting for a step
+    # (compact mode, drafters without a confidence head). Empty: not measured, not offered.
+    ar_ms: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def step_costs(self, batch: int, tiers: tuple[int, ...]) -> np.ndarray:
         """Milliseconds of a step at each tier of ``batch`` rows: interpolated in tokens per row, and in
         log₂ batch between measured batches (beyond the largest, scaled with the batch)."""
-        batches = sorted(self.step_ms)
         per_row = np.asarray(tiers, np.float64) / batch
 
         def at(b: int) -> np.ndarray:
@@ -54,32 +56,49 @@ class CostTable:
             xs = sorted(row)
             return np.interp(per_row, xs, [row[x] for x in xs])
 
-        if batch >= batches[-1]:
-            return at(batches[-1]) * batch / batches[-1]
-        if batch <= batches[0]:
-            return at(batches[0])
-        hi = next(i for i, b in enumerate(batches) if b >= batch)
-        lo_b, hi_b = batches[hi - 1], batches[hi]
-        f = (np.log2(batch) - np.log2(lo_b)) / (np.log2(hi_b) - np.log2(lo_b))
-        return (1 - f) * at(lo_b) + f * at(hi_b)
+        return _in_batch(self.step_ms, batch, at)
+
+    def ar_cost(self, batch: int) -> float | None:
+        """Milliseconds of an autoregressive step of ``batch`` rows (None: not in the table)."""
+        if not self.ar_ms:
+            return None
+        return float(_in_batch(self.ar_ms, batch, lambda b: np.asarray(self.ar_ms[b])))
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["step_ms"] = {str(b): {str(t): round(ms, 4) for t, ms in row.items()} for b, row in self.step_ms.items()}
+        d["ar_ms"] = {str(b): round(ms, 4) for b, ms in self.ar_ms.items()}
         return d
 
     @staticmethod
     def from_json(d: Any, where: str) -> "CostTable":
         try:
             step = {int(b): {int(t): float(ms) for t, ms in row.items()} for b, row in d["step_ms"].items()}
+            ar = {int(b): float(ms) for b, ms in (d.get("ar_ms") or {}).items()}
             table = CostTable(str(d["backend"]), str(d.get("device", "")), str(d.get("dtype", "")),
                               str(d.get("pair", "")), int(d["block_size"]), int(d.get("context", 0)), step,
-                              str(d.get("created", "")))
+                              str(d.get("created", "")), ar)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CostTableError(f"{where}: not a cost table ({type(e).__name__}: {e})") from None
         if not step or any(not row or min(row.values()) <= 0 for row in step.values()):
             raise CostTableError(f"{where}: a cost table needs positive step times for at least one batch")
+        if any(ms <= 0 for ms in ar.values()):
+            raise CostTableError(f"{where}: autoregressive step times must be positive")
         return table
+
+
+def _in_batch(by_batch: dict[int, Any], batch: int, at) -> np.ndarray:
+    """``at(b)`` interpolated in log₂ batch between the measured batches ``by_batch`` (beyond the largest,
+    scaled with the batch; below the smallest, the smallest's)."""
+    batches = sorted(by_batch)
+    if batch >= batches[-1]:
+        return at(batches[-1]) * batch / batches[-1]
+    if batch <= batches[0]:
+        return at(batches[0])
+    hi = next(i for i, b in enumerate(batches) if b >= batch)
+    lo_b, hi_b = batches[hi - 1], batches[hi]
+    f = (np.log2(batch) - np.log2(lo_b)) / (np.log2(hi_b) - np.log2(lo_b))
+    return (1 - f) * at(lo_b) + f * at(hi_b)
 
 
 def tables_path(pair_yaml: str | Path) -> Path:
@@ -147,9 +166,10 @@ def resolve(table: "CostTable | str | Path | None", backend: str, attached: dict
 def measure(target, drafter, *, batches=(1, 4, 16, 32, 64, 128), block_size: int | None = None,
             context: int = 256, repeats: int = 20, pair: str = "", progress=None) -> CostTable:
     """Time one compact step (draft + packed verify of ``per_row`` tokens per row + accept + commit) at every
-    tier of every batch, the rows' caches holding ``context`` tokens. One program per batch (the tier is a
-    runtime argument, as in the decode loop); ``repeats`` timed runs per tier after one warm-up, the median
-    kept. ``progress``: called with a line per batch."""
+    tier of every batch, and the scheduler's autoregressive step (no drafting), the rows' caches holding
+    ``context`` tokens. One program per batch (the tier is a runtime argument, as in the decode loop);
+    ``repeats`` timed runs per tier after one warm-up, the median kept. ``progress``: called with a line per
+    batch."""
     import jax
     import jax.numpy as jnp
 
@@ -159,12 +179,15 @@ def measure(target, drafter, *, batches=(1, 4, 16, 32, 64, 128), block_size: int
     target, drafter, block = generation.speculative_settings(target, drafter, block_size)
     rng = np.random.default_rng(0)
     step_ms: dict[int, dict[int, float]] = {}
+    ar_ms: dict[int, float] = {}
     for b in batches:
         tiers = schedule.tiers_for(b, block)
         ids = rng.integers(0, target.config.vocab_size, (b, context)).tolist()
+        # Costs proportional to the tokens keep every tier (schedule.prune_tiers) and offer the AR step.
+        proportional = CostTable("", "", "", "", block, 0, {1: {t // b: float(t) for t in tiers}}, ar_ms={1: 0.5})
         job = generation.prepare(target, drafter, ids, max_new_tokens=4 * block,
-                                 block_size=block, stop_token_ids=[], verify_mode="compact",
-                                 cost_table=CostTable("", "", "", "", block, 0, {1: {1: 1.0}}))  # unused here
+                                 block_size=block, stop_token_ids=[], verify_mode="compact", cost_table=proportional)
+        assert job.spec.tiers == tiers
         state, _ = job.programs.prefill(*job.pre_args)
         graphdefs = (job.target.split().static, job.drafter.split().static)
         spec = job.spec
@@ -177,7 +200,7 @@ def measure(target, drafter, *, batches=(1, 4, 16, 32, 64, 128), block_size: int
 
         fn = jax.jit(step).lower(job.params, state, np.int32(0)).compile(generation.COMPILER_OPTIONS)
         row = {}
-        for i, size in enumerate(tiers):
+        for i, size in enumerate(tiers + (0,)):  # index len(tiers): the autoregressive step
             fn(job.params, state, np.int32(i)).block_until_ready()
             times = []
             for _ in range(repeats):
@@ -185,15 +208,17 @@ def measure(target, drafter, *, batches=(1, 4, 16, 32, 64, 128), block_size: int
                 fn(job.params, state, np.int32(i)).block_until_ready()
                 times.append(time.perf_counter() - t0)
             row[size // b] = float(np.median(times) * 1e3)
+        ar_ms[b] = row.pop(0)
         step_ms[b] = row
         if progress:
-            progress(f"batch {b:4d}: " + "  ".join(f"{n}/row {ms:.2f} ms" for n, ms in row.items()))
+            progress(f"batch {b:4d}: " + "  ".join(f"{n}/row {ms:.2f} ms" for n, ms in row.items())
+                     + f"  autoregressive {ar_ms[b]:.2f} ms")
     device = jax.devices()[0]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
     return CostTable(jax.default_backend(), getattr(device, "device_kind", str(device)),
                      str(target.model.dtype), pair or target.name, block, context, step_ms,
-                     f"{datetime.date.today().isoformat()} {commit}".strip())
+                     f"{datetime.date.today().isoformat()} {commit}".strip(), ar_ms)
 
 
 def plot(table: CostTable, path: str | Path) -> Path:
@@ -206,11 +231,13 @@ def plot(table: CostTable, path: str | Path) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for b, row in sorted(table.step_ms.items()):
         xs = sorted(row)
-        ax.plot([b * x for x in xs], [row[x] for x in xs], marker="o", label=f"batch {b}")
+        line, = ax.plot([b * x for x in xs], [row[x] for x in xs], marker="o", label=f"batch {b}")
+        if b in table.ar_ms:  # the autoregressive step: b tokens, no drafting
+            ax.plot([b], [table.ar_ms[b]], marker="x", markersize=9, color=line.get_color(), linestyle="none")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("verify tokens in the step (batch × tokens per row)")
-    ax.set_ylabel("step time (ms): draft + verify + commit")
+    ax.set_ylabel("step time (ms): draft + verify + commit (×: no drafting)")
     ax.set_title(f"{table.pair} on {table.device} ({table.dtype}, context {table.context})", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)

@@ -211,13 +211,13 @@ class Job:
 @functools.lru_cache(maxsize=256)
 def _loop_spec(block_size: int, new_cap: int, capture: tuple, impl: str, sampled: bool, draft_sampling: bool,
                top_k: bool, top_p: bool, mesh, target_cfg, drafter_cfg, verify_mode: str = "static",
-               tiers: tuple = ()) -> LoopSpec:
+               tiers: tuple = (), ar_step: bool = False) -> LoopSpec:
     from dflash_jax import sharding as shd
 
     return LoopSpec(block_size=block_size, new_capacity=new_cap, capture=capture, impl=impl,
                     prefill_chunk=PREFILL_CHUNK, sampling=sampled, draft_sampling=sampled and draft_sampling,
                     top_k=top_k, top_p=top_p, plan=shd.make_plan(mesh, target_cfg, drafter_cfg),
-                    verify_mode=verify_mode, tiers=tiers)
+                    verify_mode=verify_mode, tiers=tiers, ar_step=ar_step)
 
 
 def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, max_new_tokens, block_size: int,
@@ -265,7 +265,7 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
     stop_arr[: len(stops)] = stops
     sampled = bool((sp.temperature > 0).any())
     verify_mode = _check_verify_mode(verify_mode, target, drafter, block_size, dp)
-    tiers, step_cost = (), None
+    tiers, step_cost, ar_step = (), None, False
     if verify_mode != "static":
         tiers = schedule.tiers_for(b, block_size)
         table = costs.resolve(cost_table, jax.default_backend(), drafter.cost_tables)
@@ -273,6 +273,13 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
         if verify_mode == "auto":
             verify_mode = "compact" if step_cost[-1] >= AUTO_COMPACT_RATIO * step_cost[0] else "static"
             tiers, step_cost = (tiers, step_cost) if verify_mode == "compact" else ((), None)
+        if verify_mode == "compact":
+            tiers, step_cost = schedule.prune_tiers(tiers, step_cost)
+            # Skipping the drafter for a step needs the windows before drafting: running acceptance counts,
+            # not a confidence head's scores.
+            ar_cost = table.ar_cost(b) if getattr(drafter.model, "confidence_head", None) is None else None
+            if ar_cost is not None:
+                ar_step, step_cost = True, np.append(step_cost, np.float32(ar_cost))
     if pad:  # on the host: eager device ops would compile anew for each partial batch's row count
         sp = SamplingParams(*(np.concatenate([x, np.repeat(x[-1:], pad)]) for x in
                               (sp.temperature, sp.top_k, sp.top_p)))
@@ -280,7 +287,8 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
     spec = _loop_spec(block_size, new_cap, tuple(drafter.config.target_layer_ids) if drafter is not None else (),
                       attention.resolve_impl(attention_impl, target.model.dtype), sampled, bool(draft_sampling),
                       sampled and bool((sp.top_k > 0).any()), sampled and bool((sp.top_p < 1).any()),
-                      target.mesh, cfg, drafter.config.layers if drafter is not None else None, verify_mode, tiers)
+                      target.mesh, cfg, drafter.config.layers if drafter is not None else None, verify_mode, tiers,
+                      ar_step)
     tsplit = target.split()
     dsplit = drafter.split() if drafter is not None else None
     mask_id = drafter.config.mask_token_id if drafter is not None else 0
@@ -388,7 +396,8 @@ def verify_stats(spec: LoopSpec, view: DecodeView, n: int, acc_lens: list[list[i
     """What verifying cost: ``verify_mode``, ``verify_tokens`` (tokens through the target's verify, summed over
     rows and cycles), ``mean_window`` (the tokens per row and cycle the schedule verifies or — cap-accept —
     commits from, anchor included: L for static); for scheduled modes ``tier_steps`` (steps per compiled tier:
-    {tokens: steps}) and ``row_verify_tokens`` (each row's windows, summed); for cap-accept ``utilization``:
+    {tokens: steps}), ``ar_steps`` (steps the scheduler ran without drafting, when offered) and
+    ``row_verify_tokens`` (each row's windows, summed); for cap-accept ``utilization``:
     committed tokens ÷ what committing every accepted draft of the whole block would have given (1.0:
     trimming gave up nothing) and ``row_untrimmed`` (per row, that whole-block figure)."""
     cycles = int(view.num_cycles[:n].sum())
@@ -397,6 +406,8 @@ def verify_stats(spec: LoopSpec, view: DecodeView, n: int, acc_lens: list[list[i
     out = {"verify_mode": spec.verify_mode, "verify_tokens": verified, "mean_window": windows / max(cycles, 1)}
     if spec.scheduled:
         out["tier_steps"] = {int(t): int(c) for t, c in zip(spec.tiers, view.tier_steps[0]) if c}
+        if spec.ar_step:
+            out["ar_steps"] = int(view.tier_steps[0, len(spec.tiers)])
         out["row_verify_tokens"] = view.verify_tokens[:n, 0].tolist()
     if spec.verify_mode == "cap-accept":
         committed = sum(sum(row) for row in acc_lens)

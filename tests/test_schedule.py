@@ -4,6 +4,7 @@ one program whatever tier a step picks, cost tables."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -77,6 +78,21 @@ def test_admission_extremes():
     assert w.tolist() == [0, 0]
     w, _ = admit(surv, both, jnp.asarray([1.0, 1.2, 2.0]))  # the sure row keeps its drafts, the hopeless loses them
     assert w.tolist()[1] <= 1 and w.tolist()[0] >= 2
+    # A plain autoregressive step (tier index K = 3): taken only when it beats every window assignment.
+    cost = jnp.asarray([1.0, 1.2, 2.0])
+    admit_ar = fast_jit(lambda s, a, c, ar: schedule.admit(s, a, c, tiers=tiers, ar_cost=ar))
+    w, tier = admit_ar(surv, both, cost, jnp.float32(0.5))  # 4 tokens/unit beat the best (< 3.2)
+    assert w.tolist() == [0, 0] and int(tier) == 3
+    w_ar, tier = admit_ar(surv, both, cost, jnp.float32(0.9))  # 2.2 tokens/unit lose to drafting
+    assert w_ar.tolist() == admit(surv, both, cost)[0].tolist() and int(tier) < 3
+
+
+def test_tiers_that_cannot_pay_for_their_conditional_are_pruned():
+    tiers = (4, 8, 16, 32, 64)
+    kept, cost = schedule.prune_tiers(tiers, np.asarray([2.55, 2.68, 2.62, 2.54, 2.60]))  # an H200 at batch 1
+    assert kept == (64,) and cost.tolist() == [2.60]
+    kept, cost = schedule.prune_tiers(tiers, np.asarray([150.0, 156.0, 172.0, 204.0, 256.0]))  # a CPU
+    assert kept == (4, 16, 32, 64) and cost.tolist() == [150.0, 172.0, 204.0, 256.0]
 
 
 def test_acceptance_counts_pool_rows_and_see_only_the_window():
@@ -152,6 +168,9 @@ MAX_NEW = 28
 # Step cost per tokens-per-row: a machine where verifying gets dearer, so windows vary.
 TABLE = CostTable("cpu", "test", "float32", "tiny", 8, 32, {4: {1: 1.0, 2: 1.25, 4: 1.8, 8: 3.2}})
 FLAT = CostTable("cpu", "test", "float32", "tiny", 8, 32, {4: {1: 1.0, 8: 1.01}})  # verifying is ~free
+MILD = CostTable("cpu", "test", "float32", "tiny", 8, 32, {4: {1: 0.9, 2: 1.05, 4: 1.2, 8: 1.5}})  # TABLE's tiers
+# Drafting costs as much as verifying three more tokens per row: some steps are cheaper without it.
+WITH_AR = CostTable("cpu", "test", "float32", "tiny", 8, 32, {4: {1: 1.0, 2: 1.25, 4: 1.8, 8: 3.2}}, ar_ms={4: 0.7})
 
 
 @pytest.fixture(scope="module")
@@ -195,12 +214,28 @@ def test_every_mode_is_lossless_and_compact_commits_what_cap_accept_commits(runs
 
 def test_the_tier_is_chosen_on_the_device_without_recompiling(target, oracle, runs):
     before = generation.compile_count()
+    mild = speculative_generate(target, oracle, PROMPTS, MAX_NEW, stop_token_ids=[], verify_mode="compact",
+                                cost_table=MILD)
+    assert generation.compile_count() == before  # another cost table keeping the same tiers: the same program
+    assert mild.stats["tier_steps"] != runs["compact"].stats["tier_steps"]
+    assert mild.stats["mean_window"] > runs["compact"].stats["mean_window"]  # verifying is cheaper there
     flat = speculative_generate(target, oracle, PROMPTS, MAX_NEW, stop_token_ids=[], verify_mode="compact",
                                 cost_table=FLAT)
-    assert generation.compile_count() == before  # another cost table: the same program
-    assert flat.stats["tier_steps"] != runs["compact"].stats["tier_steps"]
-    assert max(flat.stats["tier_steps"]) == 4 * 8  # verifying is free: whole blocks
+    assert list(flat.stats["tier_steps"]) == [4 * 8]  # no tier saves anything: whole blocks, no conditional
     assert flat.acceptance_lengths == runs["static"].acceptance_lengths
+
+
+def test_steps_without_drafting_are_lossless(target, runs, reference):
+    """A drafter right half the time: once the counts say so, steps without drafting pay (WITH_AR); they observe
+    nothing, so the counts fade back towards the prior and drafting is tried again — both kinds of step run."""
+    poor = oracle_drafter(target, PROMPTS, reference.token_ids, block_size=8, corrupt=0.5, seed=2)
+    out = speculative_generate(target, poor, PROMPTS, MAX_NEW, stop_token_ids=[], verify_mode="compact",
+                               cost_table=WITH_AR)
+    assert out.token_ids == reference.token_ids
+    drafted = sum(out.stats["tier_steps"].values())
+    assert out.stats["ar_steps"] > 0 and drafted > 0, out.stats
+    assert out.stats["ar_steps"] + drafted == max(map(len, out.acceptance_lengths))
+    assert "ar_steps" not in runs["compact"].stats  # TABLE has no autoregressive step time: not offered
 
 
 def test_dspark_confidences_schedule_compact_and_cap_accept_alike(target, reference):
@@ -226,6 +261,11 @@ def test_sampled_compact_matches_target_distribution(pair, logits):
     cap = draw(lambda *a, **k: speculative_generate(target, drafter, *a, **k), temperature=1.0, seed=3,
                verify_mode="cap-accept", cost_table=table)
     assert (cap == samples).all()
+    # Steps without drafting draw the token from p itself.
+    with_ar = dataclasses.replace(table, ar_ms={1: 0.75})
+    samples, out = draw(lambda *a, **k: speculative_generate(target, drafter, *a, **k), with_output=True,
+                        temperature=1.0, seed=5, verify_mode="compact", cost_table=with_ar)
+    assert chi2_pvalue(samples, probs) > 1e-3 and out.stats["ar_steps"] > 0
 
 
 @pytest.mark.auto_verify

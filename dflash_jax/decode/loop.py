@@ -137,7 +137,7 @@ def prefill(
 
 
 def _new_schedule(drafter: DFlashDrafter, b: int, spec: LoopSpec, step_cost) -> ScheduleState:
-    g, k = spec.block_size - 1, len(spec.tiers)
+    g, k = spec.block_size - 1, len(spec.tiers) + spec.ar_step
     confident = getattr(drafter, "confidence_head", None) is not None
     zeros = jnp.zeros((b,), jnp.int32)
     return ScheduleState(step_cost.astype(jnp.float32), None if confident else schedule.AcceptanceCounts.zeros(b, g),
@@ -387,7 +387,7 @@ def _commit_verified(drafter, state: DecodeState, block, positions, tcache, feat
     """Drafter context from the verify's features, scheduler statistics, commit. ``untrimmed``: what the
     row would have accepted without its window (None: not known, compact)."""
     dcache = state.draft_cache
-    if drafter is not None and block.shape[1] > 1:
+    if drafter is not None and feats is not None:
         # All L rows are written; those past the new anchor are masked by ctx_len and overwritten later.
         dcache = drafter.materialize(dcache, feats, positions)
     state = dataclasses.replace(state, target_cache=tcache, draft_cache=dcache)
@@ -442,17 +442,46 @@ def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState
     """Draft, then verify the given windows packed into tier ``tier`` (windows known before drafting: a
     parallel drafter's LM head runs over the windows only; a sequential one drafts its whole block). Also
     what ``dflash-jax calibrate`` times (:func:`dflash_jax.costs.measure`)."""
-    if not drafter.config.sequential:
-        return draft_and_verify_compact(target, drafter, state, spec, mask_token_id, window, tier)
-    block, q, _, state = propose(target, drafter, state, spec, mask_token_id)  # no confidence head here
-    return verify_compact(target, drafter, state, block, spec, q, window, tier)
+    def drafted(state):
+        if not drafter.config.sequential:
+            return draft_and_verify_compact(target, drafter, state, spec, mask_token_id, window, tier)
+        block, q, _, state = propose(target, drafter, state, spec, mask_token_id)  # no confidence head here
+        return verify_compact(target, drafter, state, block, spec, q, window, tier)
+
+    if not spec.ar_step:
+        return drafted(state)
+    return jax.lax.cond(tier == len(spec.tiers), lambda s: ar_step(target, drafter, s, spec), drafted, state)
+
+
+def ar_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, spec: LoopSpec) -> DecodeState:
+    """One plain autoregressive step in a scheduled loop (the scheduler found that no drafting pays this
+    step, tier index K): the target over each row's anchor, its token (argmax, or a draw from p) committed,
+    the drafter's context extended by that position. What a window of 0 commits, without drafting. The
+    acceptance counts fade (nothing was observed), so that drafting is tried again after a while."""
+    block = state.anchor[:, None]
+    positions = block_positions(state, 1)
+    hidden, feats, tcache = target(block, positions, state.target_cache, capture=spec.capture, impl=spec.impl)
+    logits = target.logits(hidden)[:, 0]  # [B, V]
+    if spec.sampling:
+        rng, k_token = _split_rows(state.rng)
+        p = sampling.filtered_probs(logits, state.sampling, use_top_k=spec.top_k, use_top_p=spec.top_p)
+        state, last = dataclasses.replace(state, rng=rng), jax.vmap(sampling.sample)(k_token, p)
+    else:
+        last = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sch = state.schedule
+    state = dataclasses.replace(state, schedule=dataclasses.replace(
+        sch, counts=sch.counts.faded(schedule.UNOBSERVED_DECAY)))
+    none = jnp.zeros_like(state.anchor)
+    return _commit_verified(drafter, state, block, positions, tcache, feats, none, last, None, none)
 
 
 def _schedule(state: DecodeState, rates: Float[Array, "B G"], spec: LoopSpec):
     """(state, windows, tier) from per-draft acceptance rates; the step counted in the tier histogram."""
     sch = state.schedule
-    window, tier = schedule.admit(schedule.survival(rates), ~state.done, sch.step_cost, tiers=spec.tiers)
-    steps = sch.tier_steps + jax.nn.one_hot(tier, len(spec.tiers), dtype=jnp.int32)[None, :]
+    k = len(spec.tiers)
+    window, tier = schedule.admit(schedule.survival(rates), ~state.done, sch.step_cost[:k], tiers=spec.tiers,
+                                  ar_cost=sch.step_cost[k] if spec.ar_step else None)
+    steps = sch.tier_steps + jax.nn.one_hot(tier, k + spec.ar_step, dtype=jnp.int32)[None, :]
     return dataclasses.replace(state, schedule=dataclasses.replace(sch, tier_steps=steps)), window, tier
 
 
@@ -493,7 +522,8 @@ def unpack_inputs(ints: Int[Array, "N"], floats: jax.Array | None, spec: LoopSpe
                   num_stops: int) -> tuple:
     """The prefill's inputs from the host's two packed vectors (one host-to-device copy each): ``ints`` =
     prompt [B·P] | prompt_len [B] | max_new [B] | stop ids [Z] | seed; ``floats`` (sampling only) =
-    temperature [B] | top_k [B] | top_p [B], then (scheduled verify modes) the step cost per tier [K].
+    temperature [B] | top_k [B] | top_p [B], then (scheduled verify modes) the step cost per tier [K] (and
+    an autoregressive step's, ``spec.ar_step``).
     Inverse of :func:`dflash_jax.generation.pack_inputs`."""
     b, p, z = batch, prompt_len, num_stops
     cuts = np.cumsum([b * p, b, b, z])
@@ -503,7 +533,7 @@ def unpack_inputs(ints: Int[Array, "N"], floats: jax.Array | None, spec: LoopSpe
         t, k, top_p = floats[0:b], floats[b:2 * b], floats[2 * b:3 * b]
         sp = sampling.SamplingParams(t, k.astype(jnp.int32), top_p)
     if spec.scheduled:
-        cost = floats[floats.shape[0] - len(spec.tiers):]
+        cost = floats[floats.shape[0] - len(spec.tiers) - spec.ar_step:]
     return (prompt.reshape(b, p), lens, max_new, stops, jax.lax.bitcast_convert_type(seed[0], jnp.uint32), sp,
             cost)
 

@@ -36,6 +36,9 @@ PRIOR_ACCEPT, PRIOR_REJECT = 4.0, 1.0
 # A row's own counts are pooled with the batch's (weight POOL in pseudo-observations): the batch's rates
 # steer a row early on and whenever its window has stopped short of a position for a while.
 POOL = 4.0
+# A step without drafting observes nothing, so the counts then fade by this factor (towards the optimistic
+# prior): a run of such steps ends with drafting tried again, and the text may have become easier.
+UNOBSERVED_DECAY = 0.7
 
 
 def check_verify_mode(mode: str) -> str:
@@ -77,6 +80,9 @@ class AcceptanceCounts:
         passed = (j < accepted[:, None]) & active[:, None]
         return AcceptanceCounts(self.reached + reached, self.accepted + passed)
 
+    def faded(self, factor: float) -> "AcceptanceCounts":
+        return AcceptanceCounts(self.reached * factor, self.accepted * factor)
+
     def conditional_rates(self) -> Float[Array, "B G"]:
         """P(draft j accepted | drafts before it accepted), per row: the row's counts pooled with the batch's
         (which start from the Beta prior)."""
@@ -95,8 +101,11 @@ def tier_index(tokens: Int[Array, "*n"], tiers: tuple[int, ...]) -> Int[Array, "
 
 
 def admit(surv: Float[Array, "B G"], active: Bool[Array, "B"], step_cost: Float[Array, "K"], *,
-          tiers: tuple[int, ...]) -> tuple[Int[Array, "B"], Int[Array, ""]]:
-    """Windows (drafts to verify per row; 0 for inactive rows) and the tier index of the step."""
+          tiers: tuple[int, ...], ar_cost: Float[Array, ""] | None = None
+          ) -> tuple[Int[Array, "B"], Int[Array, ""]]:
+    """Windows (drafts to verify per row; 0 for inactive rows) and the tier index of the step. ``ar_cost``:
+    the cost of a plain autoregressive step (no drafting, one token per active row); when it buys more
+    tokens per second than any window assignment, the windows are 0 and the tier index is K."""
     b, g = surv.shape
     n_active = active.sum().astype(jnp.int32)
     flat = jnp.where(active[:, None], surv, -1.0).reshape(-1)  # inactive rows sort last, never admitted
@@ -107,7 +116,29 @@ def admit(surv: Float[Array, "B G"], active: Bool[Array, "B"], step_cost: Float[
     cost = step_cost[tier_index(n_active + k, tiers)]
     rate = jnp.where(k <= n_active * g, gain / cost, -jnp.inf)
     chosen = jnp.argmax(rate).astype(jnp.int32)
+    tier = tier_index(n_active + chosen, tiers)
+    if ar_cost is not None:
+        skip = n_active / ar_cost > rate[chosen]
+        chosen, tier = jnp.where(skip, 0, chosen), jnp.where(skip, len(tiers), tier)
     admitted = jnp.zeros((b * g,), bool).at[order].set(k[:-1] < chosen)
     windows = admitted.reshape(b, g).sum(1).astype(jnp.int32)
-    return windows, tier_index(n_active + chosen, tiers)
+    return windows, tier
+
+
+# A smaller tier is compiled only if its step costs at least this much less than the next larger tier kept:
+# choosing a tier is a conditional on the device (on a GPU one host read per step, ~0.2 ms on an H200), and
+# where a step costs the same for 1 or 16 tokens per row (a small batch on a GPU) trimming cannot pay for it.
+TIER_MIN_SAVING = 0.10
+
+
+def prune_tiers(tiers: tuple[int, ...], step_cost: Float[Array, "K"]) -> tuple[tuple[int, ...], Float[Array, "K"]]:
+    """The tiers worth compiling and their costs: the largest (the whole block) always, each smaller one only
+    if it saves ``TIER_MIN_SAVING`` of the next larger one kept. With a single tier left, compact verifies
+    every draft (the admission sees a flat cost) without a conditional."""
+    keep = [len(tiers) - 1]
+    for i in range(len(tiers) - 2, -1, -1):
+        if step_cost[i] <= (1 - TIER_MIN_SAVING) * step_cost[keep[-1]]:
+            keep.append(i)
+    keep.reverse()
+    return tuple(tiers[i] for i in keep), step_cost[keep]
 

@@ -31,6 +31,7 @@ class LoopSpec:
     prefill_chunk: int | None = None  # longer prompts are prefilled this many positions at a time
     verify_mode: str = "static"  # see dflash_jax.decode.schedule: "static", "compact" or "cap-accept"
     tiers: tuple[int, ...] = ()  # compiled packed-verify sizes (scheduled modes; the last is B·L)
+    ar_step: bool = False  # compact: the scheduler may also pick a plain autoregressive step (tier index K)
 
     @property
     def scheduled(self) -> bool:
@@ -42,11 +43,12 @@ class LoopSpec:
 class ScheduleState:
     """The confidence scheduler's inputs and its statistics (scheduled verify modes only)."""
 
-    step_cost: Float[Array, "K"]  # seconds of a step at each tier (draft + verify), from the cost table
+    step_cost: Float[Array, "K"]  # ms of a step at each tier (draft + verify), from the cost table; with
+    #                               LoopSpec.ar_step one more: an autoregressive step's
     counts: AcceptanceCounts | None  # running acceptance counts (drafters without a confidence head)
     verify_tokens: Int[Array, "B"]  # Σ over the row's active cycles of its verified tokens (window + anchor)
     untrimmed: Int[Array, "B"]  # cap-accept: Σ of a + 1 had the whole block been committable
-    tier_steps: Int[Array, "B K"]  # steps run at each tier (the same in every row)
+    tier_steps: Int[Array, "B K"]  # steps run at each tier, then AR steps if offered (the same in every row)
 
 
 @jax.tree_util.register_dataclass
