@@ -280,6 +280,8 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
             ar_cost = table.ar_cost(b) if getattr(drafter.model, "confidence_head", None) is None else None
             if ar_cost is not None:
                 ar_step, step_cost = True, np.append(step_cost, np.float32(ar_cost))
+            elif len(tiers) == 1:  # nothing to trim: compact would verify whole blocks, i.e. run static's steps
+                verify_mode, tiers, step_cost = "static", (), None
     if pad:  # on the host: eager device ops would compile anew for each partial batch's row count
         sp = SamplingParams(*(np.concatenate([x, np.repeat(x[-1:], pad)]) for x in
                               (sp.temperature, sp.top_k, sp.top_p)))

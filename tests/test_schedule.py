@@ -91,8 +91,8 @@ def test_tiers_that_cannot_pay_for_their_conditional_are_pruned():
     tiers = (4, 8, 16, 32, 64)
     kept, cost = schedule.prune_tiers(tiers, np.asarray([2.55, 2.68, 2.62, 2.54, 2.60]))  # an H200 at batch 1
     assert kept == (64,) and cost.tolist() == [2.60]
-    kept, cost = schedule.prune_tiers(tiers, np.asarray([150.0, 156.0, 172.0, 204.0, 256.0]))  # a CPU
-    assert kept == (4, 16, 32, 64) and cost.tolist() == [150.0, 172.0, 204.0, 256.0]
+    kept, cost = schedule.prune_tiers(tiers, np.asarray([150.0, 151.0, 172.0, 204.0, 256.0]))  # a CPU
+    assert kept == (8, 16, 32, 64) and cost.tolist() == [151.0, 172.0, 204.0, 256.0]
 
 
 def test_acceptance_counts_pool_rows_and_see_only_the_window():
@@ -221,7 +221,8 @@ def test_the_tier_is_chosen_on_the_device_without_recompiling(target, oracle, ru
     assert mild.stats["mean_window"] > runs["compact"].stats["mean_window"]  # verifying is cheaper there
     flat = speculative_generate(target, oracle, PROMPTS, MAX_NEW, stop_token_ids=[], verify_mode="compact",
                                 cost_table=FLAT)
-    assert list(flat.stats["tier_steps"]) == [4 * 8]  # no tier saves anything: whole blocks, no conditional
+    # No smaller tier saves anything: compact would verify whole blocks, so it runs the static program.
+    assert flat.stats["verify_mode"] == "static" and generation.compile_count() == before
     assert flat.acceptance_lengths == runs["static"].acceptance_lengths
 
 

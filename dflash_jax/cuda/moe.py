@@ -20,9 +20,8 @@ Two kernels:
 
 * **gate/up** — grid ``(G, F / block_f, splits)``: a program reads ``gate[e]`` and ``up[e]`` columns
   ``[f0, f0 + block_f)`` for its split's D rows (``block_d`` rows per loop step, software-pipelined) and
-  writes float32 partial sums ``[splits, P, F]``. The D split exists for parallelism: one token has only
-  K=8 groups × 12 column blocks, so D is cut into ~6 splits to put ~4 programs on every SM (splits ≥ 256
-  rows); with 16 tokens (~85 routed experts) one split is enough.
+  writes float32 partial sums ``[splits, P, F]``. A D split adds parallelism for one token (K=8 groups × 12
+  column blocks), but measured on the H200 it cost more partial-sum traffic than it gained: off by default.
 * **down** — grid ``(G, D / block_n)``: a program sums the splits' partials for its rows, adds the biases,
   applies ``act`` in float32, casts to the weights' dtype and multiplies by ``down[e]`` rows ``[f0, f0 +
   block_k)`` × columns ``[d0, d0 + block_n)``, looping over all of F; adds the down bias and writes
@@ -55,8 +54,11 @@ from dflash_jax.models.moe import Biases, _combine, _swiglu, group_pairs
 __all__ = ["grouped_experts", "unsupported_reason"]
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-_PROGRAMS_PER_SM = 4  # gate/up kernel: D splits until ~this many programs per SM (routed groups × blocks)
-_MIN_SPLIT_ROWS = 256  # fewest D rows per split (more splits: more partial-sum traffic than parallelism)
+# Gate/up kernel: D splits until ~this many programs per SM (routed groups × blocks), at least _MIN_SPLIT_ROWS rows
+# each. Off by default (0): on the H200 one token ran 62 µs unsplit against 83 µs with 6 splits (bench_moe.py
+# --sweep, RESULTS.md 2026-12-02 night); `num_splits=` still tunes it.
+_PROGRAMS_PER_SM = 0
+_MIN_SPLIT_ROWS = 256
 
 
 @dataclasses.dataclass(frozen=True)
