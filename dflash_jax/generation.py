@@ -264,24 +264,8 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
     stop_arr = np.full((bucket(max(len(stops), 1), 8),), -1, np.int32)
     stop_arr[: len(stops)] = stops
     sampled = bool((sp.temperature > 0).any())
-    verify_mode = _check_verify_mode(verify_mode, target, drafter, block_size, dp)
-    tiers, step_cost, ar_step = (), None, False
-    if verify_mode != "static":
-        tiers = schedule.tiers_for(b, block_size)
-        table = costs.resolve(cost_table, jax.default_backend(), drafter.cost_tables)
-        step_cost = table.step_costs(b, tiers).astype(np.float32)
-        if verify_mode == "auto":
-            verify_mode = "compact" if step_cost[-1] >= AUTO_COMPACT_RATIO * step_cost[0] else "static"
-            tiers, step_cost = (tiers, step_cost) if verify_mode == "compact" else ((), None)
-        if verify_mode == "compact":
-            tiers, step_cost = schedule.prune_tiers(tiers, step_cost)
-            # Skipping the drafter for a step needs the windows before drafting: running acceptance counts,
-            # not a confidence head's scores.
-            ar_cost = table.ar_cost(b) if getattr(drafter.model, "confidence_head", None) is None else None
-            if ar_cost is not None:
-                ar_step, step_cost = True, np.append(step_cost, np.float32(ar_cost))
-            elif len(tiers) == 1:  # nothing to trim: compact would verify whole blocks, i.e. run static's steps
-                verify_mode, tiers, step_cost = "static", (), None
+    verify_mode, tiers, step_cost, ar_step = resolve_verify_mode(
+        _check_verify_mode(verify_mode, target, drafter, block_size, dp), drafter, b, block_size, cost_table)
     if pad:  # on the host: eager device ops would compile anew for each partial batch's row count
         sp = SamplingParams(*(np.concatenate([x, np.repeat(x[-1:], pad)]) for x in
                               (sp.temperature, sp.top_k, sp.top_p)))
@@ -308,6 +292,33 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
     t0 = time.perf_counter()
     programs = _programs(key, graphdefs, params, pre_args, spec, dict(capacity=capacity, **shapes), mask_id)
     return Job(target, drafter, ids, stops, params, pre_args, spec, programs, time.perf_counter() - t0)
+
+
+def resolve_verify_mode(mode: str, drafter: Drafter | None, batch: int, block_size: int, cost_table=None
+                        ) -> tuple[str, tuple[int, ...], np.ndarray | None, bool]:
+    """(verify mode, compiled tiers, step cost per tier [+ the AR step's], AR step offered) for a batch of
+    ``batch`` rows, from the cost table: ``"auto"`` becomes compact where whole blocks cost ≥
+    ``AUTO_COMPACT_RATIO`` × one token per row; compact keeps the tiers worth their conditional and offers a step
+    without drafting when the table times one (DFlash drafters: windows known before drafting); compact left
+    with the whole block alone runs the static program. Host work only (nothing compiles)."""
+    if mode == "static":
+        return mode, (), None, False
+    tiers = schedule.tiers_for(batch, block_size)
+    table = costs.resolve(cost_table, jax.default_backend(), drafter.cost_tables)
+    step_cost = table.step_costs(batch, tiers).astype(np.float32)
+    if mode == "auto":
+        mode = "compact" if step_cost[-1] >= AUTO_COMPACT_RATIO * step_cost[0] else "static"
+        if mode == "static":
+            return mode, (), None, False
+    if mode != "compact":  # cap-accept: every tier (its windows match compact's with the same table)
+        return mode, tiers, step_cost, False
+    tiers, step_cost = schedule.prune_tiers(tiers, step_cost)
+    ar_cost = table.ar_cost(batch) if getattr(drafter.model, "confidence_head", None) is None else None
+    if ar_cost is not None:
+        return mode, tiers, np.append(step_cost, np.float32(ar_cost)), True
+    if len(tiers) == 1:  # nothing to trim: compact would verify whole blocks, i.e. run static's steps
+        return "static", (), None, False
+    return mode, tiers, step_cost, False
 
 
 def _check_verify_mode(mode: str, target: Target, drafter: Drafter | None, block_size: int, dp: int) -> str:
