@@ -108,7 +108,7 @@ def _kernels(impl: str) -> KernelSet:
 _PROBED: dict[tuple, str | None] = {}
 
 
-def _compile_probe(key: tuple, local: Callable, shapes: tuple) -> str | None:
+def compile_probe(key: tuple, local: Callable, shapes: tuple) -> str | None:
     """Compile ``local`` alone for these (per-device) shapes once; the error's first line if it fails.
 
     The kernels' shape rules cannot foresee every compiler limit — the TPU kernels have never met a real
@@ -159,7 +159,7 @@ def _run_kernel(impl: str, op: str, key: tuple, local: Callable, reason_of: Call
             else (a.shape[0] // n_dp, *a.shape[1:]), a.dtype) for a in args)
         why = reason_of(*shapes)
         if why is None and impl == "pallas" and _kernels(impl).native:  # GPU kernels: compiled on an H200
-            why = _compile_probe((impl, op) + key, local, shapes)
+            why = compile_probe((impl, op) + key, local, shapes)
     if why is not None:
         log.warning("attention_impl=%r: %s uses the XLA reference for this shape (%s)", impl, op, why)
         return None

@@ -17,6 +17,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from conftest import fast_jit
+from dflash_jax import attention
 from dflash_jax.cuda import moe as cuda_moe
 from dflash_jax.models import gpt_oss, moe
 from dflash_jax.pallas import moe as tpu_moe
@@ -155,9 +156,9 @@ def test_auto_runs_the_kernel(monkeypatch, backend):
     calls = []
     real = mod.grouped_experts
     monkeypatch.setattr(mod, "grouped_experts", lambda *a, **kw: calls.append(1) or real(*a, interpret=interp, **kw))
-    monkeypatch.setattr(moe, "_PROBED", {})
+    monkeypatch.setattr(attention, "_PROBED", {})
     run = fast_jit(lambda *a: (moe.experts_auto(*a[:6], biases=a[6:], act=GPT_OSS_ACT),
                                moe.experts_gathered(*a[:3], *clean[:3], biases=tuple(clean[3:]), act=GPT_OSS_ACT)))
     out, ref = run(x, w, idx, *poisoned)
-    assert calls and list(moe._PROBED.values()) == ([None] if backend == "tpu" else [])
+    assert calls and list(attention._PROBED.values()) == ([None] if backend == "tpu" else [])
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=3e-2, rtol=3e-2)

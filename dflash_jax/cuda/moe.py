@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from dflash_jax.cuda import _cdiv, _highest_precision_requested, _next_pow2, _num_sms
-from dflash_jax.models.moe import Biases, _combine, _swiglu, group_pairs
+from dflash_jax.models.moe import Biases, _combine, _swiglu, argument_reason, group_pairs
 
 __all__ = ["grouped_experts", "unsupported_reason"]
 
@@ -203,20 +203,7 @@ def unsupported_reason(x, weights, idx, gate, up, down, *, biases: Biases | None
     ShapeDtypeStructs."""
     if not interpret and jax.default_backend() != "gpu":
         return f"needs a GPU backend (have {jax.default_backend()!r}; interpret=True runs on any backend)"
-    if x.ndim != 2 or idx.ndim != 2 or gate.ndim != 3:
-        return "expected x [N, D], idx [N, K], gate [E, D, F]"
-    (n, d), (e, _, f) = x.shape, gate.shape
-    if gate.shape != (e, d, f) or up.shape != gate.shape or down.shape != (e, f, d) or weights.shape != idx.shape:
-        return "expert / routing shapes do not match x"
-    if idx.shape[0] != n or n < 1 or not 1 <= idx.shape[1] <= e:
-        return f"idx {idx.shape} does not route N={n} tokens to at most E={e} experts"
-    if jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES:
-        return f"dtype {jnp.dtype(x.dtype)} is not one of bfloat16/float16/float32"
-    if any(jnp.dtype(a.dtype) != jnp.dtype(x.dtype) for a in (gate, up, down)):
-        return "x and expert weight dtypes differ"
-    if biases is not None and (biases[0].shape != (e, f) or biases[1].shape != (e, f) or biases[2].shape != (e, d)):
-        return "bias shapes do not match the experts"
-    return None
+    return argument_reason(x, weights, idx, gate, up, down, biases, _SUPPORTED_DTYPES)
 
 
 def grouped_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Array, up: jax.Array,

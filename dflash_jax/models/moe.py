@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from dflash_jax.attention import compile_probe
 from dflash_jax.config import ModelConfig
 from dflash_jax.models.layers import MLP, Dense, _normal, matmul
 
@@ -207,22 +208,23 @@ def kernel_unsupported_reason(backend: str, x, weights, idx, gate, up, down, *, 
     return mod.unsupported_reason(x, weights, idx, gate, up, down, biases=biases)
 
 
-_PROBED: dict[tuple, str | None] = {}
-
-
-def _compile_probe(fn: Callable, args: tuple, key: tuple) -> str | None:
-    """Compile ``fn`` alone once per shapes; the error's first line if it fails. The TPU kernel has never met a
-    real Mosaic compiler, and a kernel that fails to compile must not take the decode program down with it."""
-    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args)
-    key = key + tuple((s.shape, str(s.dtype)) for s in shapes)
-    if key not in _PROBED:
-        try:
-            jax.jit(fn).lower(*shapes).compile()
-            _PROBED[key] = None
-        except Exception as e:  # noqa: BLE001 — any compiler error means "use the XLA path"
-            first = (str(e).strip().splitlines() or [""])[0][:300]
-            _PROBED[key] = f"the kernel failed to compile: {type(e).__name__}: {first}"
-    return _PROBED[key]
+def argument_reason(x, weights, idx, gate, up, down, biases: Biases | None, dtypes: tuple) -> str | None:
+    """Why these arrays (or ShapeDtypeStructs) are not a grouped-experts call any kernel takes (None when they
+    are): the shape and dtype rules the GPU and TPU kernels share."""
+    if x.ndim != 2 or idx.ndim != 2 or gate.ndim != 3:
+        return "expected x [N, D], idx [N, K], gate [E, D, F]"
+    (n, d), (e, _, f) = x.shape, gate.shape
+    if gate.shape != (e, d, f) or up.shape != gate.shape or down.shape != (e, f, d) or weights.shape != idx.shape:
+        return "expert / routing shapes do not match x"
+    if idx.shape[0] != n or n < 1 or not 1 <= idx.shape[1] <= e:
+        return f"idx {idx.shape} does not route N={n} tokens to at most E={e} experts"
+    if jnp.dtype(x.dtype) not in dtypes:
+        return f"dtype {jnp.dtype(x.dtype)} is not one of {', '.join(str(t) for t in dtypes)}"
+    if any(jnp.dtype(a.dtype) != jnp.dtype(x.dtype) for a in (gate, up, down)):
+        return "x and expert weight dtypes differ"
+    if biases is not None and (biases[0].shape != (e, f) or biases[1].shape != (e, f) or biases[2].shape != (e, d)):
+        return "bias shapes do not match the experts"
+    return None
 
 
 def _act_key(act: Callable) -> tuple:
@@ -245,7 +247,9 @@ def _experts_kernel(x, weights, idx, gate, up, down, *, biases: Biases | None = 
         fn = lambda x, w, i, g, u, d, *b: grouped_experts(x, w, i, g, u, d, biases=tuple(b) or None,  # noqa: E731
                                                            act=act)
         if backend == "tpu":
-            why = _compile_probe(fn, args, ("moe", _act_key(act)))
+            # The TPU kernel has never met a real Mosaic compiler: compiled alone first (attention's probe).
+            why = compile_probe(("moe", _act_key(act)), fn, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                                                  for a in args))
         if why is None:
             return fn(*args)
     if backend in KERNELS_ON and x.shape[0] <= KERNEL_MAX_TOKENS:

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dflash_jax.models.moe import Biases, _combine, _swiglu, group_pairs
+from dflash_jax.models.moe import Biases, _combine, _swiglu, argument_reason, group_pairs
 from dflash_jax.pallas.attention import Interpret, _interpret_arg, _round_up, _sublanes
 
 __all__ = ["grouped_experts", "unsupported_reason"]
@@ -98,19 +98,10 @@ def unsupported_reason(x, weights, idx, gate, up, down, *, biases: Biases | None
                        block_f: int | None = None, vmem_limit_bytes: int | None = None, **_: object) -> str | None:
     """Why :func:`grouped_experts` cannot run these arguments as a Mosaic kernel here, or None. Arrays or
     ShapeDtypeStructs; Mosaic may still refuse a shape (compile it first, as ``experts_auto`` does)."""
-    if x.ndim != 2 or idx.ndim != 2 or gate.ndim != 3:
-        return "expected x [N, D], idx [N, K], gate [E, D, F]"
-    (n, d), (e, _, f) = x.shape, gate.shape
-    if gate.shape != (e, d, f) or up.shape != gate.shape or down.shape != (e, f, d) or weights.shape != idx.shape:
-        return "expert / routing shapes do not match x"
-    if idx.shape[0] != n or n < 1 or not 1 <= idx.shape[1] <= e:
-        return f"idx {idx.shape} does not route N={n} tokens to at most E={e} experts"
-    if jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES:
-        return f"dtype {jnp.dtype(x.dtype)} unsupported (float32 or bfloat16)"
-    if any(jnp.dtype(a.dtype) != jnp.dtype(x.dtype) for a in (gate, up, down)):
-        return "x and expert weight dtypes differ"
-    if biases is not None and (biases[0].shape != (e, f) or biases[1].shape != (e, f) or biases[2].shape != (e, d)):
-        return "bias shapes do not match the experts"
+    why = argument_reason(x, weights, idx, gate, up, down, biases, _SUPPORTED_DTYPES)
+    if why is not None:
+        return why
+    (n, d), f = x.shape, gate.shape[2]
     bf = block_f or _block_f(d, f, x.dtype)
     if f % bf or (bf != f and bf % _LANES):
         return f"block_f={bf} must divide F={f} and be a multiple of {_LANES} (or F)"
