@@ -15,6 +15,10 @@ ap.add_argument("--data-seed", type=int, default=0,
                 help="training.data.seed: another value samples other answers (and another chunk order)")
 ap.add_argument("--kind", choices=("dflash", "dspark"), default="dflash",
                 help="dspark: a DSpark drafter (γ = 15 drafts, verify width 16) on the shipped DFlash drafter's trunk")
+ap.add_argument("--markov-rank", type=int, default=64,
+                help="DSpark's Markov head rank r (2 × 49,152 × r weights: 12.6 MB in bf16 at 64, 50 MB at 256)")
+ap.add_argument("--synth-prompts", type=int, default=8000,
+                help="self-synthesised instructions the target writes on the device (prompts stage)")
 args = ap.parse_args()
 out = Path("runs/device")
 out.mkdir(parents=True, exist_ok=True)
@@ -26,12 +30,12 @@ t["drafter"]["init_from"] = "dflash_jax/assets/smollm2-135m-dflash"
 for key in ("later_turns_min_chars", "code_prompts", "code_packages"):  # the prompts were made locally
     t["data"].pop(key)
 t["data"].update(prompts_file="/tmp/prompts.jsonl", num_prompts=100000, generate_batch_size=512, chunk_batches=2,
-                 seed=args.data_seed)
+                 seed=args.data_seed, synth_prompts=args.synth_prompts)
 t["optim"].update(lr=3.0e-4, warmup_frac=0.02, epochs=3, val_rows=256, val_every=100000)
-t["eval"]["sets"] = [str(out / "humaneval.jsonl"), str(out / "mtbench.jsonl")]
+t["eval"]["sets"] = [str(out / f"{name}.jsonl") for name in data_mod.EVALUATION_SETS]
 name = "smollm2-135m"
 if args.kind == "dspark":
-    t["drafter"].update(kind="dspark", block_size=15, markov_rank=256)
+    t["drafter"].update(kind="dspark", block_size=15, markov_rank=args.markov_rank)
     t["out_dir"] = "/tmp/run_dspark"
     name = "smollm2-135m-dspark"
 (out / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -208,7 +208,20 @@ class Pipeline:
 
         return data_mod.synthesise_prompts(sample, tok.decode, tok.eos_token_ids, d.synth_prompts,
                                            batch_size=d.generate_batch_size, min_chars=d.min_chars,
-                                           max_chars=d.max_chars, exclude=data_mod.held_out_texts() + exclude)
+                                           max_chars=d.max_chars, exclude=self._evaluation_texts() + exclude)
+
+    def _evaluation_texts(self) -> list[str]:
+        """Every evaluation prompt this run knows of: the built-in sets' (where their packages are installed:
+        a GPU machine may have only the run's files) and the text prompts of ``eval.sets`` files."""
+        texts: list[str] = []
+        try:
+            texts += data_mod.held_out_texts()
+        except data_mod.DataError as e:
+            log.warning("built-in evaluation sets not excluded from synthesised prompts: %s", e)
+        for name in self.cfg.eval.sets:
+            if name not in data_mod.EVALUATION_SETS:
+                texts += [p for p in data_mod.read_prompt_file(Path(name)) if isinstance(p, str)]
+        return texts
 
     def _token_ids(self, prompts: list) -> list[list[int]]:
         """Text prompts through the serving chat template; token-id prompts as they are."""
