@@ -390,6 +390,11 @@ def load_pair(name_or_path: str = EMBEDDED_PAIR, dtype: Any = None, mesh: Mesh |
 
 def _pair_drafter(cfg, target: Target) -> Drafter:
     drafter_src = cfg.drafter if cfg else "embedded"
+    if drafter_src.startswith("embedded:"):  # another drafter shipped in dflash_jax/assets
+        shipped = _ASSETS / drafter_src.split(":", 1)[1]
+        if not (shipped / "config.json").is_file():
+            raise ConfigError(f"pair {cfg.name!r}: no drafter {shipped.name!r} is shipped in {_ASSETS}")
+        return load_drafter(shipped, target)
     if drafter_src == "embedded":
         shipped = _ASSETS / "smollm2-135m-dflash"
         if (shipped / "config.json").is_file():

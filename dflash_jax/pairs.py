@@ -3,7 +3,8 @@
 ```yaml
 name: qwen3-8b
 target: Qwen/Qwen3-8B                 # hub id, local HF dir, .gguf file, or "smollm2-135m" (embedded)
-drafter: z-lab/Qwen3-8B-DFlash-b16    # hub id or local dir; "embedded" = the drafter shipped in the package
+drafter: z-lab/Qwen3-8B-DFlash-b16    # hub id or local dir; "embedded" = the DFlash drafter shipped in the
+                                      # package, "embedded:<name>" = dflash_jax/assets/<name>
 dtype: bfloat16                       # float32 | bfloat16
 block_size: 16                        # default block size at serving time (≤ the drafter's trained size)
 chat_template_kwargs: {enable_thinking: false}
@@ -64,7 +65,7 @@ def parse_pair(raw: Any, where: str) -> PairConfig:
             raise ConfigError(f"{where}: '{key}' must be a non-empty string")
     drafter = raw.get("drafter")
     if drafter is not None and (not isinstance(drafter, str) or not drafter.strip()):
-        raise ConfigError(f"{where}: 'drafter' must be a path, a hub id, 'embedded' or null")
+        raise ConfigError(f"{where}: 'drafter' must be a path, a hub id, 'embedded[:<name>]' or null")
     dtype = raw.get("dtype", "bfloat16")
     if dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"{where}: dtype must be 'float32' or 'bfloat16', got {dtype!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -30,6 +31,25 @@ ZLAB = FIXTURES / "zlab_tiny"
 # SmolLM2 fixtures, marker ``xla_default``) keep XLA's defaults: their programs run long enough to need them.
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
                 "xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1}
+
+
+# One on-disk XLA program cache for the whole session, shared by the pytest-xdist workers and the tiny-model
+# subprocesses (JAX's persistent compilation cache, every program kept): tests build the same programs again and
+# again — each Trainer, generate call or CLI process jits its own functions, which XLA then compiles anew
+# although the program is identical — and a hit loads in milliseconds what took seconds to compile. The
+# directory is made by the first process of the session (the xdist controller, whose environment the workers
+# inherit) and removed by it at the end, so every session starts empty and no run depends on an earlier one.
+PROGRAM_CACHE_ENV = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+if "DFLASH_TEST_PROGRAM_CACHE" not in os.environ:
+    os.environ["DFLASH_TEST_PROGRAM_CACHE"] = tempfile.mkdtemp(prefix="dflash-test-programs-")
+    _OWN_PROGRAM_CACHE = os.environ["DFLASH_TEST_PROGRAM_CACHE"]
+else:
+    _OWN_PROGRAM_CACHE = None
+PROGRAM_CACHE_ENV["JAX_COMPILATION_CACHE_DIR"] = os.environ["DFLASH_TEST_PROGRAM_CACHE"]
+jax.config.update("jax_compilation_cache_dir", PROGRAM_CACHE_ENV["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def fast_options() -> dict | None:
@@ -81,7 +101,8 @@ def fast_nnx_jit(fun, static_argnums: tuple[int, ...] = ()):
 def tiny_subprocess_env(**extra: str) -> dict[str, str]:
     """The environment of a subprocess that runs tiny models only (e.g. the CLI on the z-lab fixture): CPU,
     and FAST_COMPILE as XLA_FLAGS (which there apply to every program of the process)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "DFLASH_JAX_AUTO_COMPACT_RATIO": "inf", **extra}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "DFLASH_JAX_AUTO_COMPACT_RATIO": "inf", **PROGRAM_CACHE_ENV,
+           **extra}
     if fast_options():
         flags = " ".join(f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items())
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
@@ -159,6 +180,11 @@ def pytest_collection_finish(session):
 def pytest_sessionfinish(session):
     for job in BACKGROUND:
         job.close()
+
+
+def pytest_unconfigure(config):
+    if _OWN_PROGRAM_CACHE:
+        shutil.rmtree(_OWN_PROGRAM_CACHE, ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -377,9 +377,18 @@ def row_bytes(data: dict, where: np.ndarray | None = None) -> set[bytes]:
     return {data["tokens"][i, :n].tobytes() for i, n in enumerate(data["lengths"]) if keep[i]}
 
 
-def test_pipeline_on_token_id_prompts(tmp_path):
+def test_pipeline_on_token_id_prompts(tmp_path, monkeypatch):
     """prompts → data → train → export → eval through the same code the CLI runs (tiny z-lab target)."""
+    import dflash_jax
     from dflash_jax.train.pipeline import run
+
+    verify_modes = []
+
+    def recording(*args, **kw):  # the eval stage's τ is the drafter's at full width, whatever "auto" would pick
+        verify_modes.append(kw.get("verify_mode"))
+        return speculative_generate(*args, **kw)
+
+    monkeypatch.setattr(dflash_jax, "speculative_generate", recording)
 
     rng = np.random.default_rng(0)
     prompts = tmp_path / "prompts.jsonl"
@@ -418,6 +427,7 @@ def test_pipeline_on_token_id_prompts(tmp_path):
     assert (out / "drafter" / "model.safetensors").is_file()
     ev = result["eval"][str(prompts)]
     assert ev["prompts"] == 8 and ev["identical_rows"] == 8 and ev["tau"] >= 1.0
+    assert verify_modes == ["static"]  # one batch of 8
     assert (out / "eval_acceptance.png").stat().st_size > 1000
     # Running again redoes nothing (every stage is already complete) and yields the same drafter.
     before = (out / "drafter" / "model.safetensors").read_bytes()

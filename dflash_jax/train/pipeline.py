@@ -439,7 +439,10 @@ class Pipeline:
             acc, spec_s, ar_s, tokens, same, answered = [], 0.0, 0.0, 0, 0, ([], [])
             for i in tqdm(range(0, len(order), e.batch_size), desc=f"eval {name}", unit="batch"):
                 b = [ids[j] for j in order[i: i + e.batch_size]]
-                out = speculative_generate(self.target, drafter, b, max_new_tokens=e.max_new_tokens)
+                # τ at the drafter's full verify width: "auto" may resolve to compact on the machine's cost
+                # table and verify scheduled windows only, which caps acceptance (a speed choice, not the drafter's).
+                out = speculative_generate(self.target, drafter, b, max_new_tokens=e.max_new_tokens,
+                                           verify_mode="static")
                 ref = generate(self.target, b, max_new_tokens=e.max_new_tokens)
                 acc += [a for row in out.acceptance_lengths for a in row]
                 spec_s += out.stats["prefill_s"] + out.stats["decode_s"]

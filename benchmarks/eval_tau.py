@@ -1,0 +1,128 @@
+"""Greedy τ and acceptance histograms of drafters on the evaluation sets, on any backend.
+
+``--method decode`` runs speculative decoding (only: the pipeline's eval stage also decodes every prompt
+autoregressively to count identical rows). ``--method replay`` decodes each prompt once autoregressively —
+greedy speculative decoding is lossless, so every drafter's run commits exactly these tokens — and replays each
+drafter's cycles along those answers (``Trainer.replayed_cycles``: every anchor's acceptance in training-shaped
+batches, then the walk decoding takes; tested against real decoding in tests/test_train.py). The cycles are
+decoding's except the last one of a row, which stops at ``max_new_tokens``. On a CPU, where a 16-token verify
+of a batch is compute-bound, replay scores a whole set in minutes instead of an hour per drafter.
+
+Results go to ``--out`` in the eval stage's ``eval.json`` shape per drafter (``plot_suffix_decay.py`` reads
+them), written after each batch (and the AR answers, for replay): an interrupted run resumes where it stopped.
+
+    python benchmarks/eval_tau.py --drafter DFlash=smollm2-135m --drafter DSpark=smollm2-135m-dspark \
+        --sets general --method replay --out benchmarks/results/general_tau.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_jax import generate, load_drafter, load_pair, load_target, speculative_generate  # noqa: E402
+from dflash_jax.train.data import EVALUATION_SETS, evaluation_prompts, pack_rows  # noqa: E402
+from dflash_jax.train.trainer import Trainer, TrainSettings  # noqa: E402
+
+
+def load(spec: str, target, dtype: str):
+    """A pair name (its drafter) or a drafter directory, for ``target``."""
+    if Path(spec).is_dir():
+        return load_drafter(spec, target, dtype=dtype)
+    return load_pair(spec, dtype=dtype)[1]
+
+
+def save(results: dict, out: Path) -> None:
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=1))
+    tmp.replace(out)
+
+
+def add_cycles(entry: dict, committed: list[int]) -> None:
+    """Adds cycles (tokens each committed) to an eval.json-shaped entry: histogram, cycles, τ."""
+    hist = np.asarray(entry["acceptance_histogram"]) + np.bincount(committed,
+                                                                   minlength=len(entry["acceptance_histogram"]))
+    entry["acceptance_histogram"] = hist.tolist()
+    entry["cycles"] += len(committed)
+    entry["tau"] = float((hist * np.arange(len(hist))).sum() / max(hist.sum(), 1))
+
+
+def ar_answers(target, results: dict, out: Path, name: str, ids: list[list[int]], args) -> list[list[int]]:
+    """Greedy AR answers to every prompt of a set (kept in ``results["answers"]``, resumable by batch)."""
+    done = results.setdefault("answers", {}).setdefault(name, [])
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    by_index = dict(done)
+    todo = [i for i in order if i not in by_index]
+    for start in tqdm(range(0, len(todo), args.batch_size), desc=f"AR answers {name}", unit="batch"):
+        batch = todo[start: start + args.batch_size]
+        res = generate(target, [ids[i] for i in batch], max_new_tokens=args.max_new_tokens)
+        done += [[i, row] for i, row in zip(batch, res.token_ids)]
+        save(results, out)
+    by_index = dict(done)
+    return [by_index[i] for i in range(len(ids))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", action="append", required=True, help="LABEL=pair name or drafter directory")
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--sets", default=",".join(EVALUATION_SETS))
+    ap.add_argument("--method", choices=("replay", "decode"), default="replay")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    out = Path(args.out)
+    results = json.loads(out.read_text()) if out.is_file() else {}
+    results["info"] = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+                       "date": time.strftime("%Y-%m-%d"), "host": platform.node(),
+                       "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                                text=True).stdout.strip(),
+                       "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "method": args.method}
+    target = load_target(args.target, dtype=args.dtype)
+    prompts = evaluation_prompts()
+    for label, spec in (d.split("=", 1) for d in args.drafter):
+        drafter = load(spec, target, args.dtype)
+        runs = results.setdefault(label, {"drafter": spec})
+        for name in args.sets.split(","):
+            ids = [target.tokenizer.encode(p) for p in prompts[name]]
+            entry = runs.setdefault(name, {"prompts": len(ids), "done": 0, "cycles": 0,
+                                           "acceptance_histogram": [0] * (drafter.config.verify_width + 1)})
+            if args.method == "replay" and entry["done"] < len(ids):
+                answers = ar_answers(target, results, out, name, ids, args)
+                rows = pack_rows(ids, answers, max(len(p) + len(a) for p, a in zip(ids, answers)))
+                trainer = Trainer(target, drafter, TrainSettings(batch_size=8, max_anchors=64),
+                                  Path(out.parent, f".replay-{out.stem}"))
+                cycles = trainer.replayed_cycles(trainer.params, rows)
+                add_cycles(entry, [c for row in cycles for c in row])
+                entry["done"] = len(ids)
+                save(results, out)
+            order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths share a batch
+            bar = tqdm(total=len(ids), initial=entry["done"], desc=f"{label} {name}", unit="prompt")
+            for start in range(entry["done"], len(ids), args.batch_size):
+                batch = [ids[i] for i in order[start: start + args.batch_size]]
+                res = speculative_generate(target, drafter, batch, max_new_tokens=args.max_new_tokens)
+                add_cycles(entry, [a for row in res.acceptance_lengths for a in row])
+                entry["done"] = start + len(batch)
+                save(results, out)
+                bar.update(len(batch))
+                bar.set_postfix(tau=f"{entry['tau']:.2f}")
+            bar.close()
+            print(f"{label} {name}: tau {entry['tau']:.3f} over {entry['prompts']} prompts", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
