@@ -7,8 +7,11 @@ if [ "$TB" != 0 ]; then
   echo "train rc $?"; tail -n 3 $OUT/train.log; cat $RUN/plan.json; tail -n 2 $RUN/history.jsonl
 fi
 if [ "$EVAL" = 1 ]; then
-  python3 -m dflash_jax.cli train --config $CFG --stages eval --no-progress > $OUT/eval.log 2>&1; echo "eval rc $?"
+  # The drafter first: an evaluation cut off by the call's limit must not take the trained weights with it.
+  python3 -m dflash_jax.cli train --config $CFG --stages export --no-progress > $OUT/export.log 2>&1
   (cd $RUN && tar -cf - drafter | split -b 15000000 - $OUT/drafter.tar.part)
+  timeout ${EVAL_S:-400} python3 -m dflash_jax.cli train --config $CFG --stages eval --no-progress > $OUT/eval.log 2>&1
+  echo "eval rc $?"
 fi
 if [ "$IDLE" = 1 ]; then
   python3 -m dflash_jax.cli generate --target $M --drafter dflash_jax/assets/smollm2-135m-dflash --input runs/device/batch_prompts.jsonl --output /tmp/b32.jsonl --batch-size 32 --dtype bfloat16 --max-new-tokens 256 --no-progress > $OUT/b32.log 2>&1
