@@ -1,7 +1,7 @@
 """Greedy τ and acceptance histograms of drafters on the evaluation sets, on any backend.
 
-``--method decode`` runs speculative decoding (only: the pipeline's eval stage also decodes every prompt
-autoregressively to count identical rows). ``--method replay`` decodes each prompt once autoregressively —
+``--method decode`` runs speculative decoding at full verify width (only: the pipeline's eval stage also decodes
+every prompt autoregressively to count identical rows). ``--method replay`` decodes each prompt once autoregressively —
 greedy speculative decoding is lossless, so every drafter's run commits exactly these tokens — and replays each
 drafter's cycles along those answers (``Trainer.replayed_cycles``: every anchor's acceptance in training-shaped
 batches, then the walk decoding takes; tested against real decoding in tests/test_train.py). The cycles are
@@ -114,7 +114,8 @@ def main() -> int:
             bar = tqdm(total=len(ids), initial=entry["done"], desc=f"{label} {name}", unit="prompt")
             for start in range(entry["done"], len(ids), args.batch_size):
                 batch = [ids[i] for i in order[start: start + args.batch_size]]
-                res = speculative_generate(target, drafter, batch, max_new_tokens=args.max_new_tokens)
+                res = speculative_generate(target, drafter, batch, max_new_tokens=args.max_new_tokens,
+                                           verify_mode="static")  # the drafter's τ, not a scheduler's windows
                 add_cycles(entry, [a for row in res.acceptance_lengths for a in row])
                 entry["done"] = start + len(batch)
                 save(results, out)

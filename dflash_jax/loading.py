@@ -390,17 +390,14 @@ def load_pair(name_or_path: str = EMBEDDED_PAIR, dtype: Any = None, mesh: Mesh |
 
 def _pair_drafter(cfg, target: Target) -> Drafter:
     drafter_src = cfg.drafter if cfg else "embedded"
-    if drafter_src.startswith("embedded:"):  # another drafter shipped in dflash_jax/assets
-        shipped = _ASSETS / drafter_src.split(":", 1)[1]
-        if not (shipped / "config.json").is_file():
-            raise ConfigError(f"pair {cfg.name!r}: no drafter {shipped.name!r} is shipped in {_ASSETS}")
-        return load_drafter(shipped, target)
-    if drafter_src == "embedded":
-        shipped = _ASSETS / "smollm2-135m-dflash"
-        if (shipped / "config.json").is_file():
-            return load_drafter(shipped, target)
-        log.warning("no trained drafter is shipped for %s: using a RANDOM (untrained) drafter", EMBEDDED_PAIR)
-        return random_drafter(target, mask_token_id=SMOLLM2_MASK_TOKEN_ID, num_layers=2)
     if drafter_src is None:
         raise ConfigError(f"pair {cfg.name!r} has no drafter")
+    if drafter_src == "embedded" or drafter_src.startswith("embedded:"):  # shipped in dflash_jax/assets
+        shipped = _ASSETS / (drafter_src.partition(":")[2] or "smollm2-135m-dflash")
+        if (shipped / "config.json").is_file():
+            return load_drafter(shipped, target)
+        if drafter_src != "embedded":
+            raise ConfigError(f"pair {cfg.name!r}: no drafter {shipped.name!r} is shipped in {_ASSETS}")
+        log.warning("no trained drafter is shipped for %s: using a RANDOM (untrained) drafter", EMBEDDED_PAIR)
+        return random_drafter(target, mask_token_id=SMOLLM2_MASK_TOKEN_ID, num_layers=2)
     return load_drafter(drafter_src, target)
