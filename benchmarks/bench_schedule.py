@@ -205,16 +205,21 @@ def main() -> int:
     ap.add_argument("--mixed-per-kind", type=int, default=16)
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--demo", action="store_true", help="only `make demo`'s batch in every mode (a CPU check)")
+    ap.add_argument("--drafter", default="smollm2-135m-dflash",
+                    help="a shipped drafter (dflash_jax/assets/<name>: smollm2-135m-dflash, smollm2-135m-dspark) "
+                         "or a drafter directory")
     ap.add_argument("--out", type=Path, default=Path("schedule.json"))
     args = ap.parse_args()
     if args.make_prompts:
         make_prompts(args.make_prompts)
         return 0
     target = load_target(args.gguf or "smollm2-135m", dtype=args.dtype)
-    drafter = load_drafter(_ASSETS / "smollm2-135m-dflash", target)
+    drafter_dir = Path(args.drafter) if Path(args.drafter).is_dir() else _ASSETS / args.drafter
+    drafter = load_drafter(drafter_dir, target)
+    kind = "DSpark" if drafter.config.sequential else "DFlash"
     rows = json.loads(args.prompts.read_text())
     result = dict(date=time.strftime("%Y-%m-%d"), device=jax.devices()[0].device_kind, dtype=args.dtype,
-                  platform=platform.platform(), max_new=args.max_new,
+                  platform=platform.platform(), max_new=args.max_new, drafter=drafter_dir.name,
                   commit=os.environ.get("BENCH_COMMIT") or subprocess.run(
                       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip())
     if args.demo:
@@ -240,7 +245,7 @@ def main() -> int:
         result["sweep"] = sweep(target, drafter, rows, [int(b) for b in args.batches.split(",")], args.max_new,
                                 args.small_batch_prompts, save)
         plot_spectrum(result["sweep"], args.out.with_name(args.out.stem + ".spectrum.png"),
-                      f"SmolLM2-135M + DFlash drafter, {result['device']}, {args.dtype}")
+                      f"SmolLM2-135M + {kind} drafter ({drafter_dir.name}), {result['device']}, {args.dtype}")
     if args.mixed_per_kind:
         result["mixed"] = mixed(target, drafter, rows, args.mixed_per_kind, args.max_new)
         print(json.dumps(result["mixed"], indent=1), flush=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -74,6 +75,35 @@ def ar_answers(target, results: dict, out: Path, name: str, ids: list[list[int]]
     return [by_index[i] for i in range(len(ids))]
 
 
+def read_prompt_dir(path: Path) -> dict[str, list[str]]:
+    return {f.stem: [json.loads(line)["prompt"] for line in f.read_text().splitlines() if line.strip()]
+            for f in sorted(path.glob("*.jsonl"))}
+
+
+def decode_sets(target, drafter, label: str, runs: dict, set_ids: dict[str, list[list[int]]], args, results: dict,
+                out: Path) -> None:
+    """Static speculative decoding of every prompt not done yet, the sets' prompts mixed in batches of similar
+    lengths; each set's entry grows (and the file is saved) after every batch."""
+    pending = [(name, i) for name, ids in set_ids.items() for i in range(len(ids))
+               if i not in set(runs[name].setdefault("done_ids", []))]
+    pending.sort(key=lambda item: len(set_ids[item[0]][item[1]]))
+    size = args.batch_size or len(pending)
+    bar = tqdm(total=len(pending), desc=f"{label} decode", unit="prompt")
+    for start in range(0, len(pending), size):
+        batch = pending[start: start + size]
+        res = speculative_generate(target, drafter, [set_ids[name][i] for name, i in batch],
+                                   max_new_tokens=args.max_new_tokens,
+                                   verify_mode="static")  # the drafter's τ, not a scheduler's windows
+        for (name, i), lengths in zip(batch, res.acceptance_lengths):
+            entry = runs[name]
+            add_cycles(entry, list(lengths))
+            entry["done_ids"].append(i)
+            entry["done"] = len(entry["done_ids"])
+        save(results, out)
+        bar.update(len(batch))
+    bar.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", action="append", required=True, help="LABEL=pair name or drafter directory")
@@ -81,7 +111,12 @@ def main() -> int:
     ap.add_argument("--sets", default=",".join(EVALUATION_SETS))
     ap.add_argument("--method", choices=("replay", "decode"), default="replay")
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--batch-size", type=int, default=32,
+                    help="rows per call; 0: every pending prompt of every set in one call (decode: one program "
+                         "per drafter, as each new batch shape compiles anew: ~1 min on the H200)")
+    ap.add_argument("--prompt-dir", type=Path,
+                    help="read the sets from <dir>/<set>.jsonl ({'prompt': …} lines, device_runs/make_run_config.py "
+                         "writes them) instead of the installed evaluation packages")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -89,17 +124,17 @@ def main() -> int:
     results = json.loads(out.read_text()) if out.is_file() else {}
     results["info"] = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                        "date": time.strftime("%Y-%m-%d"), "host": platform.node(),
-                       "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                       "commit": os.environ.get("BENCH_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                                 text=True).stdout.strip(),
                        "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "method": args.method}
     target = load_target(args.target, dtype=args.dtype)
-    prompts = evaluation_prompts()
+    prompts = read_prompt_dir(args.prompt_dir) if args.prompt_dir else evaluation_prompts()
+    set_ids = {name: [target.tokenizer.encode(p) for p in prompts[name]] for name in args.sets.split(",")}
     for label, spec in (d.split("=", 1) for d in args.drafter):
         drafter = load(spec, target, args.dtype)
         runs = results.setdefault(label, {"drafter": spec})
-        for name in args.sets.split(","):
-            ids = [target.tokenizer.encode(p) for p in prompts[name]]
-            entry = runs.setdefault(name, {"prompts": len(ids), "done": 0, "cycles": 0,
+        for name, ids in set_ids.items():
+            entry = runs.setdefault(name, {"prompts": len(ids), "done": 0, "cycles": 0, "tau": 0.0,
                                            "acceptance_histogram": [0] * (drafter.config.verify_width + 1)})
             if args.method == "replay" and entry["done"] < len(ids):
                 answers = ar_answers(target, results, out, name, ids, args)
@@ -110,19 +145,10 @@ def main() -> int:
                 add_cycles(entry, [c for row in cycles for c in row])
                 entry["done"] = len(ids)
                 save(results, out)
-            order = sorted(range(len(ids)), key=lambda i: len(ids[i]))  # similar lengths share a batch
-            bar = tqdm(total=len(ids), initial=entry["done"], desc=f"{label} {name}", unit="prompt")
-            for start in range(entry["done"], len(ids), args.batch_size):
-                batch = [ids[i] for i in order[start: start + args.batch_size]]
-                res = speculative_generate(target, drafter, batch, max_new_tokens=args.max_new_tokens,
-                                           verify_mode="static")  # the drafter's τ, not a scheduler's windows
-                add_cycles(entry, [a for row in res.acceptance_lengths for a in row])
-                entry["done"] = start + len(batch)
-                save(results, out)
-                bar.update(len(batch))
-                bar.set_postfix(tau=f"{entry['tau']:.2f}")
-            bar.close()
-            print(f"{label} {name}: tau {entry['tau']:.3f} over {entry['prompts']} prompts", flush=True)
+        if args.method == "decode":
+            decode_sets(target, drafter, label, runs, set_ids, args, results, out)
+        for name in set_ids:
+            print(f"{label} {name}: tau {runs[name]['tau']:.3f} over {runs[name]['prompts']} prompts", flush=True)
     return 0
 
 
