@@ -196,24 +196,3 @@ def test_checkpoint_round_trip_and_reduced_vocabulary(target, dspark, reference,
         **cfg["dflash_config"], "confidence_temperatures": [1.0, 2.0]}}))
     with pytest.raises(ConfigError, match="confidence_temperatures"):
         load_drafter(path, target)
-
-
-@pytest.mark.slow
-def test_real_smollm2_dspark_is_lossless(smollm2):
-    """The shipped DSpark pair's drafter (trained Markov and confidence heads, STS temperatures), greedy, on the
-    real SmolLM2 weights: identical to autoregressive decoding, with real acceptance; a pair naming a drafter
-    that is not shipped says so."""
-    from dflash_jax.loading import _pair_drafter
-    from dflash_jax.pairs import load_pair_config
-
-    cfg = load_pair_config("smollm2-135m-dspark")
-    drafter = _pair_drafter(cfg, smollm2)
-    assert drafter.config.verify_width == 16 and drafter.config.markov_rank == 64
-    assert drafter.config.confidence_temperatures is not None
-    prompts = ["Write a Python function that checks whether a number is prime.", "Name a primary colour."]
-    out = speculative_generate(smollm2, drafter, prompts, max_new_tokens=24, verify_mode="static")
-    assert out.token_ids == generate(smollm2, prompts, max_new_tokens=24).token_ids
-    assert out.tau > 1.5, out.tau
-    with pytest.raises(ConfigError, match="no drafter 'nope' is shipped"):
-        _pair_drafter(dataclasses.replace(cfg, drafter="embedded:nope"), smollm2)
-    assert len(out.stats["predicted_survival"]) == 15

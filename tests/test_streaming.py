@@ -5,15 +5,12 @@ sampling arguments, error messages that name the value given."""
 from __future__ import annotations
 
 import gc
-import io
 
-import numpy as np
 import pytest
 
 from conftest import oracle_drafter, random_prompts, tiny_target
 from dflash_jax import (compile_count, generate, speculative_generate, speculative_stream,
                         stream_generate)
-from dflash_jax.tokenizer import IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")
@@ -90,46 +87,6 @@ def test_breaking_out_stops_the_device_work(tiny):
     assert not stream._worker.is_alive()
 
 
-def test_incremental_text_never_splits_a_character(smollm2):
-    """Multi-byte characters whose bytes span several tokens: no piece holds half a character, and the pieces
-    concatenate to the decoded whole, however the ids are grouped."""
-    tok = smollm2.tokenizer
-    text = "Grüße aus 東京 🙂🚀 — naïve café, ½ ≈ 0.5 ✓ 中文 and a final dot ."
-    ids = tok.hf.encode(text)
-    assert len(ids) > len(text.encode("utf-8")) / 4  # byte-level tokens: some characters span several
-    rng = np.random.default_rng(0)
-    for group in (1, 2, 3, None):
-        detok, pieces, i = IncrementalDetokenizer(tok), [], 0
-        while i < len(ids):
-            n = group or int(rng.integers(1, 6))
-            pieces.append(detok.push(ids[i: i + n], final=i + n >= len(ids)))
-            i += n
-        assert "".join(pieces) == tok.decode(ids)
-        assert not any("\ufffd" in p for p in pieces)
-        assert sum(bool(p) for p in pieces) > 5
-
-
-def test_real_pair_streams_text(smollm2, smollm2_drafter):
-    """The real pair, a text prompt that asks for non-ASCII text: streamed ids and text concatenate to the
-    whole call's. (Batch 1 and 24 new tokens, like the chat test below: they share the compiled programs.)"""
-    prompts = ["Say 'thank you' in Chinese, Japanese and Korean."]
-    kw = dict(max_new_tokens=24)
-    whole = speculative_generate(smollm2, smollm2_drafter, prompts, **kw)
-    texts = [""]
-    stream = speculative_stream(smollm2, smollm2_drafter, prompts, segment_cycles=2, **kw)
-    ids, _ = concatenated(_collect_texts(stream, texts))
-    assert ids == whole.token_ids
-    assert texts == whole.texts
-    assert any(ord(c) > 127 for c in whole.texts[0])
-
-
-def _collect_texts(stream, texts):
-    for chunk in stream:
-        for i, t in enumerate(chunk.texts):
-            texts[i] += t
-        yield chunk
-
-
 def test_none_sampling_arguments_and_named_errors(tiny):
     target, drafter, prompts = tiny
     kw = dict(max_new_tokens=12, stop_token_ids=[])
@@ -163,45 +120,3 @@ def test_weights_changed_in_place_are_seen(tiny):
     assert target.split() is not split
     assert generate(target, prompts, max_new_tokens=8, stop_token_ids=[]).token_ids == \
         generate(other, prompts, max_new_tokens=8, stop_token_ids=[]).token_ids != first.token_ids
-
-
-def test_chat_command_through_stdin(smollm2, smollm2_drafter, monkeypatch):
-    """`dflash-jax chat` driven through its stdin: two turns (the second sees the first), /reset, an unknown
-    command, an answer stopped with Ctrl-C (the chat goes on), end of input ends it."""
-    from dflash_jax import chat, cli, loading
-
-    monkeypatch.setattr(loading, "load_pair", lambda *a, **k: (smollm2, smollm2_drafter))
-    seen = []
-    real_stream = chat.speculative_stream
-
-    def recording_stream(target, drafter, prompts, **kw):
-        seen.append(list(prompts[0]))
-        return real_stream(target, drafter, prompts, **kw)
-
-    monkeypatch.setattr(chat, "speculative_stream", recording_stream)
-    stdin = io.StringIO("What is the capital of France?\nAnd of Italy?\n/reset\n/what\nCount to fifty.\nHi\n")
-
-    class CtrlCOnce(io.StringIO):
-        """A terminal where Ctrl-C is pressed while the third answer is printed."""
-        answers = 0
-
-        def write(self, s):
-            if s.startswith("> ") or s.startswith("\n> "):
-                pass
-            elif seen and len(seen) == 3 and s and not s.startswith(("\n[", "[")) and not self.answers:
-                self.answers += 1
-                raise KeyboardInterrupt
-            return super().write(s)
-
-    stdout = CtrlCOnce()
-    monkeypatch.setattr("sys.stdin", stdin)
-    monkeypatch.setattr("sys.stdout", stdout)
-    assert cli.main(["chat", "--max-new-tokens", "24", "--no-compile-cache"]) == 0
-    out = stdout.getvalue()
-    assert "Paris" in out
-    assert out.count("[τ ") == 3 and "[stopped]" in out
-    assert "(conversation cleared)" in out and "unknown command '/what'" in out
-    # Turn 2 carries turn 1 (user, assistant, user); after /reset the conversation starts over.
-    assert [m["role"] for m in seen[1]] == ["user", "assistant", "user"] and "Paris" in seen[1][1]["content"]
-    assert [m["role"] for m in seen[2]] == ["user"]
-    assert [m["role"] for m in seen[3]] == ["user", "assistant", "user"]  # the stopped answer is kept

@@ -185,7 +185,7 @@ def anchor_acceptance(drafter: DFlashDrafter, target: TargetModel, batch: dict,
                       block_size: int) -> Int[Array, "Bs A"]:
     """For each anchor of ``batch``: the tokens a greedy decoding cycle anchored there would commit
     (1 + leading correct drafts), labels being the row's own tokens. Inference gives exactly these numbers
-    at the anchors it visits (tests/test_lossless_smollm2.py checks this on the real pair). A DSpark drafter
+    at the anchors it visits (tests/test_real_pair.py checks this on the real pair). A DSpark drafter
     drafts sequentially (``dspark_acceptance``; ``block_size`` then counts its drafts)."""
     if drafter.config.sequential:
         return dspark_acceptance(drafter, target, batch, block_size)[0]

@@ -9,9 +9,9 @@ import jax
 import pytest
 
 from conftest import random_prompts, tiny_target
-from dflash_jax import (ShardingError, generate, generation, load_target, make_mesh, random_drafter, shard,
-                        speculative_generate)
-from dflash_jax.loading import SMOLLM2_MASK_TOKEN_ID, Target
+from dflash_jax import (ShardingError, generate, generation, load_drafter, load_target, make_mesh, random_drafter,
+                        shard, speculative_generate)
+from dflash_jax.loading import Target
 from flax import nnx
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
@@ -87,20 +87,30 @@ def test_fewer_kv_heads_than_tp_are_replicated():
     assert k.sharding.spec == jax.sharding.PartitionSpec(None, None)
 
 
-def test_smollm2_supported_and_unsupported_splits():
-    """SmolLM2: 9 query / 3 KV heads, MLP 1536, vocab 49152 → tp ∈ {1, 3} work; tp=2, 4 or 8 cannot split it."""
-    ref_t = load_target("smollm2-135m")
-    ref_d = random_drafter(ref_t, block_size=8, num_layers=1, mask_token_id=SMOLLM2_MASK_TOKEN_ID, seed=1)
-    prompts = ["Name a primary colour.", "What is 2 + 2?", "Say hello in French."]
-    want = speculative_generate(ref_t, ref_d, prompts, max_new_tokens=10).token_ids
-    # tp and dp together, the weights loaded straight onto the shards (placing a loaded model afterwards and dp
-    # alone are covered on the tiny models above).
-    t = load_target("smollm2-135m", mesh=make_mesh(tp=3, dp=2))
-    d = random_drafter(t, block_size=8, num_layers=1, mask_token_id=SMOLLM2_MASK_TOKEN_ID, seed=1)
-    assert speculative_generate(t, d, prompts, max_new_tokens=10).token_ids == want
+def test_checkpoint_loaded_onto_shards_and_smollm2_head_layout():
+    """Weights loaded straight from a checkpoint onto their shards (tp and dp together) decode like one device
+    (placing a loaded model afterwards and dp alone are covered above); SmolLM2's head layout (9 query / 3 KV
+    heads, MLP 1536, vocab 49152) splits over tp=3, and tp=2, 4 or 8 cannot split it."""
+    from conftest import ZLAB
+
+    kw = dict(max_new_tokens=10, stop_token_ids=[])
+    ref_t = load_target(ZLAB / "target")
+    want = speculative_generate(ref_t, load_drafter(ZLAB / "drafter_fitted", ref_t), PROMPTS, **kw).token_ids
+    t = load_target(ZLAB / "target", mesh=make_mesh(tp=2, dp=2))
+    d = load_drafter(ZLAB / "drafter_fitted", t)  # inherits the target's mesh
+    assert d.mesh is t.mesh and speculative_generate(t, d, PROMPTS, **kw).token_ids == want
+
+    smol = dict(num_heads=9, num_kv_heads=3, head_dim=8, hidden_size=72, intermediate_size=96, vocab_size=96,
+                num_layers=2)
+    ref_t = tiny_target("llama", seed=1, **smol)
+    want = speculative_generate(ref_t, random_drafter(ref_t, block_size=4, num_layers=1, seed=2), PROMPTS,
+                                **kw).token_ids
+    t = shard(tiny_target("llama", seed=1, **smol), make_mesh(tp=3, dp=2))
+    assert speculative_generate(t, random_drafter(t, block_size=4, num_layers=1, seed=2), PROMPTS,
+                                **kw).token_ids == want
     for tp in (2, 4, 8):
         with pytest.raises(ShardingError, match=rf"tp={tp} cannot split .*9 attention heads"):
-            shard(Target(nnx.clone(ref_t.model), None, "smollm2"), make_mesh(tp=tp))
+            shard(Target(nnx.clone(ref_t.model), None, "smollm2-shaped"), make_mesh(tp=tp))
 
 
 def test_mesh_errors():
