@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import BackgroundRun
+from conftest import PROGRAM_CACHE_ENV, BackgroundRun
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,8 @@ nbformat.write(nb, sys.argv[3])
 EXECUTION = BackgroundRun("test_notebook.py::test_quickstart_notebook_executes",
                           [sys.executable, "-c", RUN, str(NOTEBOOK), "{tmp}", "{tmp}/out.ipynb"],
                           env={**os.environ, "DFLASH_MAX_NEW": "24", "JAX_PLATFORMS": "cpu",
-                               "DFLASH_JAX_AUTO_COMPACT_RATIO": "inf"})
+                               "DFLASH_JAX_AUTO_COMPACT_RATIO": "inf", **PROGRAM_CACHE_ENV})  # (shared with
+# tests/test_real_pair.py: the same pair, batch and shape buckets)
 
 
 def test_quickstart_notebook_executes():

@@ -1,6 +1,5 @@
 """The real SmolLM2-135M-Instruct weights (float32): lossless decoding with the shipped DFlash and DSpark drafters
-(block sizes 16 and 4; every size from 2 to 16, and random drafters, are covered on tiny models in
-test_lossless.py), the confidence scheduler's compact verify, streamed text and the chat command. One file, so that one worker loads
+(every block size from 2 to 16, and random drafters, are covered on tiny models in test_lossless.py), the confidence scheduler's compact verify, streamed text and the chat command. One file, so that one worker loads
 the target once and every test compares against one autoregressive reference (one behaviour per test, the
 prompts and lengths shared so that the programs are too)."""
 
@@ -28,7 +27,7 @@ PROMPTS = [
     "What is 17 times 3? Explain your answer in one short sentence.",
     "Name a primary colour.",
 ]
-MAX_NEW = 40
+MAX_NEW = 32  # with four prompts of ≤ 64 tokens: the notebook's shapes (tests/test_notebook.py), programs shared
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +41,7 @@ def reference(smollm2):
 def test_shipped_drafter_is_lossless_with_real_acceptance_and_streams_text(smollm2, smollm2_drafter, reference):
     """The embedded trained drafter on a batch of four prompt lengths with stop tokens: it accepts several tokens
     per cycle and changes nothing; the training objective sees the blocks decoding saw; the same call streamed
-    (one prompt asks for non-ASCII text) concatenates to the whole call's ids and text; a smaller block without
-    stop tokens gives the answer that ran to the length limit."""
+    (one prompt asks for non-ASCII text) concatenates to the whole call's ids and text."""
     drafter = smollm2_drafter
     assert drafter.trained and drafter.config.block_size == 16
     out = speculative_generate(smollm2, drafter, PROMPTS, max_new_tokens=MAX_NEW)
@@ -55,9 +53,6 @@ def test_shipped_drafter_is_lossless_with_real_acceptance_and_streams_text(smoll
     ids, _ = concatenated(_collect_texts(stream, texts))
     assert ids == out.token_ids and texts == out.texts
     assert any(ord(c) > 127 for c in out.texts[1])
-    one = speculative_generate(smollm2, drafter, PROMPTS[:1], max_new_tokens=MAX_NEW, block_size=4,
-                               stop_token_ids=[])
-    assert one.token_ids == reference.token_ids[:1] and len(one.token_ids[0]) == MAX_NEW
 
 
 @pytest.mark.auto_verify
@@ -176,7 +171,7 @@ def assert_training_objective_sees_the_same_blocks(target, drafter, out):
         cycles = [c for c in range(len(acc)) if anchors[c] + block <= len(seq)]  # whole block labelled
         if cycles:  # (a short answer may end before any whole block)
             rows.append((seq, [anchors[c] for c in cycles], [acc[c] for c in cycles]))
-    assert len(rows) >= 2 and sum(len(r[1]) for r in rows) >= 10
+    assert len(rows) >= 2 and sum(len(r[1]) for r in rows) >= 6
     # All rows in one batch (right-padded, as training batches are): one compiled program.
     tokens = np.zeros((len(rows), max(len(r[0]) for r in rows)), np.int32)
     anchors = np.zeros((len(rows), max(len(r[1]) for r in rows)), np.int32)

@@ -18,7 +18,7 @@ import pytest
 import yaml
 from flax import nnx
 
-from conftest import ZLAB, random_prompts, tiny_subprocess_env, tiny_target
+from conftest import ZLAB, fast_options, random_prompts, tiny_subprocess_env, tiny_target
 from dflash_jax import ConfigError, generate, load_drafter, random_drafter, speculative_generate
 from dflash_jax.loading import deepen_drafter, load_target
 from dflash_jax.checkpoints.export import export_drafter
@@ -111,13 +111,24 @@ def test_training_forward_equals_inference_forward():
     d = random_drafter(t, block_size=8, num_layers=2, seed=0)
     tm, dm = t.model, d.model
     seq = jnp.asarray(random_prompts(1, [30], 64, seed=3))
-    feats = target_features(tm, seq, dm.config.target_layer_ids)
     anchors = jnp.array([[5, 12, 20]])
     ids, pos, _, _ = block_inputs(seq, jnp.array([30]), anchors, jnp.ones((1, 3), bool), 8, dm.config.mask_token_id)
-    h = drafter_forward_blocks(dm, tm, feats, ids, pos, anchors)
+
+    # Each side as one program (op by op, every operation would compile a program of its own).
+    @nnx.jit
+    def training(dm, tm, seq, ids, pos, anchors):
+        feats = target_features(tm, seq, dm.config.target_layer_ids)
+        return feats, drafter_forward_blocks(dm, tm, feats, ids, pos, anchors)
+
+    @nnx.jit
+    def inference(dm, tm, context_feats, ids, pos):  # the drafter's cache holds the context before the anchor
+        p = context_feats.shape[1]
+        cache = dm.materialize(dm.new_cache(1, 64), context_feats, jnp.arange(p)[None])
+        return dm(tm.embed(ids), pos, cache, jnp.array([p]))
+
+    feats, h = training(dm, tm, seq, ids, pos, anchors)
     for j, p in enumerate([5, 12, 20]):
-        cache = dm.materialize(dm.new_cache(1, 64), feats[:, :p], jnp.arange(p)[None])
-        hi = dm(tm.embed(ids[:, j]), pos[:, j], cache, jnp.array([p]))
+        hi = inference(dm, tm, feats[:, :p], ids[:, j], pos[:, j])
         np.testing.assert_allclose(np.asarray(hi), np.asarray(h[:, j]), atol=1e-5)
 
 
@@ -138,8 +149,8 @@ def test_chunked_cross_entropy_equals_full(tmp_path):
     slots = batch["anchors"].size * 7
     assert slots % 5 != 0  # chunks of 5 leave a padded last chunk
     loss_and_grad = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
-    (full, m_full), g_full = loss_and_grad(params, None)
-    (part, m_part), g_part = loss_and_grad(params, 5)
+    (full, m_full), g_full = loss_and_grad.lower(params, None).compile(fast_options())(params)
+    (part, m_part), g_part = loss_and_grad.lower(params, 5).compile(fast_options())(params)
     np.testing.assert_allclose(float(part), float(full), rtol=1e-5)
     assert {k: float(v) for k, v in m_part.items()} == pytest.approx({k: float(v) for k, v in m_full.items()})
     for a, b in zip(jax.tree.leaves(g_part), jax.tree.leaves(g_full)):
@@ -149,7 +160,8 @@ def test_chunked_cross_entropy_equals_full(tmp_path):
     trained = []
     for chunk in (None, 5):
         d = random_drafter(target, block_size=8, num_layers=2, seed=0)
-        t = Trainer(target, d, dataclasses.replace(s, max_steps=2, ce_chunk_rows=chunk), tmp_path / str(chunk))
+        t = Trainer(target, d, dataclasses.replace(s, max_steps=2, ce_chunk_rows=chunk), tmp_path / str(chunk),
+                    compiler_options=fast_options())  # programs that run twice: compile them fast
         t.fit(data, progress=False)
         trained.append(t.params)
     for a, b in zip(jax.tree.leaves(trained[0]), jax.tree.leaves(trained[1])):
@@ -242,7 +254,7 @@ def test_deepened_drafter_starts_identical_then_trains_its_new_layers(tmp_path):
     new_o = lambda d: np.asarray(d.model.layers[2].self_attn.o_proj.kernel[...])  # noqa: E731
     assert not new_o(deep).any()
     Trainer(target, deep, TrainSettings(batch_size=4, max_anchors=8, max_steps=3, log_every=3),
-            tmp_path / "t").fit(data, progress=False)
+            tmp_path / "t", compiler_options=fast_options()).fit(data, progress=False)
     assert np.abs(new_o(deep)).max() > 0
     with pytest.raises(ConfigError, match="cannot deepen"):
         deepen_drafter(deep, 2)
@@ -528,10 +540,13 @@ def test_code_prompts_from_python_sources(tmp_path):
     assert data_mod.python_function_prompts([pkg], exclude=['def AREA(w, h):  """Return the area of a '
                                                             'w-by-h rectangle, in square units."""']) == [volume]
     assert data_mod.python_function_prompts([pkg], limit=1) == data_mod.python_function_prompts([pkg])[:1]
-    # The real sources: the standard library alone gives thousands, in the same order every time.
+    # The real sources: the standard library alone gives thousands (one parse: ~10 s), in the same order every
+    # time (a stdlib package, parsed twice).
     stdlib = data_mod.python_function_prompts(data_mod.python_sources(), limit=2000)
-    assert len(set(stdlib)) == 2000 and stdlib == data_mod.python_function_prompts(data_mod.python_sources(),
-                                                                                  limit=2000)
+    assert len(set(stdlib)) == 2000
+    email = [Path(data_mod.python_sources()[0], "email")]
+    assert data_mod.python_function_prompts(email) == data_mod.python_function_prompts(email)
+    assert len(data_mod.python_function_prompts(email)) > 20
     with pytest.raises(data_mod.DataError, match="no documented public functions"):
         data_mod.python_function_prompts([pkg / "tests"], min_doc_chars=10**6)
     with pytest.raises(data_mod.DataError, match="'no_such_package' is not installed"):
