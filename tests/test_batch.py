@@ -215,7 +215,7 @@ def test_sigkill_at_random_moments_then_resume(tmp_path):
     for attempt in range(8):
         proc = subprocess.Popen(cmd + (["--resume"] if out.exists() else []), env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        if kills < 3:
+        if kills < 2:  # (each process costs ~10 s of start-up here)
             before = len(out.read_text().splitlines()) if out.exists() else 0
             # Kill once this process has written 1–3 batches, a random few milliseconds later (mid-batch,
             # mid-write or mid-fsync: the moment is not aligned with anything).
@@ -234,7 +234,7 @@ def test_sigkill_at_random_moments_then_resume(tmp_path):
             continue
         assert proc.wait(timeout=300) == 0
         break
-    assert kills == 3
+    assert kills == 2
     got = read_out(out)
     assert set(got) == {r["id"] for r in rows}
     ref = generate(__import__("dflash_jax").load_target(ZLAB / "target"), [r["token_ids"] for r in rows],
