@@ -14,6 +14,9 @@ them), written after each batch (and the AR answers, for replay): an interrupted
 
     python benchmarks/eval_tau.py --drafter DFlash=smollm2-135m --drafter DSpark=smollm2-135m-dspark \
         --sets general --method replay --out benchmarks/results/general_tau.json
+    # on the GPU machine (device_runs/README.md, session 6): all three sets, full width, ~85 s a drafter
+    python3 benchmarks/eval_tau.py --target $M --drafter DSpark=dflash_jax/assets/smollm2-135m-dspark \
+        --method decode --batch-size 180 --prompt-dir runs/device --out $OUT/tau.json
 """
 
 from __future__ import annotations
@@ -84,8 +87,8 @@ def decode_sets(target, drafter, label: str, runs: dict, set_ids: dict[str, list
                 out: Path) -> None:
     """Static speculative decoding of every prompt not done yet, the sets' prompts mixed in batches of similar
     lengths; each set's entry grows (and the file is saved) after every batch."""
-    pending = [(name, i) for name, ids in set_ids.items() for i in range(len(ids))
-               if i not in set(runs[name].setdefault("done_ids", []))]
+    done = {name: set(runs[name].setdefault("done_ids", [])) for name in set_ids}
+    pending = [(name, i) for name, ids in set_ids.items() for i in range(len(ids)) if i not in done[name]]
     pending.sort(key=lambda item: len(set_ids[item[0]][item[1]]))
     size = args.batch_size or len(pending)
     bar = tqdm(total=len(pending), desc=f"{label} decode", unit="prompt")
@@ -112,8 +115,9 @@ def main() -> int:
     ap.add_argument("--method", choices=("replay", "decode"), default="replay")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=32,
-                    help="rows per call; 0: every pending prompt of every set in one call (decode: one program "
-                         "per drafter, as each new batch shape compiles anew: ~1 min on the H200)")
+                    help="rows per call (each new batch shape compiles anew, ~1 min on the H200; 180 covers the three "
+                         "sets in 3 calls); 0: every pending prompt in one call (538 rows in float32 ran out of the "
+                         "H200's memory in the prefill)")
     ap.add_argument("--prompt-dir", type=Path,
                     help="read the sets from <dir>/<set>.jsonl ({'prompt': …} lines, device_runs/make_run_config.py "
                          "writes them) instead of the installed evaluation packages")
@@ -124,8 +128,8 @@ def main() -> int:
     results = json.loads(out.read_text()) if out.is_file() else {}
     results["info"] = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                        "date": time.strftime("%Y-%m-%d"), "host": platform.node(),
-                       "commit": os.environ.get("BENCH_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                text=True).stdout.strip(),
+                       "commit": os.environ.get("BENCH_COMMIT") or subprocess.run(
+                           ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
                        "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "method": args.method}
     target = load_target(args.target, dtype=args.dtype)
     prompts = read_prompt_dir(args.prompt_dir) if args.prompt_dir else evaluation_prompts()
