@@ -21,12 +21,12 @@ nbclient.NotebookClient(nb, timeout=900, kernel_name="python3", resources={"meta
 nbformat.write(nb, sys.argv[3])
 """
 # Started when the session has collected the test (conftest.BackgroundRun): the kernel runs beside the tests
-# before it.
+# before it, on the session's program cache (tests/test_real_pair.py decodes the same pair at the same batch and
+# shape buckets, so either may load what the other compiled).
 EXECUTION = BackgroundRun("test_notebook.py::test_quickstart_notebook_executes",
                           [sys.executable, "-c", RUN, str(NOTEBOOK), "{tmp}", "{tmp}/out.ipynb"],
                           env={**os.environ, "DFLASH_MAX_NEW": "24", "JAX_PLATFORMS": "cpu",
-                               "DFLASH_JAX_AUTO_COMPACT_RATIO": "inf", **PROGRAM_CACHE_ENV})  # (shared with
-# tests/test_real_pair.py: the same pair, batch and shape buckets)
+                               "DFLASH_JAX_AUTO_COMPACT_RATIO": "inf", **PROGRAM_CACHE_ENV})
 
 
 def test_quickstart_notebook_executes():

@@ -1,7 +1,8 @@
 """The real SmolLM2-135M-Instruct weights (float32): lossless decoding with the shipped DFlash and DSpark drafters
-(every block size from 2 to 16, and random drafters, are covered on tiny models in test_lossless.py), the confidence scheduler's compact verify, incremental text and the chat command (which streams). One file, so that one worker loads
-the target once and every test compares against one autoregressive reference (one behaviour per test, the
-prompts and lengths shared so that the programs are too)."""
+(every block size from 2 to 16, and random drafters, are covered on tiny models in test_lossless.py), the
+confidence scheduler's compact verify, incremental text and the chat command (which streams). One file, so that
+one worker loads the target once and every test compares against one autoregressive reference (one behaviour per
+test, the prompts and lengths shared so that the programs are too)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ PROMPTS = [
     "What is 17 times 3? Explain your answer in one short sentence.",
     "Name a primary colour.",
 ]
-MAX_NEW = 32  # with four prompts of ≤ 64 tokens: the notebook's shapes (tests/test_notebook.py), programs shared
+MAX_NEW = 32  # with four prompts of ≤ 64 tokens: the notebook's shape buckets (tests/test_notebook.py)
 
 
 @pytest.fixture(scope="module")
