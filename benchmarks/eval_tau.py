@@ -1,7 +1,8 @@
 """Greedy τ and acceptance histograms of drafters on the evaluation sets, on any backend.
 
-``--method decode`` runs speculative decoding at full verify width (only: the pipeline's eval stage also decodes
-every prompt autoregressively to count identical rows). ``--method replay`` decodes each prompt once autoregressively —
+``--method decode`` runs speculative decoding at full verify width (only: the pipeline's eval stage also
+decodes every prompt autoregressively to count identical rows). ``--method replay`` decodes each prompt once
+autoregressively —
 greedy speculative decoding is lossless, so every drafter's run commits exactly these tokens — and replays each
 drafter's cycles along those answers (``Trainer.replayed_cycles``: every anchor's acceptance in training-shaped
 batches, then the walk decoding takes; tested against real decoding in tests/test_train.py). The cycles are
