@@ -2,9 +2,8 @@
 
 ``--method decode`` runs speculative decoding at full verify width (only: the pipeline's eval stage also
 decodes every prompt autoregressively to count identical rows). ``--method replay`` decodes each prompt once
-autoregressively —
-greedy speculative decoding is lossless, so every drafter's run commits exactly these tokens — and replays each
-drafter's cycles along those answers (``Trainer.replayed_cycles``: every anchor's acceptance in training-shaped
+autoregressively — greedy speculative decoding is lossless, so every drafter's run commits exactly these
+tokens — and replays each drafter's cycles along those answers (``Trainer.replayed_cycles``: every anchor's acceptance in training-shaped
 batches, then the walk decoding takes; tested against real decoding in tests/test_train.py). The cycles are
 decoding's except the last one of a row, which stops at ``max_new_tokens`` (on the real SmolLM2 pair, 24 of 24
 rows gave static decoding's cycles). The AR answers are shared by every drafter scored. Either way a whole set
