@@ -5,6 +5,9 @@ sed -i "s/time_budget_s: .*/time_budget_s: $TB/" $CFG
 if [ "$TB" != 0 ]; then
   timeout 590 python3 -m dflash_jax.cli train --config $CFG --stages train --no-progress --stop-after-s $STOP > $OUT/train.log 2>&1
   echo "train rc $?"; tail -n 3 $OUT/train.log; cat $RUN/plan.json; tail -n 2 $RUN/history.jsonl
+  # The weights reached come back with every train call: a machine given back before the next call (30 s
+  # idle) takes /tmp with it, and with it the only copy (DSpark run 3 was lost that way at step 2,417).
+  [ "$EVAL" = 1 ] || [ ! -d $RUN/drafter ] || (cd $RUN && tar -cf - drafter | split -b 15000000 - $OUT/drafter.tar.part)
 fi
 if [ "$EVAL" = 1 ]; then
   # The drafter first: an evaluation cut off by the call's limit must not take the trained weights with it.
