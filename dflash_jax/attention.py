@@ -301,6 +301,9 @@ def ragged_verify_attention(
     v_cache: Float[Array, "B S K H"],
     cu_q_lens: Int[Array, "B+1"],
     kv_lens: Int[Array, "B"],
+    sinks: Float[Array, "N"] | None = None,
+    *,
+    window: int | None = None,
 ) -> Float[Array, "T N H"]:
     """Verify windows of different lengths packed end to end (reference).
 
@@ -308,7 +311,7 @@ def ragged_verify_attention(
     are already written into the cache) and attends causally to cache row ``r`` up to ``kv_lens[r]``, which
     includes the window: window token ``i`` sits at position ``kv_lens[r] - ℓ_r + i``. Rows at or past
     ``cu_q_lens[B]`` (padding of T) give zeros. The static-window verify of the decode loop is the case
-    ℓ_r = L for every r.
+    ℓ_r = L for every r. ``sinks`` / ``window`` as in :func:`cache_attention`.
     """
     t = q.shape[0]
     b = k_cache.shape[0]
@@ -316,7 +319,7 @@ def ragged_verify_attention(
     row = jnp.clip(jnp.searchsorted(cu_q_lens, tok, side="right") - 1, 0, b - 1)
     win_len = cu_q_lens[row + 1] - cu_q_lens[row]
     pos = kv_lens[row] - win_len + (tok - cu_q_lens[row])
-    out = cache_attention(q[:, None], k_cache[row], v_cache[row], pos[:, None])[:, 0]
+    out = cache_attention(q[:, None], k_cache[row], v_cache[row], pos[:, None], sinks=sinks, window=window)[:, 0]
     return jnp.where((tok < cu_q_lens[b])[:, None, None], out, 0).astype(q.dtype)
 
 

@@ -118,6 +118,40 @@ def test_ragged_verify_matches_reference(dtype, win, kv_lens, k, g, h, s, bkv, m
         assert not np.asarray(out[int(cu[-1]):]).any(), "rows past cu_q_lens[B] must be zeros"
 
 
+def poison_outside_windows(x: jax.Array, win_lens, kv_lens, window: int | None, block: int) -> jax.Array:
+    """NaN also in the KV blocks (of ``block`` slots) that lie wholly before every query's sliding window of
+    their request, and in the whole row of an empty window: a kernel must never read them."""
+    lo = [x.shape[1] if w == 0 else 0 if window is None else max(kv - w - window + 1, 0) // block * block
+          for w, kv in zip(win_lens, kv_lens)]
+    slot = np.arange(x.shape[1])[None, :, None, None]
+    poisoned = np.where(slot >= np.asarray(lo)[:, None, None, None], np.asarray(x, np.float32), np.nan)
+    return jnp.asarray(poisoned.astype(x.dtype))
+
+
+SINK_WINDOW_CASES = [
+    # dtype, window lengths, kv_lens, K, G, H, S, block_kv, max_q_len, padding rows, sliding window, sinks
+    (jnp.float32, [3, 0, 8, 5], [10, 7, 256, 5], 2, 2, 64, 256, 64, 8, 3, None, True),  # sinks only
+    (jnp.float32, [3, 0, 8, 5], [10, 7, 256, 150], 2, 2, 64, 256, 64, 8, 3, 70, False),  # window skips blocks
+    (jnp.bfloat16, [16, 1, 9], [16, 130, 192], 2, 4, 64, 192, 64, 16, 5, 20, True),  # both; window < ℓ
+    (jnp.float32, [4, 4], [100, 37], 4, 1, 64, 160, 64, 4, 0, 1, True),  # window 1: each query sees itself
+]
+
+
+@pytest.mark.parametrize("dtype,win,kv_lens,k,g,h,s,bkv,max_q_len,t_pad,window,with_sinks", SINK_WINDOW_CASES)
+def test_ragged_verify_sinks_and_window(dtype, win, kv_lens, k, g, h, s, bkv, max_q_len, t_pad, window,
+                                        with_sinks):
+    """gpt-oss attention: sinks (one logit per query head in the denominator) and sliding windows. KV blocks
+    wholly before a request's windows, and the rows of empty windows, are NaN as well: never read."""
+    q, kc, vc, cu, kvl = verify_inputs(dtype, win, kv_lens, k, g, h, s, t_pad, seed=20)
+    kc, vc = (poison_outside_windows(x, win, kv_lens, window, bkv) for x in (kc, vc))
+    sinks = 2 * rand(21, (k * g,), jnp.float32) if with_sinks else None
+    out = fast_jit(ragged_verify_attention, max_q_len=max_q_len, window=window, interpret=IP, block_kv=bkv)(
+        q, kc, vc, cu, kvl, sinks)
+    want = fast_jit(ref.ragged_verify_attention, window=window)(q, clean(kc), clean(vc), cu, kvl, sinks)
+    check(out, want, dtype)
+    assert not np.asarray(out[int(cu[-1]):]).any(), "rows past cu_q_lens[B] must be zeros"
+
+
 def test_ragged_verify_all_empty_gives_zeros():
     q, kc, vc, cu, kvl = verify_inputs(jnp.float32, [0, 0], [0, 5], 2, 2, 64, 64, 4)
     out = fast_jit(ragged_verify_attention, max_q_len=4, interpret=IP, block_kv=32)(q, kc, vc, cu, kvl)
@@ -151,6 +185,11 @@ def test_unsupported_reason():
     assert "kv_heads_per_block" in unsupported_reason("draft", q, kv, kv_heads_per_block=1)
     assert "rank" in unsupported_reason("ragged_verify", q, kv)
     assert "window" in unsupported_reason("draft", q, kv, window=0)
+    qv = sds((32, 8, 128))
+    assert unsupported_reason("ragged_verify", qv, kv, interpret=IP, window=4, sinks=sds((8,))) is None
+    assert "window" in unsupported_reason("ragged_verify", qv, kv, interpret=IP, window=0)
+    assert "sinks" in unsupported_reason("ragged_verify", qv, kv, interpret=IP, sinks=sds((2,)))
+    assert "sinks" in unsupported_reason("draft", q, kv, interpret=IP, sinks=sds((8,)))
     # Compiled (non-interpret) mode adds Mosaic-specific limits; on CPU it needs a TPU.
     assert "head_dim" in unsupported_reason("draft", sds((2, 16, 8, 8)), sds((2, 64, 2, 8)))
     assert "VMEM" in unsupported_reason("draft", sds((2, 16, 128, 256)), sds((2, 4096, 64, 256)), block_kv=4096)
@@ -177,4 +216,8 @@ def test_kernels_lower_to_mosaic(dtype):
             sds((b,), i32))
     text = jax.jit(lambda *a: ragged_verify_attention(*a, max_q_len=l)).trace(*args).lower(
         lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text
+    # gpt-oss: sinks (a lane-replicated [K, G·Lp, 128] float32 input) and a sliding window
+    text = jax.jit(lambda *a: ragged_verify_attention(*a, max_q_len=l, window=128)).trace(
+        *args, sds((k * g,), dtype)).lower(lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" in text

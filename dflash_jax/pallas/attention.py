@@ -12,7 +12,8 @@ rows, N query heads, K KV heads, G = N // K query heads per KV head, H head_dim,
   kernel reads only ``q_positions[:, 0]``.
 * :func:`ragged_verify_attention` — packed verify windows ``q [T,N,H]`` (request r owns rows
   ``cu_q_lens[r]:cu_q_lens[r+1]``, ℓ_r ≤ ``max_q_len``) attending causally to cache row r up to
-  ``kv_lens[r]``; rows at or past ``cu_q_lens[B]`` give zeros.
+  ``kv_lens[r]``; rows at or past ``cu_q_lens[B]`` give zeros. Optionally with gpt-oss's attention sinks
+  (``sinks [N]``) and sliding window (``window``), as :func:`dflash_jax.attention.cache_attention`.
 
 Kernel (shared by both ops): a flash-attention loop with online softmax. Grid ``(B, K // kb, n_kv)``:
 batch and KV-head-group axes are "parallel" (megacore / multi-TensorCore sharding), the KV-block axis is
@@ -43,6 +44,13 @@ batch and KV-head-group axes are "parallel" (megacore / multi-TensorCore shardin
   Running-max init is the finite -1e30, so fully masked rows never compute ``inf - inf``.
 * **Block keys** (draft attention) come as one extra ``(L, kb, H)`` block consumed at the last KV step,
   just before the output is normalised (``acc / l``) and written.
+* **Sinks** (ragged verify) are one more key with logit ``sink[n]`` and value 0, seen first: the running max
+  starts at the sink and the running sum at 1 (the online rescaling then gives the denominator its
+  ``exp(sink - m)``), the accumulator at 0. They arrive lane-replicated like ``m``, a ``[K, G·Lp, 128]``
+  float32 input whose ``(kb, G·Lp, 128)`` block (its index follows the head group only: no DMA per KV step)
+  initialises ``m`` directly.
+* **Sliding windows** mask keys with ``pos - j >= window`` (both ops); blocks wholly before the window of a
+  row's first query (the ragged verify: ``kv_len - ℓ``; the draft: ``q_positions[b, 0]``) are skipped.
 * **Ragged verify tiling.** The wrapper gathers each request's window into a static tile of ``Lq =
   round_up(max_q_len, 8)`` rows (``[B, K, G·Lq, H]``, an XLA gather of the small q) and scatters the output
   back to the packed ``[T,N,H]`` order. One grid row then reads exactly its own cache row, once, and no
@@ -128,9 +136,9 @@ class _Plan:
     def n_kv(self) -> int:
         return -(-self.s // self.block_kv)
 
-    def vmem_bytes(self, extra_kv_rows: int = 0) -> int:
+    def vmem_bytes(self, extra_kv_rows: int = 0, sinks: bool = False) -> int:
         """Rough VMEM need: double-buffered blocks (second-minor dims padded to the sublane tile), scratch,
-        and the float32 score/probability temporaries."""
+        the float32 score/probability temporaries, and the lane-replicated sink tile when there is one."""
         isz = jnp.dtype(self.dtype).itemsize
         kb_pad = _round_up(self.kb, _sublanes(self.dtype))
         rows_pad = _round_up(self.rows, _sublanes(self.dtype))
@@ -138,7 +146,8 @@ class _Plan:
         qo = 2 * 2 * self.kb * rows_pad * self.h * isz
         scratch = self.kb * _round_up(self.rows, 8) * (self.h + 2 * _LANES) * 4
         temps = 4 * _round_up(self.rows, 8) * _round_up(self.block_kv, _LANES) * 4
-        return kv + qo + scratch + temps
+        sink = 2 * self.kb * _round_up(self.rows, 8) * _LANES * 4 if sinks else 0
+        return kv + qo + scratch + temps + sink
 
 
 def _default_block_kv(kb: int, h: int, dtype: Any) -> int:
@@ -160,7 +169,8 @@ def _make_plan(q_rows: int, kv_shape: tuple[int, ...], n: int, dtype: Any, block
 
 
 def _check(q_shape: tuple[int, ...], q_dtype: Any, kv_shape: tuple[int, ...], kv_dtype: Any, *,
-           block_kv: int | None, kv_heads_per_block: int | None, window: int | None = None) -> str | None:
+           block_kv: int | None, kv_heads_per_block: int | None, window: int | None = None,
+           sinks_shape: tuple[int, ...] | None = None) -> str | None:
     """Reasons that hold in every mode (interpret or compiled)."""
     if len(kv_shape) != 4:
         return f"KV cache must be [B,S,K,H], got shape {kv_shape}"
@@ -185,18 +195,21 @@ def _check(q_shape: tuple[int, ...], q_dtype: Any, kv_shape: tuple[int, ...], kv
         return f"block_kv={block_kv} must be a positive multiple of 8 (or >= S={s})"
     if window is not None and window <= 0:
         return f"window={window} must be positive"
+    if sinks_shape is not None and tuple(sinks_shape) != (n,):
+        return f"sinks must have shape (N,) = ({n},), got {tuple(sinks_shape)}"
     return None
 
 
 def unsupported_reason(op: str, q: Any, kv: Any, *, interpret: Interpret = None, block_kv: int | None = None,
                        kv_heads_per_block: int | None = None, window: int | None = None,
-                       max_q_len: int | None = None, vmem_limit_bytes: int | None = None) -> str | None:
+                       max_q_len: int | None = None, vmem_limit_bytes: int | None = None,
+                       sinks: Any = None) -> str | None:
     """Why ``op`` ("draft" or "ragged_verify") cannot run these shapes as a Pallas TPU kernel, or None.
 
     ``q`` and ``kv`` are the query and the context/cache K array (arrays or ``jax.ShapeDtypeStruct``; only
-    shape and dtype are read); the keywords are the kernel's static arguments. The caller falls back to the
-    jnp reference when this returns a string. Dynamic contracts (consecutive ``q_positions``; ℓ_r ≤
-    ``max_q_len``) cannot be checked here.
+    shape and dtype are read); ``sinks`` the ragged verify's per-head sink logits (likewise, or None); the
+    keywords are the kernel's static arguments. The caller falls back to the jnp reference when this returns
+    a string. Dynamic contracts (consecutive ``q_positions``; ℓ_r ≤ ``max_q_len``) cannot be checked here.
     """
     if op not in ("draft", "ragged_verify"):
         raise ValueError(f"unknown op {op!r} (expected 'draft' or 'ragged_verify')")
@@ -204,8 +217,11 @@ def unsupported_reason(op: str, q: Any, kv: Any, *, interpret: Interpret = None,
     want = 4 if op == "draft" else 3
     if len(q_shape) != want:
         return f"{op}: q must have rank {want}, got shape {q_shape}"
+    if op == "draft" and sinks is not None:
+        return "draft: attention sinks are not supported (only the ragged verify takes them)"
     reason = _check(q_shape, q.dtype, kv_shape, kv.dtype, block_kv=block_kv,
-                    kv_heads_per_block=kv_heads_per_block, window=window)
+                    kv_heads_per_block=kv_heads_per_block, window=window,
+                    sinks_shape=None if sinks is None else tuple(sinks.shape))
     if reason:
         return f"{op}: {reason}"
     if op == "draft" and q_shape[0] != kv_shape[0]:
@@ -222,7 +238,7 @@ def unsupported_reason(op: str, q: Any, kv: Any, *, interpret: Interpret = None,
     q_rows = q_shape[1] if op == "draft" else (max_q_len or q_shape[0])
     plan = _make_plan(q_rows, kv_shape, q_shape[-2], q.dtype, block_kv, kv_heads_per_block)
     extra = q_shape[1] if op == "draft" else 0
-    need, limit = plan.vmem_bytes(extra), vmem_limit_bytes or _VMEM_HARD_LIMIT
+    need, limit = plan.vmem_bytes(extra, sinks is not None), vmem_limit_bytes or _VMEM_HARD_LIMIT
     if need > limit:
         return (f"{op}: estimated VMEM {need / 2**20:.1f} MiB > {limit / 2**20:.0f} MiB "
                 "(lower block_kv or kv_heads_per_block)")
@@ -240,9 +256,14 @@ def _row_offsets(g: int, lp: int, cols: int) -> jax.Array:
     return lax.broadcasted_iota(jnp.int32, (g, lp, cols), 1).reshape(g * lp, cols)
 
 
-def _init_scratch(m_sc, l_sc, acc_sc) -> None:
-    m_sc[...] = jnp.full(m_sc.shape, NEG_INF, jnp.float32)
-    l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+def _init_scratch(m_sc, l_sc, acc_sc, sink_ref=None) -> None:
+    """Empty softmax state; with sinks, the state of having seen one key of logit ``sink`` and value 0."""
+    if sink_ref is None:
+        m_sc[...] = jnp.full(m_sc.shape, NEG_INF, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+    else:
+        m_sc[...] = sink_ref[...]
+        l_sc[...] = jnp.ones(l_sc.shape, jnp.float32)
     acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
 
@@ -327,20 +348,24 @@ def _draft_kernel(ctx_len_ref, pos0_ref, lo_ref, hi_ref,  # scalar prefetch, [B]
         _finish(o_ref, l_sc, acc_sc, plan.kb)
 
 
-def _verify_kernel(kv_len_ref, q_len_ref, hi_ref,  # scalar prefetch, [B] int32 in SMEM
-                   q_ref, k_ref, v_ref, o_ref, m_sc, l_sc, acc_sc, *, plan: _Plan, scale: float):
+def _verify_kernel(kv_len_ref, q_len_ref, lo_ref, hi_ref,  # scalar prefetch, [B] int32 in SMEM
+                   q_ref, k_ref, v_ref, *refs,  # [sink (kb,R,128) f32], o (kb,R,H); scratch as the draft's
+                   plan: _Plan, window: int | None, has_sinks: bool, scale: float):
+    sink_ref, (o_ref, m_sc, l_sc, acc_sc) = (refs[0], refs[1:]) if has_sinks else (None, refs)
     b, j = pl.program_id(0), pl.program_id(2)
 
     @pl.when(j == 0)
     def _():
-        _init_scratch(m_sc, l_sc, acc_sc)
+        _init_scratch(m_sc, l_sc, acc_sc, sink_ref)
 
-    @pl.when(j < hi_ref[b])
+    blk = lo_ref[b] + j
+
+    @pl.when(blk < hi_ref[b])
     def _():
         kv_len = kv_len_ref[b]
         # Window token l sits at kv_len - ℓ + l; padding rows (l ≥ ℓ) are kept off garbage by col < kv_len.
         row_pos = kv_len - q_len_ref[b] + _row_offsets(plan.g, plan.lp, plan.block_kv)
-        _kv_step(j, kv_len, row_pos, q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, plan=plan, window=None,
+        _kv_step(blk, kv_len, row_pos, q_ref, k_ref, v_ref, m_sc, l_sc, acc_sc, plan=plan, window=window,
                  causal=True, scale=scale)
 
     @pl.when(j == pl.num_programs(2) - 1)
@@ -450,7 +475,7 @@ def draft_attention(
     return _ungroup_output(out, l, plan)
 
 
-@functools.partial(jax.jit, static_argnames=("max_q_len", "interpret", "block_kv", "kv_heads_per_block",
+@functools.partial(jax.jit, static_argnames=("max_q_len", "window", "interpret", "block_kv", "kv_heads_per_block",
                                              "vmem_limit_bytes"))
 def ragged_verify_attention(
     q: Float[Array, "T N H"],
@@ -458,8 +483,10 @@ def ragged_verify_attention(
     v_cache: Float[Array, "B S K H"],
     cu_q_lens: Int[Array, "B+1"],
     kv_lens: Int[Array, "B"],
+    sinks: Float[Array, "N"] | None = None,
     *,
     max_q_len: int | None = None,
+    window: int | None = None,
     interpret: Interpret = None,
     block_kv: int | None = None,
     kv_heads_per_block: int | None = None,
@@ -468,10 +495,13 @@ def ragged_verify_attention(
     """Pallas TPU version of :func:`dflash_jax.attention.ragged_verify_attention` (see the module docstring).
 
     ``max_q_len``: static bound on every window length ℓ_r (default T; pass the block size L). Rows of a
-    longer window come out NaN. Other keywords as :func:`draft_attention`.
+    longer window come out NaN. ``sinks``: a logit per query head that joins every softmax denominator and
+    carries no value (gpt-oss). ``window``: a query at position p sees keys ``p - window < j <= p``. Other
+    keywords as :func:`draft_attention`.
     """
     _raise_if(_check(q.shape, q.dtype, k_cache.shape, k_cache.dtype, block_kv=block_kv,
-                     kv_heads_per_block=kv_heads_per_block))
+                     kv_heads_per_block=kv_heads_per_block, window=window,
+                     sinks_shape=None if sinks is None else sinks.shape))
     t, n, h = q.shape
     b = k_cache.shape[0]
     if t < 1 or v_cache.shape != k_cache.shape or cu_q_lens.shape != (b + 1,) or kv_lens.shape != (b,):
@@ -486,29 +516,41 @@ def ragged_verify_attention(
     q_lens = cu[1:] - cu[:-1]
     kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, plan.s)
     hi = jnp.where(q_lens > 0, (kv_lens + bkv - 1) // bkv, 0)  # empty windows read nothing
+    # With a sliding window no row sees slots before its first query's window (at kv_len - ℓ): skip them.
+    lo = jnp.zeros_like(hi) if window is None else jnp.where(
+        q_lens > 0, jnp.maximum(kv_lens - q_lens - window + 1, 0) // bkv, 0)
 
     # Gather each request's window into its own static tile of lq rows (module docstring: ragged tiling).
     rows = jnp.clip(cu[:-1, None] + jnp.arange(lq)[None, :], 0, t - 1)  # [B, lq]
     q_tiles = _group_queries(q[rows], plan)
 
-    def kv_map(bi, hg, j, kv_len_ref, q_len_ref, hi_ref):
-        return bi, jnp.minimum(j, jnp.maximum(hi_ref[bi] - 1, 0)), hg, 0
+    def kv_map(bi, hg, j, kv_len_ref, q_len_ref, lo_ref, hi_ref):
+        # Steps outside [lo, hi) repeat a needed block index, so the pipeline issues no DMA for them.
+        return bi, jnp.minimum(lo_ref[bi] + j, jnp.maximum(hi_ref[bi] - 1, 0)), hg, 0
 
     def q_map(bi, hg, j, *_):
         return bi, hg, 0, 0
 
     q_spec = pl.BlockSpec((None, plan.kb, plan.rows, h), q_map)
     kv_spec = pl.BlockSpec((None, bkv, plan.kb, h), kv_map)
+    in_specs, extra = [q_spec, kv_spec, kv_spec], []
+    if sinks is not None:
+        # Lane-replicated like the running max it initialises: [K, R, 128], row (g, l) holds sink[k·G + g].
+        tile = jnp.repeat(sinks.astype(jnp.float32).reshape(plan.k, plan.g), plan.lp, axis=1)
+        extra = [jnp.broadcast_to(tile[:, :, None], (plan.k, plan.rows, _LANES))]
+        in_specs.append(pl.BlockSpec((plan.kb, plan.rows, _LANES), lambda bi, hg, j, *_: (hg, 0, 0)))
+    kernel = functools.partial(_verify_kernel, plan=plan, window=window, has_sinks=sinks is not None,
+                               scale=h ** -0.5)
     out = pl.pallas_call(
-        functools.partial(_verify_kernel, plan=plan, scale=h ** -0.5),
+        kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3, grid=(b, plan.k // plan.kb, plan.n_kv),
-            in_specs=[q_spec, kv_spec, kv_spec], out_specs=q_spec, scratch_shapes=_scratch(plan)),
+            num_scalar_prefetch=4, grid=(b, plan.k // plan.kb, plan.n_kv),
+            in_specs=in_specs, out_specs=q_spec, scratch_shapes=_scratch(plan)),
         out_shape=jax.ShapeDtypeStruct((b, plan.k, plan.rows, h), q.dtype),
         compiler_params=_compiler_params(vmem_limit_bytes),
         interpret=_interpret_arg(interpret),
         name="dflash_ragged_verify_attention",
-    )(kv_lens, q_lens, hi.astype(jnp.int32), q_tiles, k_cache, v_cache)
+    )(kv_lens, q_lens, lo.astype(jnp.int32), hi.astype(jnp.int32), q_tiles, k_cache, v_cache, *extra)
     out = _ungroup_output(out, lq, plan)  # [B, lq, N, H]
 
     # Scatter back to the packed order: token t belongs to the last request whose window starts at or before t.
