@@ -154,6 +154,44 @@ def test_ragged_verify_matches_reference(case):
     assert not np.asarray(out[int(cu[-1]):], np.float32).any()
 
 
+def _poison_outside_windows(x: jax.Array, cu, kv, window: int | None, block: int) -> jax.Array:
+    """NaN also in the KV blocks (of ``block`` rows) wholly before every query's sliding window of their request,
+    and in the whole row of an empty window: the kernel must never read them."""
+    wins, kv = np.diff(np.asarray(cu)), np.asarray(kv)
+    lo = 0 if window is None else np.maximum(kv - wins - window + 1, 0) // block * block
+    lo = np.where(wins == 0, x.shape[1], lo)
+    slot = np.arange(x.shape[1])[None, :, None, None]
+    return jnp.asarray(np.where(slot >= lo[:, None, None, None], np.asarray(x, np.float32), np.nan).astype(x.dtype))
+
+
+# (B, Lmax, N, K, H, S, dtype, tuning, sliding window, sinks)
+SINK_WINDOW_CASES = [
+    (3, 8, 8, 2, 64, 160, jnp.float32, dict(num_splits=1, block_k=32), None, True),  # sinks, single pass
+    (4, 16, 8, 2, 128, 256, jnp.bfloat16, dict(num_splits=3, block_k=32), 40, False),  # window, 3 splits
+    (3, 16, 16, 4, 64, 100, jnp.float32, dict(num_splits=2, block_k=16), 20, True),  # both, G=4, 2 splits
+    (2, 4, 4, 4, 64, 64, jnp.float32, dict(num_splits=1, block_k=16), 1, True),  # both, window 1 (itself)
+]
+
+
+@pytest.mark.parametrize("case", SINK_WINDOW_CASES, ids=lambda c: "B{}-L{}-N{}-K{}-S{}-{}-splits{}-win{}-sinks{}"
+                         .format(*c[:4], c[5], jnp.dtype(c[6]).name, c[7]["num_splits"], *c[8:]))
+def test_ragged_verify_sinks_and_window(case):
+    """gpt-oss attention: a sink logit per query head in the denominator (counted once across splits) and
+    sliding windows; blocks wholly before the windows, and empty windows' rows, are NaN: never read."""
+    b, lmax, n, k, h, s, dtype, tuning, window, with_sinks = case
+    q, kc, vc, cu, kv = _verify_inputs(b * 11 + s, b, lmax, n, k, h, s, dtype)
+    sinks = _normal(np.random.default_rng(s), (n,), jnp.float32, 2.0) if with_sinks else None
+    assert cuda.ragged_verify_unsupported_reason(q, kc, vc, cu, kv, sinks, max_q_len=lmax, window=window,
+                                                 interpret=INTERPRET) is None
+    with jax.default_matmul_precision("highest"):
+        want = fast_jit(ref.ragged_verify_attention, window=window)(q, kc, vc, cu, kv, sinks)
+    kc, vc = (_poison_outside_windows(_poison(x, kv), cu, kv, window, tuning["block_k"]) for x in (kc, vc))
+    out = fast_jit(cuda.ragged_verify_attention, max_q_len=lmax, window=window, interpret=INTERPRET, **tuning)(
+        q, kc, vc, cu, kv, sinks)
+    _check(out, want, dtype)
+    assert not np.asarray(out[int(cu[-1]):], np.float32).any()
+
+
 def test_ragged_verify_static_windows_equal_cache_attention():
     """ℓ_r = L for every r is the decode loop's static verify: same as cache_attention at those positions."""
     b, l, n, k, h, s = 2, 8, 4, 2, 64, 96
@@ -194,6 +232,11 @@ def test_unsupported_reasons():
     assert cuda.ragged_verify_unsupported_reason(qv, kv, kv, max_q_len=16, interpret=True) is None
     assert "max_q_len" in cuda.ragged_verify_unsupported_reason(sds((512, 32, 128), jnp.bfloat16), kv, kv,
                                                                 interpret=True)
+    assert cuda.ragged_verify_unsupported_reason(qv, kv, kv, sinks=sds((32,), jnp.bfloat16), max_q_len=16,
+                                                 window=8, interpret=True) is None
+    assert "window" in cuda.ragged_verify_unsupported_reason(qv, kv, kv, max_q_len=16, window=0, interpret=True)
+    assert "sinks" in cuda.ragged_verify_unsupported_reason(qv, kv, kv, sinks=sds((8,), jnp.float32), max_q_len=16,
+                                                            interpret=True)
     if not ON_GPU:
         assert "GPU" in cuda.ragged_verify_unsupported_reason(qv, kv, kv, max_q_len=16)
 

@@ -10,7 +10,8 @@ H head dim, S cache slots.
   + window), one joint softmax, exactly as :func:`dflash_jax.attention.draft_attention`.
 * :func:`ragged_verify_attention` — the target's verify: request ``r`` owns the packed query rows
   ``cu_q_lens[r] : cu_q_lens[r+1]`` (ℓ_r ≤ ``max_q_len`` rows, possibly 0) and attends causally to cache row
-  ``r`` up to ``kv_lens[r]``, as :func:`dflash_jax.attention.ragged_verify_attention`.
+  ``r`` up to ``kv_lens[r]``, as :func:`dflash_jax.attention.ragged_verify_attention`; optionally with
+  gpt-oss's attention sinks (``sinks [N]``) and sliding window (``window``).
 
 Design (flash decoding):
 
@@ -53,6 +54,13 @@ Design (flash decoding):
   tile rows, not extra cache reads. Query ``i`` sits at position ``kv_lens[r] - ℓ_r + i``; the causal
   mask ``j <= pos_i`` only bites in the last block(s). An extra program row (request index B) writes the
   zeros of the padding rows ``[cu_q_lens[B], T)``. A request with ℓ_r = 0 reads no cache at all.
+* **Sinks and windows** (ragged verify, gpt-oss): a sink is one more key with logit ``sink[n]`` and value 0,
+  so split 0's program starts its running max at the sink and its running sum at 1 (the other splits start
+  empty, -1e30 and 0). The sink is thus counted exactly once: in the single pass directly, with splits
+  through split 0's log-sum-exp (split 0 always writes a finite one, even when its chunk holds no visible
+  key), and the merge kernel needs no change. A sliding window masks keys with ``pos - j >= window``, and
+  the loop starts at the block holding the first query's first visible key (``kv_len - ℓ - window + 1``):
+  blocks wholly before it are never read, as in the draft op.
 
 Preconditions (not checked at run time, as in the references): ``0 <= ctx_len <= S``, ``kv_lens[r] <= S``,
 ``ℓ_r <= max_q_len`` and ``ℓ_r <= kv_lens[r]``, ``cu_q_lens`` non-decreasing with ``cu_q_lens[B] <= T``.
@@ -195,6 +203,12 @@ def _rows(t: _Tiling, per_query: jax.Array) -> jax.Array:
 def _init_carry(t: _Tiling):
     return (jnp.zeros((t.m, t.h), jnp.float32), jnp.full((t.m,), NEG_INF, jnp.float32),
             jnp.zeros((t.m,), jnp.float32))
+
+
+def _load_sinks(sink_ref, t: _Tiling, kh) -> jax.Array:
+    """The sink logits of heads kh·G .. kh·G+Gp as per-tile-row values [M] (row = l·Gp + g); padding = 0."""
+    sink = plgpu.load(sink_ref.at[pl.ds(kh * t.g, t.gp)], mask=jnp.arange(t.gp) < t.g, other=0.0)
+    return jnp.broadcast_to(sink.astype(jnp.float32)[None, :], (t.lp, t.gp)).reshape(t.m)
 
 
 def _online_update(carry, s: jax.Array, mask: jax.Array, v: jax.Array, t: _Tiling):
@@ -347,9 +361,12 @@ def _draft_kernel(q_ref, ck_ref, cv_ref, bk_ref, bv_ref, qpos_ref, clen_ref, *ou
     _finish(carry, out_refs, t, split, q0, L, kh)
 
 
-def _verify_kernel(q_ref, kc_ref, vc_ref, cu_ref, kvl_ref, *out_refs, t: _Tiling, num_req: int, s_len: int):
-    # q_ref [T, N, H], kc/vc [B, S, K, H], cu [B+1], kvl [B]. Grid (B+1, K, splits); request B = padding rows.
-    # Program ids are read outside the pl.when bodies (interpret mode cannot lower them inside a cond).
+def _verify_kernel(q_ref, kc_ref, vc_ref, cu_ref, kvl_ref, *refs, t: _Tiling, num_req: int, s_len: int,
+                   window: int | None, has_sinks: bool):
+    # q_ref [T, N, H], kc/vc [B, S, K, H], cu [B+1], kvl [B], [sinks [N] f32]. Grid (B+1, K, splits); request
+    # B = padding rows. Program ids are read outside the pl.when bodies (interpret mode cannot lower them
+    # inside a cond).
+    sink_ref, out_refs = (refs[0], refs[1:]) if has_sinks else (None, refs)
     r, kh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
     @pl.when(r < num_req)
@@ -358,10 +375,20 @@ def _verify_kernel(q_ref, kc_ref, vc_ref, cu_ref, kvl_ref, *out_refs, t: _Tiling
         q_len = jnp.clip(cu_ref[r + 1] - q0, 0, t.lp)
         kv_len = jnp.clip(kvl_ref[r], 0, s_len)
         hi = jnp.where(q_len > 0, kv_len, 0)  # an empty window reads nothing
+        lo = jnp.int32(0)
+        if window is not None:  # blocks wholly before the first query's window are skipped
+            lo = jnp.where(q_len > 0, jnp.maximum(kv_len - q_len - window + 1, 0), 0)
         q = _load_q(q_ref, t, q0, q_len, kh)
         row_pos = _rows(t, kv_len - q_len + jnp.arange(t.lp))
-        carry = _context_loop(_init_carry(t), q, kc_ref, vc_ref, r, kh, split, jnp.int32(0), hi, row_pos, t,
-                              causal=True, window=None)
+        carry = _init_carry(t)
+        if has_sinks:
+            # The sink is one more key (logit = sink, value 0) in split 0 only: running max = sink, sum = 1. The
+            # log-sum-exp merge then counts it exactly once (module docstring).
+            acc, m, l = carry
+            first = split == 0
+            carry = (acc, jnp.where(first, _load_sinks(sink_ref, t, kh), m), jnp.where(first, 1.0, l))
+        carry = _context_loop(carry, q, kc_ref, vc_ref, r, kh, split, lo, hi, row_pos, t, causal=True,
+                              window=window)
         _finish(carry, out_refs, t, split, q0, q_len, kh)
 
     if t.num_splits == 1:  # else the merge writes the padding rows
@@ -419,8 +446,8 @@ def draft_attention_unsupported_reason(
 
 
 def ragged_verify_unsupported_reason(
-    q, k_cache, v_cache, cu_q_lens=None, kv_lens=None, *, max_q_len: int | None = None, interpret: bool = False,
-    **_: object,
+    q, k_cache, v_cache, cu_q_lens=None, kv_lens=None, sinks=None, *, max_q_len: int | None = None,
+    window: int | None = None, interpret: bool = False, **_: object,
 ) -> str | None:
     """Why :func:`ragged_verify_attention` cannot run these shapes here (None when it can)."""
     if q.ndim != 3 or k_cache.ndim != 4:
@@ -431,6 +458,10 @@ def ragged_verify_unsupported_reason(
         return "K/V shapes do not match q"
     if b < 1 or s < 1 or t_rows < 1:
         return "empty batch / cache / queries"
+    if window is not None and window < 1:
+        return f"window {window} < 1"
+    if sinks is not None and tuple(sinks.shape) != (n,):
+        return f"sinks shape {tuple(sinks.shape)} is not (N,) = ({n},)"
     reason = _common_reason(q.dtype, (k_cache.dtype, v_cache.dtype), n, k, h, interpret)
     if reason:
         return reason
@@ -489,16 +520,18 @@ def draft_attention(
     return res.reshape(b, l, n, h)
 
 
-@functools.partial(jax.jit, static_argnames=("max_q_len", "block_k", "num_splits", "min_chunk", "num_warps",
-                                             "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("max_q_len", "window", "block_k", "num_splits", "min_chunk",
+                                             "num_warps", "num_stages", "interpret"))
 def ragged_verify_attention(
     q: jax.Array,  # [T, N, H]
     k_cache: jax.Array,  # [B, S, K, H]
     v_cache: jax.Array,  # [B, S, K, H]
     cu_q_lens: jax.Array,  # [B+1] int32
     kv_lens: jax.Array,  # [B] int32
+    sinks: jax.Array | None = None,  # [N]
     *,
     max_q_len: int | None = None,
+    window: int | None = None,
     block_k: int | None = None,
     num_splits: int | None = None,
     min_chunk: int = DEFAULT_MIN_CHUNK,
@@ -510,7 +543,9 @@ def ragged_verify_attention(
     ``dflash_jax.attention.ragged_verify_attention`` for windows of at most ``max_q_len`` rows.
 
     ``max_q_len`` (static) bounds every window ℓ_r; None means T (always correct, but the tile then has
-    T·G rows: pass the block size). Tuning arguments as :func:`draft_attention`.
+    T·G rows: pass the block size). ``sinks``: a logit per query head that joins every softmax denominator
+    and carries no value (gpt-oss). ``window`` (static): a query at position p sees keys ``p - window < j <=
+    p``. Tuning arguments as :func:`draft_attention`.
     """
     t_rows, n, h = q.shape
     b, s, k, _ = k_cache.shape
@@ -523,10 +558,12 @@ def ragged_verify_attention(
     out_shape = jax.ShapeDtypeStruct((t_rows, n, h), q.dtype) if single else _partials_shape(t, t_rows, n, h)
     # Grid row B (zeros for the padding rows) only exists when this pass writes the output.
     grid = (b + 1 if single else b, k, t.num_splits)
-    kernel = functools.partial(_verify_kernel, t=t, num_req=b, s_len=s)
+    kernel = functools.partial(_verify_kernel, t=t, num_req=b, s_len=s, window=window,
+                               has_sinks=sinks is not None)
+    extra = [] if sinks is None else [sinks.astype(jnp.float32)]
     res = pl.pallas_call(kernel, out_shape=out_shape, grid=grid, interpret=interpret,
                          compiler_params=_compiler_params(t), name="dflash_ragged_verify_attention")(
-        q, k_cache, v_cache, cu, kvl)
+        q, k_cache, v_cache, cu, kvl, *extra)
     if not single:
         res = _merge_splits(*res, t, q.dtype, cu, interpret)
     return res
