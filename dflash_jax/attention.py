@@ -89,15 +89,16 @@ def _kernels(impl: str) -> KernelSet:
         interp = None if native else pltpu.InterpretParams()
         draft_reason = lambda q, ck, bk, causal, window: mod.unsupported_reason(  # noqa: E731
             "draft", q, ck, interpret=interp, window=window)
-        verify_reason = lambda q, kc, max_q_len: mod.unsupported_reason(  # noqa: E731
-            "ragged_verify", q, kc, interpret=interp, max_q_len=max_q_len)
+        verify_reason = lambda q, kc, max_q_len, window=None, sinks=None: mod.unsupported_reason(  # noqa: E731
+            "ragged_verify", q, kc, interpret=interp, max_q_len=max_q_len, window=window, sinks=sinks)
     else:
         from dflash_jax import cuda as mod
         interp = not native
         draft_reason = lambda q, ck, bk, causal, window: mod.draft_attention_unsupported_reason(  # noqa: E731
             q, ck, ck, bk, bk, causal=causal, window=window, interpret=interp)
-        verify_reason = lambda q, kc, max_q_len: mod.ragged_verify_unsupported_reason(  # noqa: E731
-            q, kc, kc, max_q_len=max_q_len, interpret=interp)
+        verify_reason = lambda q, kc, max_q_len, window=None, sinks=None: (  # noqa: E731
+            mod.ragged_verify_unsupported_reason(q, kc, kc, sinks=sinks, max_q_len=max_q_len, window=window,
+                                                 interpret=interp))
     if not native:
         log.warning("attention_impl=%r on a %s backend: running its kernels in Pallas interpret mode (slow)",
                     impl, jax.default_backend())
@@ -127,22 +128,26 @@ def compile_probe(key: tuple, local: Callable, shapes: tuple) -> str | None:
     return _PROBED[key]
 
 
-def _shard_specs(args: tuple, dp: str | None, tp: str | None) -> tuple:
-    """Rows over ``dp``; the head axis of [B, ·, heads, H] arrays over ``tp``; lengths/positions by row."""
+def _shard_specs(args: tuple, dp: str | None, tp: str | None, head_vectors: int = 0) -> tuple:
+    """Rows over ``dp``; the head axis of [B, ·, heads, H] arrays over ``tp``; lengths/positions by row; the
+    last ``head_vectors`` args are per-query-head vectors [N] (attention sinks): over ``tp``."""
     from jax.sharding import PartitionSpec as P
-    return tuple(P(dp, None, tp, None) if a.ndim == 4 else P(dp, *([None] * (a.ndim - 1))) for a in args)
+    rows = args[:len(args) - head_vectors]
+    return tuple(P(dp, None, tp, None) if a.ndim == 4 else P(dp, *([None] * (a.ndim - 1))) for a in rows) + (
+        (P(tp),) * head_vectors)
 
 
 def _run_kernel(impl: str, op: str, key: tuple, local: Callable, reason_of: Callable,
-                args: tuple) -> jax.Array | None:
+                args: tuple, head_vectors: int = 0) -> jax.Array | None:
     """``local(*args)`` through the kernel, per shard when traced under a mesh; None (after a log line) when
     the kernel cannot take these shapes (its own rules, or a failed compile) and the caller must use the
-    reference.
+    reference. The last ``head_vectors`` args are per-query-head vectors [N] (attention sinks).
 
     Under a ``(dp, tp)`` mesh (see :mod:`dflash_jax.sharding`) attention is independent per row and per KV
     head, so each device runs the kernel on its own rows and heads (``shard_map``): nothing is gathered.
     That needs the KV heads split like the query heads (K divisible by tp); otherwise the reference runs.
     """
+    n_row = len(args) - head_vectors
     mesh = jax.sharding.get_abstract_mesh()
     sharded = not (mesh.empty or mesh.size == 1)
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes)) if sharded else {}
@@ -156,7 +161,8 @@ def _run_kernel(impl: str, op: str, key: tuple, local: Callable, reason_of: Call
     else:
         shapes = tuple(jax.ShapeDtypeStruct(
             (a.shape[0] // n_dp, a.shape[1], a.shape[2] // n_tp, *a.shape[3:]) if a.ndim == 4
-            else (a.shape[0] // n_dp, *a.shape[1:]), a.dtype) for a in args)
+            else (a.shape[0] // n_dp, *a.shape[1:]), a.dtype) for a in args[:n_row]) + tuple(
+            jax.ShapeDtypeStruct((a.shape[0] // n_tp,), a.dtype) for a in args[n_row:])
         why = reason_of(*shapes)
         if why is None and impl == "pallas" and _kernels(impl).native:  # GPU kernels: compiled on an H200
             why = compile_probe((impl, op) + key, local, shapes)
@@ -165,7 +171,7 @@ def _run_kernel(impl: str, op: str, key: tuple, local: Callable, reason_of: Call
         return None
     if not sharded:
         return local(*args)
-    specs = _shard_specs(args, "dp" if "dp" in sizes else None, "tp" if "tp" in sizes else None)
+    specs = _shard_specs(args, "dp" if "dp" in sizes else None, "tp" if "tp" in sizes else None, head_vectors)
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
 
 
@@ -216,27 +222,26 @@ def cache_attention(
     With a kernel ``impl`` the rows must be consecutive windows ending at ``q_positions[:, -1]`` (the verify
     block / AR step: their K/V already written), which is the ragged op with ℓ_r = T for every row.
     ``sinks`` (a logit per query head in the softmax denominator) and ``window`` (a query at p sees keys at
-    ``p - window < j <= p``) are gpt-oss's; the kernels take neither, so those layers run the reference.
+    ``p - window < j <= p``) are gpt-oss's; both kernels take them.
     """
-    if impl in ("pallas", "cuda") and (sinks is not None or window is not None):
-        _warn_once(f"attention_impl={impl!r}: verify attention with attention sinks or a sliding window uses the "
-                   f"XLA reference (the kernels support neither)")
-        impl = "xla"
     if impl in ("pallas", "cuda"):
         kernels = _kernels(impl)
 
-        def local(q, k_cache, v_cache, q_positions):
+        def local(q, k_cache, v_cache, q_positions, sinks=None):
             b, t, n, h = q.shape
             cu = jnp.arange(b + 1, dtype=jnp.int32) * t
             kv_lens = (q_positions[:, -1] + 1).astype(jnp.int32)
-            out = kernels.verify_op(q.reshape(b * t, n, h), k_cache, v_cache, cu, kv_lens, max_q_len=t)
+            out = kernels.verify_op(q.reshape(b * t, n, h), k_cache, v_cache, cu, kv_lens, sinks, max_q_len=t,
+                                    window=window)
             return out.reshape(q.shape)
 
-        def reason(q, k_cache, v_cache, q_positions):
+        def reason(q, k_cache, v_cache, q_positions, sinks=None):
             b, t, n, h = q.shape
-            return kernels.verify_reason(jax.ShapeDtypeStruct((b * t, n, h), q.dtype), k_cache, t)
+            return kernels.verify_reason(jax.ShapeDtypeStruct((b * t, n, h), q.dtype), k_cache, t, window, sinks)
 
-        out = _run_kernel(impl, "verify attention", (), local, reason, (q, k_cache, v_cache, q_positions))
+        heads = () if sinks is None else (sinks,)
+        out = _run_kernel(impl, "verify attention", (window,), local, reason, (q, k_cache, v_cache, q_positions,
+                                                                               *heads), head_vectors=len(heads))
         if out is not None:
             return out
     s = k_cache.shape[1]
@@ -386,11 +391,13 @@ def packed_cache_attention(
     the result (its cost is the static verify's, which for attention over a long cache is the same reads).
     Padding slots give zeros or their row's first token's output; either way they are never used."""
     mesh = jax.sharding.get_abstract_mesh()
-    if impl in ("pallas", "cuda") and sinks is None and window is None and (mesh.empty or mesh.size == 1):
+    if impl in ("pallas", "cuda") and (mesh.empty or mesh.size == 1):
         kernels = _kernels(impl)
-        why = kernels.verify_reason(jax.ShapeDtypeStruct(q.shape, q.dtype), k_cache, layout.block)
+        why = kernels.verify_reason(jax.ShapeDtypeStruct(q.shape, q.dtype), k_cache, layout.block, window,
+                                    None if sinks is None else jax.ShapeDtypeStruct(sinks.shape, sinks.dtype))
         if why is None:
-            return kernels.verify_op(q, k_cache, v_cache, layout.cu_q_lens, layout.kv_lens, max_q_len=layout.block)
+            return kernels.verify_op(q, k_cache, v_cache, layout.cu_q_lens, layout.kv_lens, sinks,
+                                     max_q_len=layout.block, window=window)
         _warn_once(f"attention_impl={impl!r}: packed verify attention uses the XLA reference ({why})")
     win = layout.cu_q_lens[1:] - layout.cu_q_lens[:-1]
     positions = (layout.kv_lens - win)[:, None] + jnp.arange(layout.block, dtype=jnp.int32)[None, :]

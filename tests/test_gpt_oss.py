@@ -188,16 +188,19 @@ def test_prefill_and_cached_decode_match_transformers(ckpt):
     assert rel_err(chunk[0], ref[0, 9:13]) <= REL_TOL and rel_err(chunk[1], ref[1, 8:12]) <= REL_TOL
 
 
-def test_kernel_impls_fall_back_to_the_reference_for_sinks_and_windows(caplog):
+def test_kernel_impls_take_sinks_and_windows(caplog):
+    """The verify kernels run gpt-oss's sinks and windows (the Pallas TPU kernel here, interpreted); the GPU
+    kernel needs head_dim >= 16, so at this head_dim it falls back to the reference, saying why."""
     rng = np.random.default_rng(2)
     q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((1, 2, 4, 8), (1, 6, 2, 8), (1, 6, 2, 8)))
     pos, sinks = jnp.asarray([[4, 5]]), jnp.asarray(rng.normal(size=4), jnp.float32)
-    attention._warn_once.cache_clear()
-    with caplog.at_level(logging.WARNING, logger="dflash_jax"):  # one compile for both (the warning: at trace)
-        ref, out = compiled(lambda *a: [attention.cache_attention(*a, impl=impl, sinks=sinks, window=3)
-                                        for impl in ("xla", "pallas")], q, k, v, pos)(q, k, v, pos)
-    np.testing.assert_array_equal(out, ref)
-    assert "uses the XLA reference" in caplog.text
+    with caplog.at_level(logging.WARNING, logger="dflash_jax"):  # one compile for all three (logs: at trace)
+        ref, out, gpu = compiled(lambda *a: [attention.cache_attention(*a, impl=impl, sinks=sinks, window=3)
+                                             for impl in ("xla", "pallas", "cuda")], q, k, v, pos)(q, k, v, pos)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(gpu, ref)
+    fallbacks = [r.getMessage() for r in caplog.records if "uses the XLA reference" in r.getMessage()]
+    assert len(fallbacks) == 1 and "'cuda'" in fallbacks[0] and "head_dim" in fallbacks[0]
     # direct: position 5 sees keys 3..5 with window 3; the sink adds exp(sink) to the denominator only
     s = np.einsum("h,sh->s", np.asarray(q[0, 1, 0]), np.asarray(k[0, 3:6, 0])) / math.sqrt(8)
     p = np.exp(s) / (np.exp(s).sum() + np.exp(float(sinks[0])))
@@ -228,6 +231,17 @@ def test_speculative_decoding_is_lossless(ckpt, greedy):
     drafter = random_drafter(ckpt[2], block_size=4, num_layers=1, seed=6)
     out = speculative_generate(ckpt[2], drafter, PROMPTS, max_new_tokens=NEW, stop_token_ids=[])
     assert out.token_ids == greedy
+
+
+def test_speculative_decoding_through_the_pallas_kernels(ckpt, greedy, caplog):
+    """The same through the Pallas TPU kernels (interpreted): verify with sinks, and windows on the sliding
+    layer, with no fallback to the reference."""
+    drafter = random_drafter(ckpt[2], block_size=4, num_layers=1, seed=6)
+    with caplog.at_level(logging.WARNING, logger="dflash_jax"):
+        out = speculative_generate(ckpt[2], drafter, PROMPTS, max_new_tokens=NEW, stop_token_ids=[],
+                                   attention_impl="pallas")
+    assert out.token_ids == greedy
+    assert not any("uses the XLA reference" in r.getMessage() for r in caplog.records)
 
 
 def _fp4(code: int) -> float:

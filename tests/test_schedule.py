@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ import pytest
 
 from conftest import ZLAB, fast_jit, oracle_drafter, random_prompts, tiny_target
 from test_sampling import V, chi2_pvalue, draw, exact_distribution, logits, pair  # noqa: F401 (fixtures)
-from dflash_jax import costs, generate, generation, random_drafter, speculative_generate
+from dflash_jax import attention, costs, generate, generation, random_drafter, speculative_generate
 from dflash_jax.attention import PackedLayout, cache_attention, packed_cache_attention
 from dflash_jax.costs import CostTable
 from dflash_jax.decode import schedule
@@ -157,6 +158,29 @@ def test_packed_attention_sees_only_its_own_row(impl):
     k2 = k.at[1].set(1e4).at[2].set(-1e4).at[0, 9:].set(7.0)
     out2 = np.asarray(run(q, k2, v.at[1].set(3.0), layout))
     np.testing.assert_allclose(out2[:3], out[:3], rtol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["pallas", "cuda"])
+def test_packed_attention_kernels_take_sinks_and_window(impl, caplog):
+    """gpt-oss's packed verify: the kernels take the sinks and the sliding window (no fallback), as the
+    reference computes them."""
+    rng = np.random.default_rng(1)
+    k, v = _cache(rng)
+    layout = PackedLayout.build(jnp.asarray([3, 0, 4], jnp.int32), jnp.asarray([16, 10, 2], jnp.int32), 10, 4)
+    q = jnp.asarray(rng.normal(size=(10, 4, 16)), jnp.float32)
+    sinks = jnp.asarray(rng.normal(size=4), jnp.float32)
+
+    def run(impl):
+        def attend(q, k, v, layout, sinks):
+            return packed_cache_attention(q, k, v, layout, impl=impl, sinks=sinks, window=5)
+        return np.asarray(fast_jit(attend)(q, k, v, layout, sinks))
+
+    attention._warn_once.cache_clear()  # the fallback's warning is logged once per session
+    with caplog.at_level(logging.WARNING, logger="dflash_jax"):
+        out = run(impl)
+    want = run("xla")
+    np.testing.assert_allclose(out[:7], want[:7], rtol=2e-5, atol=2e-5)
+    assert not any("uses the XLA reference" in r.getMessage() for r in caplog.records)
 
 
 # --------------------------------------------------------------------------------------------------

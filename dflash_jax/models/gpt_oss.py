@@ -3,7 +3,8 @@
 Attention is :class:`dflash_jax.models.target.Attention` with two things the config turns on: a learned logit
 per query head (``self_attn.sinks``) that joins every softmax denominator and takes no value (a query can
 "attend to nothing"), and a sliding window of ``sliding_window`` keys on the layers in ``sliding_layers``
-(every other layer in the released models). Both live in :func:`dflash_jax.attention.cache_attention`.
+(every other layer in the released models). Both live in :func:`dflash_jax.attention.cache_attention`, and
+the verify kernels (``attention_impl`` "pallas" / "cuda") take both.
 
 The MLP of every layer is a routed MoE (:class:`GptOssMoE`): a router with a bias whose top-k *logits* are
 softmaxed (not top-k of a softmax over all experts), and experts with biases and a clamped SwiGLU,
