@@ -22,6 +22,12 @@ from dflash_jax.loading import Drafter, Target
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.target import TargetModel
 
+# Under pytest-xdist (`make test`: one worker per core) torch's OpenMP threads spin-wait for a core the other
+# worker holds: the HF reference forward of SmolLM2 took 4.8 s on two threads against 0.5 s on one. Set before
+# the test modules import torch; subprocesses (CLI runs, the notebook's kernel) share the cores too.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 FIXTURES = Path(__file__).parent / "fixtures"
 ZLAB = FIXTURES / "zlab_tiny"
 
