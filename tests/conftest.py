@@ -22,6 +22,12 @@ from dflash_jax.loading import Drafter, Target
 from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.target import TargetModel
 
+# Under pytest-xdist (`make test`: one worker per core) torch's OpenMP threads spin-wait for a core the other
+# worker holds: the HF reference forward of SmolLM2 took 4.8 s on two threads against 0.5 s on one. Set before
+# the test modules import torch; subprocesses (CLI runs, the notebook's kernel) share the cores too.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 FIXTURES = Path(__file__).parent / "fixtures"
 ZLAB = FIXTURES / "zlab_tiny"
 
@@ -180,6 +186,49 @@ def pytest_collection_finish(session):
 def pytest_sessionfinish(session):
     for job in BACKGROUND:
         job.close()
+
+
+# `make test`'s scheduling (pytest-xdist, --dist loadfile). xdist hands out whole files, by default those with
+# the most tests first, so the slowest files (few tests, minutes each: the real SmolLM2 pair, the subprocess runs)
+# came last and one worker ended a minute after the other. Instead, whenever a worker needs more, it gets the
+# longest unit left, from these seconds measured on 2 CPU cores (a file not named: ~10 s). The SmolLM2 files are
+# one unit, run in this order: one worker loads the target once (session fixture), and the notebook's kernel
+# then finds test_real_pair's programs in the session's program cache.
+FILE_SECONDS = {"test_train.py": 172, "test_sharding.py": 96, "test_batch.py": 84, "test_schedule.py": 69,
+                "test_sampling.py": 56, "test_target_vs_transformers.py": 48, "test_lossless.py": 45,
+                "test_dspark.py": 35, "test_kernel_dispatch.py": 34, "test_moe_kernels.py": 24,
+                "test_pallas_tpu.py": 22, "test_hybrid.py": 19,
+                "test_smollm2.py": 70, "test_real_pair.py": 129, "test_notebook.py": 49}
+SMOLLM2_UNIT = ("test_smollm2.py", "test_real_pair.py", "test_notebook.py")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    def file_name(nodeid: str) -> str:
+        return nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+
+    class LongestFirst(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "smollm2 unit" if file_name(nodeid) in SMOLLM2_UNIT else super()._split_scope(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            def seconds(scope: str) -> float:
+                if scope == "smollm2 unit":
+                    return sum(FILE_SECONDS[f] for f in SMOLLM2_UNIT)
+                return FILE_SECONDS.get(file_name(scope), 10.0)
+
+            scope = max(self.workqueue, key=seconds)
+            if scope == "smollm2 unit":
+                tests = self.workqueue[scope]
+                self.workqueue[scope] = {t: tests[t] for t in sorted(tests, key=lambda t: SMOLLM2_UNIT.index(
+                    file_name(t)))}  # a stable sort: each file's tests keep their order
+            self.workqueue.move_to_end(scope, last=False)  # the base class hands out the first unit
+            super()._assign_work_unit(node)
+
+    return LongestFirst(config, log)
 
 
 def pytest_unconfigure(config):

@@ -8,6 +8,9 @@ Everything expensive (two model loads, the HF reference forward) is computed onc
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,6 +26,33 @@ PROMPT = "Write a haiku about the sea."
 NEW_TOKENS = 4
 CAPTURE = (1, 14, 27, 29)  # the last one is reported after the final norm, as HF's last hidden state is
 IM_START, IM_END = 1, 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gguf_parsed_once():
+    """transformers parses the GGUF anew (~5 s: ~300k tokenizer strings) for the config, the tensors and every
+    tokenizer conversion, and rebuilds gguf's tensor-name table for each of the model's 397 modules (~8 s).
+    Within this module it gets the parse our loader keeps (gguf_io's cache: the same read-only
+    gguf.GGUFReader, tensors memory-mapped) and one table per (architecture, layers): same inputs, once."""
+    import gguf
+
+    from dflash_jax.checkpoints import gguf_io
+
+    real, busy = gguf.GGUFReader, []
+
+    def reader(path, mode="r"):
+        if mode != "r" or busy:  # busy: gguf_io parsing it (a cache miss) calls gguf.GGUFReader itself
+            return real(path, mode)
+        busy.append(path)
+        try:
+            return gguf_io._reader(Path(path))
+        finally:
+            busy.pop()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        yield
 
 
 @pytest.fixture(scope="module")

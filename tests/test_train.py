@@ -4,6 +4,7 @@ exact resume (in process and after a real SIGKILL), bad input."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import signal
 import subprocess
@@ -268,12 +269,13 @@ def test_resume_equals_uninterrupted(tmp_path):
     def params(d):
         return [np.asarray(x) for x in jax.tree.leaves(nnx.state(d.model))]
 
+    fast = fast_options()  # the same program in all three (bitwise comparison), compiled fast: few steps run
     full = random_drafter(target, block_size=4, num_layers=1, seed=0)
-    h_full = Trainer(target, full, s, tmp_path / "full").fit(data, progress=False)
+    h_full = Trainer(target, full, s, tmp_path / "full", compiler_options=fast).fit(data, progress=False)
     part = random_drafter(target, block_size=4, num_layers=1, seed=0)
-    Trainer(target, part, s, tmp_path / "part").fit(data, stop_after=12, progress=False)
+    Trainer(target, part, s, tmp_path / "part", compiler_options=fast).fit(data, stop_after=12, progress=False)
     fresh = random_drafter(target, block_size=4, num_layers=1, seed=9)  # a new process: weights from the ckpt
-    h_res = Trainer(target, fresh, s, tmp_path / "part").fit(data, progress=False)
+    h_res = Trainer(target, fresh, s, tmp_path / "part", compiler_options=fast).fit(data, progress=False)
     for a, b in zip(params(full), params(fresh)):
         np.testing.assert_array_equal(a, b)
     # The loss curve continues identically: every row that averages the same steps in both runs is equal (the
@@ -293,12 +295,12 @@ def test_timed_stops_then_resume_equal_uninterrupted(tmp_path):
     s = TrainSettings(batch_size=4, max_anchors=8, max_steps=10, save_every=50, log_every=4,
                       repeat_anchor_weight=0.2, repeat_ngram=2)
     full = random_drafter(target, block_size=4, num_layers=1, seed=0)
-    Trainer(target, full, s, tmp_path / "full").fit(data, progress=False)
+    Trainer(target, full, s, tmp_path / "full", compiler_options=fast_options()).fit(data, progress=False)
     steps = []
     for call in range(3):
         # The first call starts from the same initial weights; later ones must take theirs from the checkpoint.
         part = random_drafter(target, block_size=4, num_layers=1, seed=0 if call == 0 else call + 7)
-        trainer = Trainer(target, part, s, tmp_path / "part")
+        trainer = Trainer(target, part, s, tmp_path / "part", compiler_options=fast_options())
         history = trainer.fit(data, progress=False, stop_after_s=0.0 if call < 2 else None)
         steps.append(history[-1]["step"])
         assert trainer.completed == (call == 2)
@@ -314,7 +316,8 @@ def test_time_budget_probe_times_one_compiled_shape(tmp_path):
     _, data = self_distilled(target, n=16, new=24)
     data["lengths"] = (data["prompt_lengths"] + np.arange(16) % 4 * 6 + 6).astype(np.int32)  # 4 length buckets
     s = TrainSettings(batch_size=4, max_anchors=8, epochs=4, length_bucket=8, time_budget_s=1e6)
-    trainer = Trainer(target, random_drafter(target, block_size=4, num_layers=1, seed=0), s, tmp_path)
+    trainer = Trainer(target, random_drafter(target, block_size=4, num_layers=1, seed=0), s, tmp_path,
+                      compiler_options=fast_options())
     trainer._build()
     step_fn, widths = trainer._step_fn, []
 
@@ -392,8 +395,11 @@ def row_bytes(data: dict, where: np.ndarray | None = None) -> set[bytes]:
 def test_pipeline_on_token_id_prompts(tmp_path, monkeypatch):
     """prompts → data → train → export → eval through the same code the CLI runs (tiny z-lab target)."""
     import dflash_jax
+    from dflash_jax.train import pipeline
     from dflash_jax.train.pipeline import run
 
+    # Its Trainers' programs (20 steps, replays) compiled fast, as the decode programs are (conftest).
+    monkeypatch.setattr(pipeline, "Trainer", functools.partial(Trainer, compiler_options=fast_options()))
     verify_modes = []
 
     def recording(*args, **kw):  # the eval stage's τ is the drafter's at full width, whatever "auto" would pick
