@@ -207,6 +207,10 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadFileScheduling
 
+    # The hooks below are xdist's internals (3.x); on a version without them keep its own scheduling.
+    if not all(hasattr(LoadFileScheduling, a) for a in ("_split_scope", "_assign_work_unit")):
+        return None
+
     def file_name(nodeid: str) -> str:
         return nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
 
