@@ -64,6 +64,21 @@ class CostTable:
             return None
         return float(_in_batch(self.ar_ms, batch, lambda b: np.asarray(self.ar_ms[b])))
 
+    def explain(self, batch: int) -> str | None:
+        """Why speculative decoding does or does not pay at ``batch`` rows on the machine measured, from the
+        table (None without an AR column): what a drafted step verifying one token and a whole block per row
+        costs in AR steps — the tokens per row a cycle must commit to break even."""
+        ar = self.ar_cost(batch)
+        if ar is None:
+            return None
+        block = max(self.step_ms[min(self.step_ms)])
+        one, full = self.step_costs(batch, (batch, block * batch)) / ar
+        return (f"Why: by the {self.backend} step costs (table {self.device!r}, {self.created or 'undated'}), at batch "
+                f"{batch} a drafted step costs {one:.2f} autoregressive steps before any draft is verified (drafting "
+                f"alone) and {full:.2f} verifying all {block} tokens per row, so a cycle must commit more tokens per "
+                f"row than that to pay. Speculative decoding wins where verifying a block costs about one step "
+                f"(GPUs, TPUs: benchmarks/RESULTS.md); on a CPU every verified token costs real compute.")
+
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["step_ms"] = {str(b): {str(t): round(ms, 4) for t, ms in row.items()} for b, row in self.step_ms.items()}

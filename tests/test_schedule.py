@@ -349,3 +349,14 @@ def test_calibrate_command_writes_a_table_and_its_plot(tmp_path, capsys):
     assert all(ms > 0 for ms in table.step_ms[2].values()) and table.block_size == 4
     assert (tmp_path / "pair.costs.cpu.png").stat().st_size > 1000
     assert "wrote the cpu table" in capsys.readouterr().out
+
+
+def test_cost_table_explains_break_even():
+    """The demo's explanation when speculative decoding is slower: drafted-step costs in AR steps, read from the
+    table at the batch (interpolated), or nothing without an AR column."""
+    table = CostTable("cpu", "x", "float32", "p", 16, 64, {1: {1: 1.5, 16: 3.0}, 4: {1: 6.0, 16: 12.0}},
+                      ar_ms={1: 1.0, 4: 4.0})
+    assert "1.50 autoregressive steps" in table.explain(1) and "3.00 verifying all 16" in table.explain(1)
+    assert "at batch 4 a drafted step costs 1.50" in table.explain(4)
+    assert table.explain(2) and "3.00 verifying" in table.explain(2)
+    assert dataclasses.replace(table, ar_ms={}).explain(1) is None
