@@ -208,6 +208,8 @@ def test_verify_kernels_take_sinks_per_shard(impl, caplog):
 # of width 8 under 4 (or 2) key heads: tp=2 gives each device 2 key heads and their 4 value heads; 2 key heads
 # do not split 4 ways, so at tp=4 the linear layer is replicated (and its states with it).
 def hybrid_target(moe: bool, key_heads: int):
+    import jax.numpy as jnp
+
     from dflash_jax.config import HybridConfig
     from dflash_jax.models.hybrid import HybridTargetModel
 
@@ -217,7 +219,22 @@ def hybrid_target(moe: bool, key_heads: int):
                           key_head_dim=8, value_head_dim=8, rotary_dim=4)
     cfg = tiny_config("qwen3_5_moe" if moe else "qwen3_5", vocab_size=128, hidden_size=32, intermediate_size=64,
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, hybrid=linear, **experts)
-    return Target(HybridTargetModel(cfg, rngs=nnx.Rngs(1)), None, f"tiny-{cfg.family}", ())
+    # Weights drawn with numpy (initialising op by op would compile each op: ~10 s of this suite).
+    model = nnx.eval_shape(lambda: HybridTargetModel(cfg, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(1)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name, shape = ".".join(map(str, path)), var.value.shape
+        if name.endswith("norm.weight"):  # zero-centred norms, the DeltaNet's gated norm around 1
+            w = ("linear_attn.norm" in name) + 0.1 * rng.normal(size=shape)
+        elif name.endswith("A_log"):
+            w = np.log(rng.uniform(1.0, 16.0, size=shape))
+        elif name.endswith("dt_bias"):
+            w = rng.uniform(0.5, 1.5, size=shape)
+        else:  # projections [in, out] and experts [E, in, out] by 1/√in, the conv [C, 1, W] by 1/√W, embeddings
+            fan_in = shape[-1] if "conv1d" in name else 1 if "embed" in name else shape[-2]
+            w = rng.normal(size=shape) / np.sqrt(fan_in)
+        var.set_value(jnp.asarray(w, jnp.float32))
+    return Target(model, None, f"tiny-{cfg.family}", ())
 
 
 HYBRID_PROMPTS = random_prompts(5, [4, 9, 13, 6, 3], 128, seed=0)
@@ -244,7 +261,7 @@ def test_hybrid_decoding_is_token_identical_to_one_device(moe, key_heads, tp, dp
     by key head where tp divides them (dense: weights and states on their shards, per cycle only the
     all-reduces TP needs), replicated otherwise (MoE at tp = 4). The prompts (5 rows: padded to 6 under dp = 2)
     prefill through the chunked delta rule (dense: chunks of 4) or in prefill chunks of 8 (MoE)."""
-    from dflash_jax.models import linear_attention as la
+    from dflash_jax.models import layers, linear_attention as la
 
     if moe:
         prefill_chunk(8)
@@ -263,10 +280,12 @@ def test_hybrid_decoding_is_token_identical_to_one_device(moe, key_heads, tp, dp
     for path, var in nnx.to_flat_state(nnx.state(t.model, nnx.Param)):
         name, w = ".".join(map(str, path)), var[...]
         names.append(name)
-        per_device = np.prod(w.sharding.shard_shape(w.shape))
-        assert per_device == w.size // (1 if re.search(whole, name) else tp), (name, w.sharding.spec)
+        per_device, size = int(np.prod(w.sharding.shard_shape(w.shape))), int(w.size)
+        assert per_device == size // (1 if re.search(whole, name) else tp), (name, w.sharding.spec)
     assert sum("linear_attn." in n for n in names) == 9 and sum("shared_expert." in n for n in names) == 6 * moe  # 2 MoE layers
     rows = HYBRID_PROMPTS + [[0]] * ((-len(HYBRID_PROMPTS)) % dp)  # the padding row: one token, never used
+    # The oracle never reads its weights: zeros (eager jax.random would compile an op per shape).
+    monkeypatch.setattr(layers, "_normal", lambda rngs, shape, scale, dtype: np.zeros(shape, dtype))
     d = shard(oracle_drafter(t, rows, want + [[0] * 16] * (len(rows) - len(want)), block_size=4, corrupt=0.25),
               t.mesh)
     generation._PROGRAMS.clear()
