@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import oracle_drafter, random_prompts, tiny_config, tiny_target
+from conftest import fast_jit, oracle_drafter, random_prompts, tiny_config, tiny_target
 from dflash_jax import (ShardingError, generate, generation, load_drafter, load_target, make_mesh, random_drafter,
                         shard, speculative_generate)
 from dflash_jax.loading import Target
@@ -331,11 +331,11 @@ def test_packed_verify_kernels_run_per_tp_shard(impl, caplog):
                                                                                 sinks=sinks, window=6)
 
     args = (q, kc, vc, layout, sinks)
-    want = jax.jit(attend("xla"))(*args)
+    want = fast_jit(attend("xla"))(*args)
     attention._warn_once.cache_clear()
     with caplog.at_level("WARNING", logger="dflash_jax"), jax.set_mesh(make_mesh(tp=2)):
         program = str(jax.make_jaxpr(attend(impl))(*args))
-        out = jax.jit(attend(impl))(*args)
+        out = fast_jit(attend(impl))(*args)
     assert not any("uses the XLA reference" in r.getMessage() for r in caplog.records)
     assert "shard_map" in program and "pallas_call" in program
     np.testing.assert_allclose(np.asarray(out)[:7], np.asarray(want)[:7], atol=1e-5, rtol=0)  # 7 slots: 3 + 0 + 4
