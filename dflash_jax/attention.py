@@ -128,50 +128,64 @@ def compile_probe(key: tuple, local: Callable, shapes: tuple) -> str | None:
     return _PROBED[key]
 
 
-def _shard_specs(args: tuple, dp: str | None, tp: str | None, head_vectors: int = 0) -> tuple:
-    """Rows over ``dp``; the head axis of [B, ·, heads, H] arrays over ``tp``; lengths/positions by row; the
-    last ``head_vectors`` args are per-query-head vectors [N] (attention sinks): over ``tp``."""
-    from jax.sharding import PartitionSpec as P
-    rows = args[:len(args) - head_vectors]
-    return tuple(P(dp, None, tp, None) if a.ndim == 4 else P(dp, *([None] * (a.ndim - 1))) for a in rows) + (
-        (P(tp),) * head_vectors)
+# How a kernel argument is laid out under a (dp, tp) mesh: the mesh axis of each of its dimensions.
+_HEADS = ("dp", None, "tp", None)  # [B, ·, heads, H]: rows over dp, heads over tp
+_HEAD_VECTOR = ("tp",)  # [N]: per query head (attention sinks)
+_PACKED = (None, "tp", None)  # [T, heads, H]: every row's packed windows, heads over tp
+_ALL_ROWS = (None, None, "tp", None)  # [B, S, K, H] caches read by packed windows: every row, KV heads over tp
+_WHOLE = (None,)  # [n]: replicated
+
+
+def _rows(ndim: int) -> tuple:
+    """[B, …]: rows over dp."""
+    return ("dp",) + (None,) * (ndim - 1)
 
 
 def _run_kernel(impl: str, op: str, key: tuple, local: Callable, reason_of: Callable,
-                args: tuple, head_vectors: int = 0) -> jax.Array | None:
+                args: tuple, layouts: tuple[tuple, ...], warn_once: bool = False) -> jax.Array | None:
     """``local(*args)`` through the kernel, per shard when traced under a mesh; None (after a log line) when
     the kernel cannot take these shapes (its own rules, or a failed compile) and the caller must use the
-    reference. The last ``head_vectors`` args are per-query-head vectors [N] (attention sinks).
+    reference. ``layouts``: per argument, the mesh axis of each dimension (``_HEADS``, ``_rows(n)`` …); the
+    result is laid out like the first argument. ``warn_once``: the fallback's line once per process (an op
+    traced in every branch of a ``lax.switch``), not at every trace.
 
     Under a ``(dp, tp)`` mesh (see :mod:`dflash_jax.sharding`) attention is independent per row and per KV
     head, so each device runs the kernel on its own rows and heads (``shard_map``): nothing is gathered.
     That needs the KV heads split like the query heads (K divisible by tp); otherwise the reference runs.
+    Arguments without a dp dimension (packed windows hold every row) need dp = 1: split over dp, the kernel
+    would need every row's cache on every device.
     """
-    n_row = len(args) - head_vectors
     mesh = jax.sharding.get_abstract_mesh()
     sharded = not (mesh.empty or mesh.size == 1)
     sizes = dict(zip(mesh.axis_names, mesh.axis_sizes)) if sharded else {}
     n_dp, n_tp = sizes.get("dp", 1), sizes.get("tp", 1)
-    rows, q_heads, kv_heads = args[0].shape[0], args[0].shape[2], args[1].shape[2]
     why = None
     if set(sizes) - {"dp", "tp"}:
         why = f"mesh axes {tuple(sizes)} (kernels shard over 'dp' and 'tp' only)"
-    elif kv_heads % n_tp or q_heads % n_tp or rows % n_dp:
-        why = f"{kv_heads} KV heads / {rows} rows do not split over tp={n_tp}, dp={n_dp}"
+    elif n_dp > 1 and not any("dp" in layout for layout in layouts):
+        why = f"the packed windows hold every row (dp={n_dp}: each device would need every row's cache)"
+    elif any(d % sizes.get(axis, 1) for a, layout in zip(args, layouts) for d, axis in zip(a.shape, layout)
+             if axis is not None):
+        why = (f"arguments of shapes {[tuple(a.shape) for a in args]} do not split over tp={n_tp}, dp={n_dp} "
+               f"(rows over dp, heads over tp)")
     else:
-        shapes = tuple(jax.ShapeDtypeStruct(
-            (a.shape[0] // n_dp, a.shape[1], a.shape[2] // n_tp, *a.shape[3:]) if a.ndim == 4
-            else (a.shape[0] // n_dp, *a.shape[1:]), a.dtype) for a in args[:n_row]) + tuple(
-            jax.ShapeDtypeStruct((a.shape[0] // n_tp,), a.dtype) for a in args[n_row:])
+        shapes = tuple(jax.ShapeDtypeStruct(tuple(d // sizes.get(axis, 1) if axis else d
+                                                  for d, axis in zip(a.shape, layout)), a.dtype)
+                       for a, layout in zip(args, layouts))
         why = reason_of(*shapes)
         if why is None and impl == "pallas" and _kernels(impl).native:  # GPU kernels: compiled on an H200
             why = compile_probe((impl, op) + key, local, shapes)
     if why is not None:
-        log.warning("attention_impl=%r: %s uses the XLA reference for this shape (%s)", impl, op, why)
+        message = f"attention_impl={impl!r}: {op} uses the XLA reference for this shape ({why})"
+        if warn_once:
+            _warn_once(message)
+        else:
+            log.warning(message)
         return None
     if not sharded:
         return local(*args)
-    specs = _shard_specs(args, "dp" if "dp" in sizes else None, "tp" if "tp" in sizes else None, head_vectors)
+    from jax.sharding import PartitionSpec as P
+    specs = tuple(P(*(axis if axis in sizes else None for axis in layout)) for layout in layouts)
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
 
 
@@ -241,7 +255,8 @@ def cache_attention(
 
         heads = () if sinks is None else (sinks,)
         out = _run_kernel(impl, "verify attention", (window,), local, reason, (q, k_cache, v_cache, q_positions,
-                                                                               *heads), head_vectors=len(heads))
+                                                                               *heads),
+                          (_HEADS, _HEADS, _HEADS, _rows(2)) + (_HEAD_VECTOR,) * len(heads))
         if out is not None:
             return out
     s = k_cache.shape[1]
@@ -280,7 +295,8 @@ def draft_attention(
             return kernels.draft_reason(q, ctx_k, blk_k, causal, window)
 
         out = _run_kernel(impl, "draft attention", (causal, window), local, reason,
-                          (q, ctx_k, ctx_v, blk_k, blk_v, q_positions, ctx_len))
+                          (q, ctx_k, ctx_v, blk_k, blk_v, q_positions, ctx_len),
+                          (_HEADS,) * 5 + (_rows(2), _rows(1)))
         if out is not None:
             return out
     s = ctx_k.shape[1]
@@ -389,16 +405,27 @@ def packed_cache_attention(
     row's cache up to its position. The kernels take the packed rows as they are (:func:`ragged_verify_attention`);
     the reference puts the windows back into their ``[B, L]`` block, runs :func:`cache_attention` and packs
     the result (its cost is the static verify's, which for attention over a long cache is the same reads).
-    Padding slots give zeros or their row's first token's output; either way they are never used."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if impl in ("pallas", "cuda") and (mesh.empty or mesh.size == 1):
+    Padding slots give zeros or their row's first token's output; either way they are never used. Under a
+    tp-only mesh the kernels run per device on its own KV heads (compact verify does not run with dp > 1)."""
+    if impl in ("pallas", "cuda"):
         kernels = _kernels(impl)
-        why = kernels.verify_reason(jax.ShapeDtypeStruct(q.shape, q.dtype), k_cache, layout.block, window,
-                                    None if sinks is None else jax.ShapeDtypeStruct(sinks.shape, sinks.dtype))
-        if why is None:
-            return kernels.verify_op(q, k_cache, v_cache, layout.cu_q_lens, layout.kv_lens, sinks,
-                                     max_q_len=layout.block, window=window)
-        _warn_once(f"attention_impl={impl!r}: packed verify attention uses the XLA reference ({why})")
+
+        def local(q, k_cache, v_cache, cu_q_lens, kv_lens, sinks=None):
+            return kernels.verify_op(q, k_cache, v_cache, cu_q_lens, kv_lens, sinks, max_q_len=layout.block,
+                                     window=window)
+
+        def reason(q, k_cache, v_cache, cu_q_lens, kv_lens, sinks=None):
+            return kernels.verify_reason(q, k_cache, layout.block, window, sinks)
+
+        # Under a tp mesh each device runs its KV heads (with their query heads and sinks) over every row's
+        # windows; the window bounds are replicated.
+        heads = () if sinks is None else (sinks,)
+        out = _run_kernel(impl, "packed verify attention", (layout.block, window), local, reason,
+                          (q, k_cache, v_cache, layout.cu_q_lens, layout.kv_lens, *heads),
+                          (_PACKED, _ALL_ROWS, _ALL_ROWS, _WHOLE, _WHOLE) + (_HEAD_VECTOR,) * len(heads),
+                          warn_once=True)
+        if out is not None:
+            return out
     win = layout.cu_q_lens[1:] - layout.cu_q_lens[:-1]
     positions = (layout.kv_lens - win)[:, None] + jnp.arange(layout.block, dtype=jnp.int32)[None, :]
     out = cache_attention(layout.unpack(q), k_cache, v_cache, positions, impl="xla", sinks=sinks, window=window)

@@ -10,6 +10,11 @@ axis names from their path (``RULES``), and logical names map to mesh axes (``lo
 * KV projections and KV caches over ``tp`` by KV head — replicated when the model has fewer KV heads than
   ``tp`` (each device then holds every KV head its query heads need);
 * embeddings and lm_head over the vocabulary;
+* hybrid targets' Gated DeltaNet layers over ``tp`` by key head (each device holds whole key heads with their
+  value heads: the q/k/v projection columns and conv channels, which the layer groups by key head, z/β/g
+  projections, decay parameters, recurrent states and conv histories), ``out_proj`` by rows: one all-reduce
+  per layer, like attention — replicated when ``tp`` does not divide the key heads; MoE layers' shared
+  expert like the MLP;
 * batch rows (prompts, caches, tokens) over ``dp``; the drafter's context cache like the target's.
 
 Unsupported splits (``tp`` not dividing the query heads, the MLP width or the vocabulary; KV heads neither
@@ -27,7 +32,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dflash_jax.config import ModelConfig
+from dflash_jax.config import MOE_FAMILIES, ModelConfig
 
 
 class ShardingError(ValueError):
@@ -47,6 +52,13 @@ RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"mlp\.experts\.down_proj$", ("experts", "mlp", "embed")),
     (r"mlp\.experts\.(gate|up)_proj_bias$", ("experts", "mlp")),  # gpt-oss
     (r"self_attn\.sinks$", ("q_heads",)),  # gpt-oss
+    # Gated DeltaNet (hybrid targets): channels grouped by key head, value heads next to their key head
+    (r"linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a)\.kernel$", ("embed", "linear_heads")),
+    (r"linear_attn\.conv1d\.weight$", ("linear_heads", None, None)),
+    (r"linear_attn\.(dt_bias|A_log)$", ("linear_heads",)),
+    (r"linear_attn\.out_proj\.kernel$", ("linear_heads", "embed")),
+    (r"mlp\.shared_expert\.(gate|up)_proj\.kernel$", ("embed", "mlp")),  # Qwen3.5-MoE / Qwen3-Next
+    (r"mlp\.shared_expert\.down_proj\.kernel$", ("mlp", "embed")),
     (r"mlp\.(gate|up)_proj\.kernel$", ("embed", "mlp")),
     (r"mlp\.(gate|up)_proj\.bias$", ("mlp",)),
     (r"mlp\.down_proj\.kernel$", ("mlp", "embed")),
@@ -92,18 +104,26 @@ def check_splittable(cfg: ModelConfig, tp: int, what: str = "model") -> None:
         problems.append(f"MLP width {cfg.intermediate_size}")
     if cfg.vocab_size % tp:
         problems.append(f"vocabulary {cfg.vocab_size}")
-    if cfg.family == "qwen3_moe" and cfg.moe_intermediate_size % tp:
+    if cfg.family in MOE_FAMILIES and cfg.moe_intermediate_size % tp:
         problems.append(f"expert MLP width {cfg.moe_intermediate_size}")
+    if cfg.family in MOE_FAMILIES and cfg.shared_expert_intermediate_size % tp:
+        problems.append(f"shared expert width {cfg.shared_expert_intermediate_size}")
     if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
         problems.append(f"{cfg.num_kv_heads} KV heads (neither a multiple nor a divisor of tp)")
     if problems:
         raise ShardingError(f"tp={tp} cannot split this {what}: it does not divide its " + ", ".join(problems))
 
 
+def linear_heads_split(cfg: ModelConfig, tp: int) -> bool:
+    """Whether a hybrid target's Gated DeltaNet layers split over ``tp`` (by key head), else they are replicated."""
+    return cfg.hybrid is not None and cfg.hybrid.key_heads % tp == 0
+
+
 def logical_to_mesh(cfg: ModelConfig, mesh: Mesh) -> dict[str, str | None]:
     tp = mesh_size(mesh, "tp")
     return {"vocab": "tp", "q_heads": "tp", "mlp": "tp", "embed": None, "experts": None,
             "kv_heads": "tp" if cfg.num_kv_heads % tp == 0 else None,  # fewer KV heads than tp: replicate
+            "linear_heads": "tp" if linear_heads_split(cfg, tp) else None,
             "batch": "dp"}
 
 
@@ -111,7 +131,7 @@ def spec_for(path: str, ndim: int, mapping: dict[str, str | None]) -> P:
     for pattern, axes in RULES:
         if re.search(pattern, path):
             assert len(axes) == ndim, (path, axes, ndim)
-            return P(*(mapping[a] for a in axes))
+            return P(*(mapping[a] if a is not None else None for a in axes))
     return P()
 
 
@@ -134,9 +154,18 @@ class Plan:
     mesh: Mesh
     target_kv: bool  # target KV caches split by KV head over tp
     drafter_kv: bool
+    target_linear: bool = False  # hybrid targets: linear-attention states split by head over tp
 
     def cache(self, sharded_heads: bool) -> NamedSharding:
         return NamedSharding(self.mesh, P("dp", None, "tp" if sharded_heads else None, None))
+
+    def conv_history(self) -> NamedSharding:
+        """[B, W-1, C], channels grouped by key head."""
+        return NamedSharding(self.mesh, P("dp", None, "tp" if self.target_linear else None))
+
+    def recurrent(self) -> NamedSharding:
+        """[B, Hv, Dk, Dv]."""
+        return NamedSharding(self.mesh, P("dp", "tp" if self.target_linear else None, None, None))
 
     def rows(self, ndim: int) -> NamedSharding:
         return NamedSharding(self.mesh, P("dp", *([None] * (ndim - 1))))
@@ -151,7 +180,7 @@ def make_plan(mesh: Mesh | None, target_cfg: ModelConfig, drafter_cfg: ModelConf
     mesh = as_auto(mesh)
     tp = mesh_size(mesh, "tp")
     return Plan(mesh, target_cfg.num_kv_heads % tp == 0,
-                drafter_cfg is not None and drafter_cfg.num_kv_heads % tp == 0)
+                drafter_cfg is not None and drafter_cfg.num_kv_heads % tp == 0, linear_heads_split(target_cfg, tp))
 
 
 def as_auto(mesh: Mesh) -> Mesh:

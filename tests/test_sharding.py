@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash_jax.config import HybridConfig
 from dflash_jax.sharding import ShardingError, check_splittable, parse_mesh
 from conftest import BackgroundRun, tiny_config
 
@@ -35,3 +36,12 @@ def test_parse_mesh_and_split_checks():
     check_splittable(tiny_config(num_heads=8, num_kv_heads=2), 4)  # 2 KV heads replicated over 4
     with pytest.raises(ShardingError, match="3 KV heads"):
         check_splittable(tiny_config(num_heads=6, num_kv_heads=3, intermediate_size=64), 2)
+    # Qwen3.5-MoE / Qwen3-Next: the routed and the shared experts' widths split like the MLP's; the Gated DeltaNet
+    # layers split by key head where tp divides them, replicated otherwise (never an error).
+    hybrid = HybridConfig(("linear_attention", "full_attention"), key_heads=2, value_heads=4, rotary_dim=4)
+    moe = dict(num_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, hybrid=hybrid)
+    check_splittable(tiny_config("qwen3_5_moe", shared_expert_intermediate_size=24, **moe), 4)
+    with pytest.raises(ShardingError, match="shared expert width 6"):
+        check_splittable(tiny_config("qwen3_5_moe", shared_expert_intermediate_size=6, **moe), 4)
+    with pytest.raises(ShardingError, match="expert MLP width 12"):
+        check_splittable(tiny_config("qwen3_next", **dict(moe, moe_intermediate_size=12)), 8)

@@ -180,9 +180,9 @@ def _shard_cache(cache: KVCache | None, plan: Plan | None, sharded_heads: bool) 
     s = plan.cache(sharded_heads)
     out = dataclasses.replace(cache, k=tuple(constrain(k, s) for k in cache.k),
                               v=tuple(constrain(v, s) for v in cache.v))
-    if isinstance(cache, HybridCache):  # linear-attention states: by row, replicated over tp
-        rows = lambda xs: tuple(constrain(x, plan.rows(x.ndim)) for x in xs)  # noqa: E731
-        out = dataclasses.replace(out, conv=rows(cache.conv), recurrent=rows(cache.recurrent))
+    if isinstance(cache, HybridCache):  # linear-attention states: by row, and by head where tp splits them
+        out = dataclasses.replace(out, conv=tuple(constrain(x, plan.conv_history()) for x in cache.conv),
+                                  recurrent=tuple(constrain(x, plan.recurrent()) for x in cache.recurrent))
     return out
 
 

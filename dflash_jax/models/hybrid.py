@@ -227,7 +227,8 @@ def text_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str):
     Vision-language checkpoints hold the language model under ``model.language_model.`` (its lm_head at the top);
     their vision tower and the multi-token-prediction head are not used (one log line says how many tensors
     that leaves out). Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` are split into Qwen3.5's four
-    projections.
+    projections. The conv channels of ``in_proj_qkv`` and ``conv1d`` are then grouped by key head, the order
+    :class:`~dflash_jax.models.linear_attention.GatedDeltaNet` computes in.
     """
     out: dict[str, np.ndarray] = {}
     for name, arr in tensors.items():
@@ -239,6 +240,8 @@ def text_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str):
         out[name] = arr
     if cfg.hybrid.fused_projections:
         _split_fused(cfg, out)
+    for name in [n for n in out if n.endswith((".linear_attn.in_proj_qkv.weight", ".linear_attn.conv1d.weight"))]:
+        out[name] = la.group_by_key_head(out[name], cfg.hybrid)  # the layer's channel order
     counts = {what: sum(n.startswith(prefixes) for n in out) for what, prefixes in _UNUSED.items()}
     if any(counts.values()):
         log.info("%s: ignoring %s (not used by the text model)", source,

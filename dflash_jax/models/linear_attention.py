@@ -1,8 +1,8 @@
 """Gated DeltaNet, the linear-attention layer of Qwen3.5 / Qwen3-Next, and the gated delta rule in pure jnp.
 
 Dimension letters: B batch, T tokens, H value heads (Hv; keys and queries are repeated to it), Dk key width,
-Dv value width, C conv channels (q, k and v concatenated), R = W-1 conv history (W the kernel), Q chunk length,
-N chunks.
+Dv value width, C conv channels (q, k and v, grouped by key head: see :class:`GatedDeltaNet`), R = W-1 conv
+history (W the kernel), Q chunk length, N chunks.
 
 Per head the layer keeps a state ``S [Dk, Dv]`` that every token updates (the gated delta rule):
 ``S ← exp(g_t)·S;  S ← S + β_t·k_t (v_t − Sᵀk_t)ᵀ;  o_t = Sᵀ q_t`` (q, k L2-normalised, q scaled by Dk^-½).
@@ -27,10 +27,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from dflash_jax.config import ModelConfig
+from dflash_jax.config import HybridConfig, ModelConfig
 from dflash_jax.models.layers import Dense
 
 CHUNK = 64  # prefill chunk of the delta rule (transformers' and FLA's default)
@@ -142,6 +143,16 @@ def conv_history(window: Float[Array, "B R+T C"], n: Int[Array, "B"] | None, r: 
     return jax.vmap(lambda w, s: jax.lax.dynamic_slice_in_dim(w, s, r, axis=0))(window, n)
 
 
+def group_by_key_head(x: np.ndarray, h: HybridConfig) -> np.ndarray:
+    """Conv channels along axis 0 from the checkpoints' order ``[q (Hk·Dk) | k (Hk·Dk) | v (Hv·Dv)]`` to the
+    layer's: per key head its q, its k and its r value heads' v (``in_proj_qkv.weight [C, D]``,
+    ``conv1d.weight [C, 1, W]``)."""
+    kd, rest = h.key_heads * h.key_head_dim, x.shape[1:]
+    per_key_head = lambda a: a.reshape(h.key_heads, -1, *rest)  # noqa: E731 — value heads j·r … j·r+r−1 for j
+    return np.concatenate([per_key_head(x[:kd]), per_key_head(x[kd:2 * kd]), per_key_head(x[2 * kd:])],
+                          axis=1).reshape(x.shape)
+
+
 class Conv1d(nnx.Module):
     """Depthwise causal conv weights in the checkpoint's ``[C, 1, W]`` layout (PyTorch ``Conv1d``, groups = C)."""
 
@@ -176,7 +187,14 @@ class GatedRMSNorm(nnx.Module):
 class GatedDeltaNet(nnx.Module):
     """Qwen3.5's linear-attention token mixer (HF names: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
     ``in_proj_a``, ``conv1d``, ``dt_bias``, ``A_log``, ``norm``, ``out_proj``; Qwen3-Next's fused projections are
-    split into these when its checkpoint is read)."""
+    split into these when its checkpoint is read).
+
+    The conv channels (``in_proj_qkv``'s columns, ``conv1d``'s rows, the conv history) are grouped by key head:
+    per key head its q (Dk), its k (Dk), then its r = Hv/Hk value heads' v (r·Dv) — the checkpoints' order (all q,
+    all k, all v) is regrouped on load (:func:`group_by_key_head`). So every per-head array of the layer splits
+    into contiguous blocks of whole heads, and tensor parallelism shards the layer by key head
+    (:mod:`dflash_jax.sharding`) with nothing to exchange but the all-reduce after ``out_proj``.
+    """
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         h = cfg.hybrid
@@ -211,13 +229,12 @@ class GatedDeltaNet(nnx.Module):
         b, t, _ = x.shape
         if conv is None:
             conv, rec = self.zero_states(b, x.dtype)
-        mixed = self.in_proj_qkv(x)  # [B, T, C]
+        mixed = self.in_proj_qkv(x)  # [B, T, C], channels grouped by key head
         window = jnp.concatenate([conv.astype(mixed.dtype), mixed], axis=1)  # [B, R+T, C]
-        qkv = jax.nn.silu(self.conv1d(window, t))
-        kd = self.hk * self.dk
-        q = qkv[..., :kd].reshape(b, t, self.hk, self.dk)
-        k = qkv[..., kd:2 * kd].reshape(b, t, self.hk, self.dk)
-        v = qkv[..., 2 * kd:].reshape(b, t, self.hv, self.dv).astype(jnp.float32)
+        qkv = jax.nn.silu(self.conv1d(window, t)).reshape(b, t, self.hk, -1)  # [B, T, Hk, 2Dk + r·Dv]
+        q = qkv[..., :self.dk]
+        k = qkv[..., self.dk:2 * self.dk]
+        v = qkv[..., 2 * self.dk:].reshape(b, t, self.hv, self.dv).astype(jnp.float32)
         rep = self.hv // self.hk  # value head i reads key head i // rep (transformers' repeat_interleave)
         q = jnp.repeat(l2norm(q.astype(jnp.float32)), rep, axis=2) * (self.dk ** -0.5)
         k = jnp.repeat(l2norm(k.astype(jnp.float32)), rep, axis=2)

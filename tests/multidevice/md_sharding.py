@@ -6,13 +6,15 @@ from __future__ import annotations
 import re
 
 import jax
+import numpy as np
 import pytest
 
-from conftest import random_prompts, tiny_target
+from conftest import fast_jit, oracle_drafter, random_prompts, tiny_config, tiny_target
 from dflash_jax import (ShardingError, generate, generation, load_drafter, load_target, make_mesh, random_drafter,
                         shard, speculative_generate)
 from dflash_jax.loading import Target
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
 
@@ -200,3 +202,144 @@ def test_verify_kernels_take_sinks_per_shard(impl, caplog):
             q, kc, vc, pos, sinks)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=0)
     assert not any("uses the XLA reference" in r.getMessage() for r in caplog.records)
+
+
+# Hybrid targets (Qwen3.5 dense and MoE): a Gated DeltaNet layer, then a gated full-attention layer. 8 value heads
+# of width 8 under 4 (or 2) key heads: tp=2 gives each device 2 key heads and their 4 value heads; 2 key heads
+# do not split 4 ways, so at tp=4 the linear layer is replicated (and its states with it).
+def hybrid_target(moe: bool, key_heads: int):
+    import jax.numpy as jnp
+
+    from dflash_jax.config import HybridConfig
+    from dflash_jax.models.hybrid import HybridTargetModel
+
+    experts = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                   norm_topk_prob=True) if moe else {}
+    linear = HybridConfig(("linear_attention", "full_attention"), conv_kernel=4, key_heads=key_heads, value_heads=8,
+                          key_head_dim=8, value_head_dim=8, rotary_dim=4)
+    cfg = tiny_config("qwen3_5_moe" if moe else "qwen3_5", vocab_size=128, hidden_size=32, intermediate_size=64,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, hybrid=linear, **experts)
+    # Weights drawn with numpy (initialising op by op would compile each op: ~10 s of this suite).
+    model = nnx.eval_shape(lambda: HybridTargetModel(cfg, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(1)
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        name, shape = ".".join(map(str, path)), var.value.shape
+        if name.endswith("norm.weight"):  # zero-centred norms, the DeltaNet's gated norm around 1
+            w = ("linear_attn.norm" in name) + 0.1 * rng.normal(size=shape)
+        elif name.endswith("A_log"):
+            w = np.log(rng.uniform(1.0, 16.0, size=shape))
+        elif name.endswith("dt_bias"):
+            w = rng.uniform(0.5, 1.5, size=shape)
+        else:  # projections [in, out] and experts [E, in, out] by 1/√in, the conv [C, 1, W] by 1/√W, embeddings
+            fan_in = shape[-1] if "conv1d" in name else 1 if "embed" in name else shape[-2]
+            w = rng.normal(size=shape) / np.sqrt(fan_in)
+        var.set_value(jnp.asarray(w, jnp.float32))
+    return Target(model, None, f"tiny-{cfg.family}", ())
+
+
+HYBRID_PROMPTS = random_prompts(5, [4, 9, 13, 6, 3], 128, seed=0)
+
+
+def float_collectives(hlo: str) -> tuple[dict[str, int], list[int]]:
+    """Collectives of float arrays (those that move activations or states; tuples of them count once), and the
+    element count of every collective's result, ints included."""
+    ops = re.findall(r"= (\S+|\([^=]*?\)) (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)"
+                     r"(?:-start)?\(", hlo)
+    counts = dict.fromkeys(("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter"), 0)
+    sizes = []
+    for shape, op in ops:
+        counts[op] += bool(re.match(r"\(?(f32|bf16)\[", shape))
+        sizes += [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"\[([\d,]*)\]", shape)]
+    return counts, sizes
+
+
+@pytest.mark.parametrize("moe,key_heads,tp,dp", [(False, 4, 2, 2), (True, 2, 4, 2)], ids=["dense-tp2-dp2",
+                                                                                          "moe-tp4-dp2"])
+def test_hybrid_decoding_is_token_identical_to_one_device(moe, key_heads, tp, dp, monkeypatch, prefill_chunk):
+    """Greedy speculative decoding of a hybrid target under tp × dp (an oracle drafter: every acceptance length
+    1 … L, so settle runs at each) equals autoregressive decoding on one device. The Gated DeltaNet layer is split
+    by key head where tp divides them (dense: weights and states on their shards, per cycle only the
+    all-reduces TP needs), replicated otherwise (MoE at tp = 4). The prompts (5 rows: padded to 6 under dp = 2)
+    prefill through the chunked delta rule (dense: chunks of 4) or in prefill chunks of 8 (MoE)."""
+    from dflash_jax.models import layers, linear_attention as la
+
+    if moe:
+        prefill_chunk(8)
+    else:
+        monkeypatch.setattr(la, "CHUNK", 4)
+    kw = dict(max_new_tokens=16, stop_token_ids=[])
+    want = generate(hybrid_target(moe, key_heads), HYBRID_PROMPTS, **kw).token_ids
+    t = shard(hybrid_target(moe, key_heads), make_mesh(tp=tp, dp=dp))
+    split = key_heads % tp == 0
+    assert split == (not moe)
+    heads = "tp" if split else None
+    # Every weight split tp ways but the norms' (and at tp = 4: the linear layer, the router, the shared expert's
+    # gate, the 2 KV heads' projections); in the linear layer that is q/k/v/z/β/g, the conv, the decays, out_proj.
+    whole = r"norm\.weight$" + (r"|linear_attn\.|mlp\.gate\.|shared_expert_gate\.|self_attn\.[kv]_proj" if moe else "")
+    names = []
+    for path, var in nnx.to_flat_state(nnx.state(t.model, nnx.Param)):
+        name, w = ".".join(map(str, path)), var[...]
+        names.append(name)
+        per_device, size = int(np.prod(w.sharding.shard_shape(w.shape))), int(w.size)
+        assert per_device == size // (1 if re.search(whole, name) else tp), (name, w.sharding.spec)
+    assert sum("linear_attn." in n for n in names) == 9  # the rules above saw the layer's weights
+    assert sum("shared_expert." in n for n in names) == 6 * moe  # and both MoE layers' shared experts
+    rows = HYBRID_PROMPTS + [[0]] * ((-len(HYBRID_PROMPTS)) % dp)  # the padding row: one token, never used
+    # The oracle never reads its weights: zeros (eager jax.random would compile an op per shape).
+    monkeypatch.setattr(layers, "_normal", lambda rngs, shape, scale, dtype: np.zeros(shape, dtype))
+    d = shard(oracle_drafter(t, rows, want + [[0] * 16] * (len(rows) - len(want)), block_size=4, corrupt=0.25),
+              t.mesh)
+    generation._PROGRAMS.clear()
+    out = speculative_generate(t, d, HYBRID_PROMPTS, **kw)
+    assert out.token_ids == want
+    assert {a for row in out.acceptance_lengths for a in row} == {1, 2, 3, 4}
+    (programs,) = generation._PROGRAMS.values()
+    state = programs.decode.output_shardings[0].target_cache
+    placed = lambda s, *spec: s.is_equivalent_to(NamedSharding(t.mesh, P(*spec)), len(spec))  # noqa: E731
+    assert placed(state.recurrent[0], "dp", heads, None, None) and placed(state.conv[0], "dp", None, heads)
+    assert placed(state.k[0], "dp", None, "tp" if not moe else None, None)  # 2 KV heads: replicated at tp = 4
+    if not moe:
+        # Per cycle (and in the prefill), of floats: 2 all-reduces per target layer (after out_proj / o_proj and
+        # after down_proj; the oracle drafter has no layers to run), one for the embedding lookup and the
+        # all-gather of the vocab-sharded argmax's maxima; everything moved (ints too: the argmax's indices, dp's
+        # per-row bookkeeping) is at most [B/dp, L, D] (the prefill: [B/dp, P, D]) — no state, no cache.
+        for program, tokens in ((programs.decode, 4), (programs.prefill, 16)):
+            counts, sizes = float_collectives(program.as_text())
+            assert counts == {"all-reduce": 2 * 2 + 1, "all-gather": 1, "all-to-all": 0, "collective-permute": 0,
+                              "reduce-scatter": 0}, counts
+            assert max(sizes) <= 3 * tokens * 32, sizes
+
+
+@pytest.mark.parametrize("impl", ["cuda", "pallas"])
+def test_packed_verify_kernels_run_per_tp_shard(impl, caplog):
+    """Compact verify's packed windows under a tp-only mesh: each device runs the kernel (interpret mode here) on
+    its own KV heads with their query heads and sinks, over every row's windows, as the reference on one device
+    computes (a sliding window too); under dp > 1 the reference runs (the packed buffer holds every row)."""
+    import jax.numpy as jnp
+
+    from dflash_jax import attention
+
+    rng = np.random.default_rng(0)
+    kc, vc = (jnp.asarray(rng.normal(size=(3, 24, 4, 16)), jnp.float32) for _ in range(2))
+    layout = attention.PackedLayout.build(jnp.asarray([3, 0, 4], jnp.int32), jnp.asarray([16, 10, 2], jnp.int32),
+                                          10, 4)
+    q = jnp.asarray(rng.normal(size=(10, 8, 16)), jnp.float32)
+    sinks = jnp.asarray(2 * rng.normal(size=8), jnp.float32)
+
+    def attend(impl):
+        return lambda q, kc, vc, layout, sinks: attention.packed_cache_attention(q, kc, vc, layout, impl=impl,
+                                                                                sinks=sinks, window=6)
+
+    args = (q, kc, vc, layout, sinks)
+    want = fast_jit(attend("xla"))(*args)
+    attention._warn_once.cache_clear()
+    with caplog.at_level("WARNING", logger="dflash_jax"), jax.set_mesh(make_mesh(tp=2)):
+        program = str(jax.make_jaxpr(attend(impl))(*args))
+        out = fast_jit(attend(impl))(*args)
+    assert not any("uses the XLA reference" in r.getMessage() for r in caplog.records)
+    assert "shard_map" in program and "pallas_call" in program
+    np.testing.assert_allclose(np.asarray(out)[:7], np.asarray(want)[:7], atol=1e-5, rtol=0)  # 7 slots: 3 + 0 + 4
+    with caplog.at_level("WARNING", logger="dflash_jax"), jax.set_mesh(make_mesh(tp=2, dp=2)):
+        program = str(jax.make_jaxpr(attend(impl))(*args))
+    assert "pallas_call" not in program
+    assert any("packed windows hold every row (dp=2" in r.getMessage() for r in caplog.records)
