@@ -19,7 +19,7 @@ import pytest
 import yaml
 from flax import nnx
 
-from conftest import ZLAB, fast_options, random_prompts, tiny_subprocess_env, tiny_target
+from conftest import ZLAB, default_options, fast_options, random_prompts, tiny_subprocess_env, tiny_target
 from dflash_jax import ConfigError, generate, load_drafter, random_drafter, speculative_generate
 from dflash_jax.loading import deepen_drafter, load_target
 from dflash_jax.checkpoints.export import export_drafter
@@ -189,7 +189,7 @@ def test_training_raises_acceptance(tmp_path):
     before = speculative_generate(target, drafter, probe, max_new_tokens=40, stop_token_ids=[]).tau
     s = TrainSettings(batch_size=8, max_anchors=32, max_steps=150, lr=5e-3, save_every=150, log_every=25,
                       val_rows=8, val_every=75)
-    trainer = Trainer(target, drafter, s, tmp_path)
+    trainer = Trainer(target, drafter, s, tmp_path, compiler_options=default_options())  # 150 steps: optimised
     history = trainer.fit(data, progress=False)
     assert history[-1]["loss"] < history[0]["loss"]
     out = speculative_generate(target, drafter, probe, max_new_tokens=40, stop_token_ids=[])
