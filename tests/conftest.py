@@ -37,6 +37,30 @@ ZLAB = FIXTURES / "zlab_tiny"
 # SmolLM2 fixtures, marker ``xla_default``) keep XLA's defaults: their programs run long enough to need them.
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
                 "xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1}
+# XLA's own defaults for the same options: given explicitly, they override XLA_FLAGS for one program.
+XLA_DEFAULTS = {"xla_backend_optimization_level": 3, "xla_llvm_disable_expensive_passes": False,
+                "xla_cpu_use_fusion_emitters": True, "xla_cpu_parallel_codegen_split_count": 32}
+FAST_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items())
+
+# Every other program of a test process is FAST_COMPILE too (XLA_FLAGS, read when the backend starts): the
+# operations run one by one (model initialisation: each jax.random.normal shape compiles, ~0.6 s at XLA's
+# defaults and 0.13 s so), the tests' own jitted references and kernels: ~130 s of compiling per session.
+# Programs that run long on real weights or for many steps ask for XLA_DEFAULTS (default_options()). Only
+# where nothing but the CPU backend can start (an accelerator's plugin would be compiled for too).
+XLA_FLAGS_OUTSIDE = os.environ.get("XLA_FLAGS", "").replace(FAST_FLAGS, "").strip()  # for subprocesses on real weights
+
+
+def _cpu_only() -> bool:
+    if os.environ.get("JAX_PLATFORMS"):
+        return os.environ["JAX_PLATFORMS"] == "cpu"
+    import importlib.util
+    return not any(importlib.util.find_spec(m) for m in ("jax_plugins", "jax_cuda12_plugin", "jax_cuda13_plugin",
+                                                        "jax_rocm7_plugin", "libtpu"))
+
+
+if os.environ.get("DFLASH_TEST_COMPILE") != "default" and _cpu_only() and FAST_FLAGS not in os.environ.get(
+        "XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_FLAGS}".strip()
 
 
 # One on-disk XLA program cache for the whole session, shared by the pytest-xdist workers and the tiny-model
@@ -65,11 +89,16 @@ def fast_options() -> dict | None:
     return FAST_COMPILE
 
 
+def default_options() -> dict | None:
+    """XLA's defaults for one program, also where XLA_FLAGS make FAST_COMPILE this process's default."""
+    return XLA_DEFAULTS if FAST_FLAGS in os.environ.get("XLA_FLAGS", "") else None
+
+
 def compiler_options(item) -> dict | None:
     """The decode programs' options for a test: XLA's defaults for real weights (DFLASH_TEST_COMPILE=fast
     overrides that), FAST_COMPILE otherwise."""
     real = item.get_closest_marker("xla_default") or {"smollm2", "smollm2_drafter"} & set(item.fixturenames)
-    return None if real and os.environ.get("DFLASH_TEST_COMPILE") != "fast" else fast_options()
+    return default_options() if real and os.environ.get("DFLASH_TEST_COMPILE") != "fast" else fast_options()
 
 
 def fast_jit(fun, **static):
@@ -109,9 +138,8 @@ def tiny_subprocess_env(**extra: str) -> dict[str, str]:
     and FAST_COMPILE as XLA_FLAGS (which there apply to every program of the process)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "DFLASH_JAX_AUTO_COMPACT_RATIO": "inf", **PROGRAM_CACHE_ENV,
            **extra}
-    if fast_options():
-        flags = " ".join(f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items())
-        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}".strip()
+    if fast_options() and FAST_FLAGS not in env.get("XLA_FLAGS", ""):
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_FLAGS}".strip()
     return env
 
 

@@ -87,6 +87,21 @@ def test_corrupt_safetensors(tmp_path):
         load_target(tmp_path / "t")
 
 
+def test_corrupt_gguf(tmp_path):
+    """A file that is not GGUF, and one cut short (its header, then its last tensor's data)."""
+    from dflash_jax.loading import embedded_gguf_path
+
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(CheckpointError, match="corrupt GGUF file .*bad magic"):
+        load_target(tmp_path / "junk.gguf")
+    with embedded_gguf_path().open("rb") as f:
+        head = f.read(4 << 20)  # the metadata and tensor index, part of the data
+    for size, why in ((3000, "corrupt GGUF file"), (len(head), "runs past the end of the file")):
+        (tmp_path / "cut.gguf").write_bytes(head[:size])
+        with pytest.raises(CheckpointError, match=why):
+            load_target(tmp_path / "cut.gguf")
+
+
 def test_checkpoint_for_another_shape(drafter_dir, zlab_target):
     edit_config(drafter_dir, intermediate_size=96)
     with pytest.raises(CheckpointError, match="shape mismatch"):

@@ -27,7 +27,7 @@ PROMPTS = [
     "What is 17 times 3? Explain your answer in one short sentence.",
     "Name a primary colour.",
 ]
-MAX_NEW = 32  # with four prompts of ≤ 64 tokens: the notebook's shape buckets (tests/test_notebook.py)
+MAX_NEW = 32  # four prompts of ≤ 64 tokens; room for several whole 16-token blocks per row (training check)
 
 
 @pytest.fixture(scope="module")

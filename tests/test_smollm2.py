@@ -30,24 +30,17 @@ IM_START, IM_END = 1, 2
 
 @pytest.fixture(scope="module", autouse=True)
 def gguf_parsed_once():
-    """transformers parses the GGUF anew (~5 s: ~300k tokenizer strings) for the config, the tensors and every
-    tokenizer conversion, and rebuilds gguf's tensor-name table for each of the model's 397 modules (~8 s).
-    Within this module it gets the parse our loader keeps (gguf_io's cache: the same read-only
-    gguf.GGUFReader, tensors memory-mapped) and one table per (architecture, layers): same inputs, once."""
+    """transformers parses the GGUF anew with gguf.GGUFReader (~5 s: ~300k tokenizer strings) for the config,
+    the tensors and every tokenizer conversion, and rebuilds gguf's tensor-name table for each of the model's
+    397 modules (~8 s). Within this module it gets one parse (read-only, tensors memory-mapped), which the
+    comparison with our own reader below shares, and one table per (architecture, layers): same inputs, once."""
     import gguf
 
-    from dflash_jax.checkpoints import gguf_io
-
-    real, busy = gguf.GGUFReader, []
+    parsed = functools.lru_cache(maxsize=None)(gguf.GGUFReader)
+    real = gguf.GGUFReader
 
     def reader(path, mode="r"):
-        if mode != "r" or busy:  # busy: gguf_io parsing it (a cache miss) calls gguf.GGUFReader itself
-            return real(path, mode)
-        busy.append(path)
-        try:
-            return gguf_io._reader(Path(path))
-        finally:
-            busy.pop()
+        return parsed(str(Path(path).resolve())) if mode == "r" else real(path, mode)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf, "GGUFReader", reader)
@@ -100,6 +93,28 @@ def rel_err(ours, ref) -> float:
     ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
     assert ours.shape == ref.shape, f"shape {ours.shape} != reference shape {ref.shape}"
     return float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
+
+
+def test_gguf_reader_matches_the_gguf_package():
+    """Our GGUF parser (dflash_jax.checkpoints.gguf_io) reads what gguf.GGUFReader reads: every metadata value
+    (tokenizer arrays included), every tensor's name, type, shape and bytes."""
+    import gguf
+
+    from dflash_jax.checkpoints import gguf_io
+
+    path = embedded_gguf_path()
+    ours, ref = gguf_io.read_gguf(path), gguf.GGUFReader(str(path))
+    keys = [k for k in ref.fields if not k.startswith("GGUF.")]  # GGUF.*: the header, not metadata
+    assert list(ours.fields) == keys and len(keys) > 20
+    for k in keys:
+        want = ref.fields[k].contents()
+        assert ours.fields[k] == want and type(ours.fields[k]) is type(want), k
+    assert len(ours.fields["tokenizer.ggml.tokens"]) == 49152 and len(ours.fields["tokenizer.ggml.merges"]) > 40000
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors] and len(ours.tensors) == 272
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert (a.tensor_type, a.shape) == (int(b.tensor_type), tuple(b.shape.tolist())), a.name
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        np.testing.assert_array_equal(a.data, b.data, err_msg=a.name)
 
 
 def test_config_from_gguf_matches_transformers(target, hf_model):

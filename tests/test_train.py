@@ -19,7 +19,7 @@ import pytest
 import yaml
 from flax import nnx
 
-from conftest import ZLAB, fast_options, random_prompts, tiny_subprocess_env, tiny_target
+from conftest import ZLAB, default_options, fast_options, random_prompts, tiny_subprocess_env, tiny_target
 from dflash_jax import ConfigError, generate, load_drafter, random_drafter, speculative_generate
 from dflash_jax.loading import deepen_drafter, load_target
 from dflash_jax.checkpoints.export import export_drafter
@@ -28,6 +28,11 @@ from dflash_jax.train.objective import (_multi_block_attention, block_inputs, df
                                         loss_weights, repeated_blocks, sample_anchors, target_features, walked_tau)
 from dflash_jax.train.pipeline import load_run_config
 from dflash_jax.train.trainer import Trainer, TrainSettings, batch_for_step
+
+
+# The training rows of these tests have at most 52 tokens: batches padded to a multiple of 64 tokens rather than
+# the default 128 (the time-budget test below buckets lengths) do half the work per step.
+SHORT = 64
 
 
 def test_anchor_sampling():
@@ -139,7 +144,7 @@ def test_chunked_cross_entropy_equals_full(tmp_path):
     target = tiny_target("qwen3", seed=1)
     drafter = random_drafter(target, block_size=8, num_layers=2, seed=0)
     _, data = self_distilled(target, n=8, new=24)
-    s = TrainSettings(batch_size=4, max_anchors=8)
+    s = TrainSettings(batch_size=4, max_anchors=8, length_bucket=SHORT)
     batch = {k: jnp.asarray(v) for k, v in batch_for_step(data, 0, s, 8).items()}
     weights = jnp.asarray(loss_weights(8, 4.0))
     graph, params = nnx.split(drafter.model, nnx.Param)
@@ -188,8 +193,8 @@ def test_training_raises_acceptance(tmp_path):
     probe = prompts[:16]
     before = speculative_generate(target, drafter, probe, max_new_tokens=40, stop_token_ids=[]).tau
     s = TrainSettings(batch_size=8, max_anchors=32, max_steps=150, lr=5e-3, save_every=150, log_every=25,
-                      val_rows=8, val_every=75)
-    trainer = Trainer(target, drafter, s, tmp_path)
+                      val_rows=8, val_every=75, length_bucket=SHORT)
+    trainer = Trainer(target, drafter, s, tmp_path, compiler_options=default_options())  # 150 steps: optimised
     history = trainer.fit(data, progress=False)
     assert history[-1]["loss"] < history[0]["loss"]
     out = speculative_generate(target, drafter, probe, max_new_tokens=40, stop_token_ids=[])
@@ -254,7 +259,7 @@ def test_deepened_drafter_starts_identical_then_trains_its_new_layers(tmp_path):
     assert a.token_ids == b.token_ids and a.acceptance_lengths == b.acceptance_lengths
     new_o = lambda d: np.asarray(d.model.layers[2].self_attn.o_proj.kernel[...])  # noqa: E731
     assert not new_o(deep).any()
-    Trainer(target, deep, TrainSettings(batch_size=4, max_anchors=8, max_steps=3, log_every=3),
+    Trainer(target, deep, TrainSettings(batch_size=4, max_anchors=8, max_steps=3, log_every=3, length_bucket=SHORT),
             tmp_path / "t", compiler_options=fast_options()).fit(data, progress=False)
     assert np.abs(new_o(deep)).max() > 0
     with pytest.raises(ConfigError, match="cannot deepen"):
@@ -264,7 +269,7 @@ def test_deepened_drafter_starts_identical_then_trains_its_new_layers(tmp_path):
 def test_resume_equals_uninterrupted(tmp_path):
     target = tiny_target("qwen3", seed=1)
     _, data = self_distilled(target, n=16, new=24)
-    s = TrainSettings(batch_size=4, max_anchors=8, max_steps=30, save_every=5, log_every=5)
+    s = TrainSettings(batch_size=4, max_anchors=8, max_steps=30, save_every=5, log_every=5, length_bucket=SHORT)
 
     def params(d):
         return [np.asarray(x) for x in jax.tree.leaves(nnx.state(d.model))]
@@ -292,7 +297,7 @@ def test_timed_stops_then_resume_equal_uninterrupted(tmp_path):
     exactly the planned schedule of an unbroken run (here with repeat-weighted anchors, which must replay too)."""
     target = tiny_target("qwen3", seed=1)
     _, data = self_distilled(target, n=16, new=24)
-    s = TrainSettings(batch_size=4, max_anchors=8, max_steps=10, save_every=50, log_every=4,
+    s = TrainSettings(batch_size=4, max_anchors=8, max_steps=10, save_every=50, log_every=4, length_bucket=SHORT,
                       repeat_anchor_weight=0.2, repeat_ngram=2)
     full = random_drafter(target, block_size=4, num_layers=1, seed=0)
     Trainer(target, full, s, tmp_path / "full", compiler_options=fast_options()).fit(data, progress=False)
@@ -344,7 +349,7 @@ from dflash_jax.train.trainer import Trainer, TrainSettings
 target = tiny_target("qwen3", seed=1)
 data = dict(np.load({data!r}))
 d = random_drafter(target, block_size=4, num_layers=1, seed=0)
-s = TrainSettings(batch_size=4, max_anchors=8, max_steps=60, save_every=4, log_every=2)
+s = TrainSettings(batch_size=4, max_anchors=8, max_steps=60, save_every=4, log_every=2, length_bucket={short})
 Trainer(target, d, s, {out!r}).fit(data, progress=False)
 np.savez({result!r}, *[np.asarray(x) for x in __import__("jax").tree.leaves(__import__("flax").nnx.state(d.model))])
 """
@@ -359,7 +364,8 @@ def test_sigkill_then_resume(tmp_path):
     def script(out, result):
         path = tmp_path / f"run_{out}.py"
         path.write_text(RESUME_SCRIPT.format(tests=str(Path(__file__).parent), data=str(tmp_path / "data.npz"),
-                                             out=str(tmp_path / out), result=str(tmp_path / result)))
+                                             out=str(tmp_path / out), result=str(tmp_path / result),
+                                             short=SHORT))
         return [sys.executable, str(path)]
 
     env = tiny_subprocess_env()
@@ -417,7 +423,8 @@ def test_pipeline_on_token_id_prompts(tmp_path, monkeypatch):
                         "drafter": {"num_layers": 1, "block_size": 4, "mask_token_id": 255, "num_features": 2},
                         "data": {"prompts_file": str(prompts), "num_prompts": 32, "max_new_tokens": 24,
                                  "generate_batch_size": 8, "chunk_batches": 2},
-                        "optim": {"batch_size": 4, "max_anchors": 8, "max_steps": 20, "save_every": 10},
+                        "optim": {"batch_size": 4, "max_anchors": 8, "max_steps": 20, "save_every": 10,
+                                  "length_bucket": SHORT},
                         "eval": {"sets": [str(prompts)], "max_new_tokens": 16, "batch_size": 8, "limit": 8},
                         "export_dtype": "float32"}}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))

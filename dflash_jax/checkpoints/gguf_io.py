@@ -1,12 +1,15 @@
 """LLaMA-architecture GGUF files (e.g. the embedded SmolLM2-135M-Instruct Q4_1) → HF-named tensors.
 
-Quantized tensors are dequantized with the ``gguf`` package. llama.cpp stores ``attn_q`` / ``attn_k`` rows
+The file is parsed here (:func:`read_gguf`: metadata and tensor index; the data stays memory-mapped) and
+quantized tensors are dequantized with the ``gguf`` package. llama.cpp stores ``attn_q`` / ``attn_k`` rows
 permuted for its interleaved RoPE; :func:`unpermute_qk` restores the HF (rotate-half) layout (SPEC §4).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +35,114 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def _reader(path: Path):
-    """The parsed GGUF (metadata + tensor index, memory-mapped). Parsing the tokenizer's ~300k metadata
-    strings takes seconds, so the config and the tensors of one load share one parse."""
+# GGUF value types (the GGUF spec's ``gguf_type``): struct formats of the scalars, little-endian.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+# ggml tensor types stored as plain elements (gguf.GGUFReader's dtypes); every other type is quantized blocks.
+_PLAIN = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64, 28: np.float64}
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    tensor_type: int  # ggml type (gguf.GGMLQuantizationType's value)
+    shape: tuple[int, ...]  # GGUF order: the fastest-varying dimension first
+    data: np.ndarray  # memory-mapped: elements [.., shape[0]], or quantized rows as bytes [.., row bytes]
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFFile:
+    """A parsed GGUF file: its metadata as Python values (strings, numbers, lists) and its tensors."""
+    fields: dict[str, Any]
+    tensors: list[GGUFTensor]
+
+
+def _parse(path: str) -> GGUFFile:
+    """Header, metadata and tensor index of a (little-endian, version 2 or 3) GGUF file; tensor data stays
+    memory-mapped. The same values gguf.GGUFReader gives, without its per-value numpy views, which made
+    parsing a tokenizer's ~100k strings take seconds (tests/test_smollm2.py compares the two)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    buf = memoryview(mm)
+    if bytes(buf[:4]) != b"GGUF":
+        raise ValueError("not a GGUF file (bad magic)")
+    version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} is not supported (big-endian files read as huge versions)")
+    off = 24
+
+    def string() -> str:
+        nonlocal off
+        (n,) = struct.unpack_from("<Q", buf, off)
+        off += 8 + n
+        if off > len(buf):
+            raise ValueError("the file ends inside its metadata")
+        return str(buf[off - n: off], "utf-8")
+
+    def value(kind: int):
+        nonlocal off
+        if kind == _STRING:
+            return string()
+        if kind in _SCALARS:
+            fmt = "<" + _SCALARS[kind]
+            off += struct.calcsize(fmt)
+            return struct.unpack_from(fmt, buf, off - struct.calcsize(fmt))[0]
+        if kind == _ARRAY:
+            item, n = struct.unpack_from("<IQ", buf, off)
+            off += 12
+            if item in _SCALARS:  # one read for the whole array
+                fmt = "<" + _SCALARS[item]
+                size = struct.calcsize(fmt)
+                off += n * size
+                return np.frombuffer(buf, np.dtype(fmt), n, off - n * size).tolist()
+            return [value(item) for _ in range(n)]
+        raise ValueError(f"unknown GGUF value type {kind} at byte {off}")
+
+    fields: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = string()
+        (kind,) = struct.unpack_from("<I", buf, off)
+        off += 4
+        if key in fields:
+            raise ValueError(f"duplicate metadata key {key!r}")
+        fields[key] = value(kind)
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        (n_dims,) = struct.unpack_from("<I", buf, off)
+        shape = struct.unpack_from(f"<{n_dims}Q", buf, off + 4)
+        ttype, rel = struct.unpack_from("<IQ", buf, off + 4 + 8 * n_dims)
+        off += 4 + 8 * n_dims + 12
+        infos.append((name, shape, ttype, rel))
+    align = fields.get("general.alignment", 32)
+    if align <= 0 or align & (align - 1):
+        raise ValueError(f"invalid alignment {align}")
+    start = -(-off // align) * align
+    tensors, names = [], set()
+    for name, shape, ttype, rel in infos:
+        if name in names:
+            raise ValueError(f"duplicate tensor {name!r}")
+        names.add(name)
+        count = int(np.prod(shape, dtype=np.int64))
+        dims = tuple(reversed(shape))
+        if ttype in _PLAIN:
+            dtype, nbytes = np.dtype(_PLAIN[ttype]), count * np.dtype(_PLAIN[ttype]).itemsize
+        else:
+            qtype = GGMLQuantizationType(ttype)
+            block, type_size = GGML_QUANT_SIZES[qtype]
+            dtype, nbytes, dims = np.dtype(np.uint8), count * type_size // block, quant_shape_to_byte_shape(dims, qtype)
+        if start + rel + nbytes > len(mm):
+            raise ValueError(f"tensor {name!r} runs past the end of the file")
+        data = np.ndarray(dims, dtype, buffer=mm, offset=start + rel)  # a view of the memory map: nothing read
+        tensors.append(GGUFTensor(name, ttype, tuple(int(d) for d in shape), data))
+    return GGUFFile(fields, tensors)
+
+
+def read_gguf(path: Path) -> GGUFFile:
+    """The parsed GGUF (metadata + tensor index, memory-mapped); the config and the tensors of one load share
+    one parse."""
     if not path.is_file():
         raise CheckpointError(f"missing GGUF file {path}")
     st = path.stat()
@@ -42,29 +150,26 @@ def _reader(path: Path):
 
 
 @functools.lru_cache(maxsize=2)
-def _parsed(path: str, size: int, mtime_ns: int):  # size / mtime: a rewritten file is parsed afresh
-    import gguf
-
+def _parsed(path: str, size: int, mtime_ns: int) -> GGUFFile:  # size / mtime: a rewritten file is parsed afresh
     try:
-        return gguf.GGUFReader(path)
+        return _parse(path)
     except Exception as e:
         raise CheckpointError(f"corrupt GGUF file {path}: {e}") from None
 
 
-def _field(reader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    return reader.fields.get(key, default)
 
 
 def gguf_hf_config(path: Path) -> dict[str, Any]:
     """An HF-style config dict read from GGUF metadata (llama architecture only)."""
-    r = _reader(path)
+    r = read_gguf(path)
     arch = _field(r, "general.architecture")
     if arch != "llama":
         raise CheckpointError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
     p = lambda k, d=None: _field(r, f"llama.{k}", d)  # noqa: E731
     names = {t.name for t in r.tensors}
-    vocab = p("vocab_size") or len(r.fields["tokenizer.ggml.tokens"].data)
+    vocab = p("vocab_size") or len(r.fields["tokenizer.ggml.tokens"])
     heads = int(p("attention.head_count"))
     return {
         "model_type": "llama",
@@ -88,7 +193,7 @@ def read_gguf_tensors(path: Path, cfg: dict[str, Any]) -> dict[str, np.ndarray]:
     """All tensors, dequantized to float32, under HF names (``model.layers.0.self_attn.q_proj.weight`` …)."""
     from gguf.quants import dequantize
 
-    r = _reader(path)
+    r = read_gguf(path)
     out: dict[str, np.ndarray] = {}
     for t in r.tensors:
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
