@@ -318,31 +318,10 @@ class Trainer:
         """
         if self._step_fn is None:
             self._build()
-        if self.s.repeat_anchor_weight != 1.0 and "repeated" not in data:
-            data = {**data, "repeated": repeated_blocks(data["tokens"], data["lengths"], self.s.repeat_ngram)}
-        if not resume:  # start over: forget the plan and checkpoints of an earlier run in this directory
-            import shutil
-
-            (self.out_dir / "plan.json").unlink(missing_ok=True)
-            shutil.rmtree(self.out_dir / "checkpoints", ignore_errors=True)
-        data, val_sets = self.split_validation(data)
+        data, val_sets, total = self._prepare_fit(data, resume)
         val_every = self.s.val_every or self.s.save_every
-        total = self._plan(data, self.s.total_steps(len(data["lengths"])))
-        self.schedule = cosine_with_warmup(self.s.lr, total, self.s.warmup_frac)
-        opt_state = self.tx.init(self.params)
-        params, start = self.params, 0
         mngr = self._manager()
-        if resume and mngr.latest_step() is not None:
-            start = int(mngr.latest_step())
-            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
-            restored = mngr.restore(start, args=ocp.args.StandardRestore(abstract))
-            # Restored arrays are committed to a device, fresh ones are not, and jit keys its programs on that:
-            # taken as they are, a resumed run would compile its step again (as long as a whole first compile).
-            restored = jax.tree.map(jnp.asarray, jax.device_get(restored))
-            params, opt_state = restored["params"], restored["opt_state"]
-            log.info("resumed from step %d", start)
-        elif self._history_path().exists():
-            self._history_path().unlink()
+        params, opt_state, start = self._restore_or_start(mngr, resume)
         history = self._read_history(start)
         end = total if stop_after is None else min(total, start + stop_after)
         bar = tqdm(total=total, initial=start, disable=not progress, desc="train", unit="step", dynamic_ncols=True)
@@ -393,6 +372,37 @@ class Trainer:
         self.params = params
         self._write_back(params)
         return history
+
+    def _prepare_fit(self, data: dict[str, np.ndarray], resume: bool):
+        """The rows to train on, the held-out validation sets and the planned number of steps (the plan and
+        the learning-rate schedule are fixed by the first run in this directory, or anew when not resuming)."""
+        if self.s.repeat_anchor_weight != 1.0 and "repeated" not in data:
+            data = {**data, "repeated": repeated_blocks(data["tokens"], data["lengths"], self.s.repeat_ngram)}
+        if not resume:  # start over: forget the plan and checkpoints of an earlier run in this directory
+            import shutil
+
+            (self.out_dir / "plan.json").unlink(missing_ok=True)
+            shutil.rmtree(self.out_dir / "checkpoints", ignore_errors=True)
+        data, val_sets = self.split_validation(data)
+        total = self._plan(data, self.s.total_steps(len(data["lengths"])))
+        self.schedule = cosine_with_warmup(self.s.lr, total, self.s.warmup_frac)
+        return data, val_sets, total
+
+    def _restore_or_start(self, mngr, resume: bool):
+        """(params, opt_state, first step): from the latest checkpoint when resuming, else fresh."""
+        opt_state = self.tx.init(self.params)
+        params = self.params
+        if not (resume and mngr.latest_step() is not None):
+            self._history_path().unlink(missing_ok=True)
+            return params, opt_state, 0
+        start = int(mngr.latest_step())
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
+        restored = mngr.restore(start, args=ocp.args.StandardRestore(abstract))
+        # Restored arrays are committed to a device, fresh ones are not, and jit keys its programs on that:
+        # taken as they are, a resumed run would compile its step again (as long as a whole first compile).
+        restored = jax.tree.map(jnp.asarray, jax.device_get(restored))
+        log.info("resumed from step %d", start)
+        return restored["params"], restored["opt_state"], start
 
     def _write_back(self, params) -> None:
         """Copy the fp32 master weights into the drafter module (in its own dtype)."""
