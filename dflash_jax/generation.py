@@ -220,6 +220,53 @@ def _loop_spec(block_size: int, new_cap: int, capture: tuple, impl: str, sampled
                     verify_mode=verify_mode, tiers=tiers, ar_step=ar_step)
 
 
+@dataclasses.dataclass(frozen=True)
+class _HostBatch:
+    """A batch's host arrays, its rows padded to the compiled batch and its lengths bucketed."""
+
+    prompt: np.ndarray  # [B, P] int32, right-padded with 0
+    lens: np.ndarray  # [B] prompt lengths (dummy rows: 1)
+    max_new: np.ndarray  # [B] (dummy rows: 1, discarded)
+    stops: np.ndarray  # [bucketed] stop ids, -1 padding
+    new_cap: int  # bucketed largest max_new_tokens
+    capacity: int  # cache length: P + new_cap + L, a multiple of 16
+
+    @property
+    def batch(self) -> int:
+        return self.prompt.shape[0]
+
+
+def _checked_lengths(cfg, ids: list[list[int]], max_new_tokens) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt lengths, max new tokens per row), or ValueError where a row cannot fit the model."""
+    n = len(ids)
+    max_new = _per_row(max_new_tokens, n, "max_new_tokens", np.int64)
+    for m in np.unique(max_new):
+        check_max_new_tokens(int(m))
+    lens = np.asarray([len(p) for p in ids])
+    worst = lens + max_new
+    if worst.max() > cfg.max_position_embeddings:
+        i = int(np.argmax(worst))
+        raise ValueError(f"prompt of {lens[i]} tokens + max_new_tokens {int(max_new[i])} exceeds the model's "
+                         f"maximum length {cfg.max_position_embeddings}")
+    return lens, max_new
+
+
+def _host_batch(ids: list[list[int]], lens: np.ndarray, max_new: np.ndarray, stops: tuple[int, ...], b: int,
+                block_size: int) -> _HostBatch:
+    """``ids`` padded to ``b`` rows (finished dummy rows: one token, one discarded new token), bucketed."""
+    pad = b - len(ids)
+    p = bucket(int(lens.max()))
+    new_cap = bucket(int(max_new.max()))
+    prompt = np.zeros((b, p), np.int32)
+    for i, row in enumerate(ids):
+        prompt[i, : len(row)] = row
+    stop_arr = np.full((bucket(max(len(stops), 1), 8),), -1, np.int32)
+    stop_arr[: len(stops)] = stops
+    return _HostBatch(prompt, np.concatenate([lens, np.ones(pad, np.int64)]).astype(np.int32),
+                      np.concatenate([max_new, np.ones(pad, np.int64)]).astype(np.int32), stop_arr, new_cap,
+                      -(-(p + new_cap + block_size) // 16) * 16)
+
+
 def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, max_new_tokens, block_size: int,
             stop_token_ids=None, attention_impl: str = "auto", temperature=None, top_k=None, top_p=None,
             seed: int = 0, draft_sampling: bool = False, pad_batch_to: int | None = None,
@@ -230,47 +277,27 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
     Host work only, no per-parameter Python: the models' splits are cached on their handles and the
     programs are looked up by a small key.
     """
-    cfg = target.config
-    n = len(ids)
-    max_new = _per_row(max_new_tokens, n, "max_new_tokens", np.int64)
-    for m in np.unique(max_new):
-        check_max_new_tokens(int(m))
-    sp = sampling_params(n, temperature, top_k, top_p)
-    lens = np.asarray([len(p) for p in ids])
-    worst = lens + max_new
-    if worst.max() > cfg.max_position_embeddings:
-        i = int(np.argmax(worst))
-        raise ValueError(f"prompt of {lens[i]} tokens + max_new_tokens {int(max_new[i])} exceeds the model's "
-                         f"maximum length {cfg.max_position_embeddings}")
-    stops = target.stop_token_ids if stop_token_ids is None else tuple(int(s) for s in stop_token_ids)
-
     from dflash_jax import sharding as shd
 
+    cfg = target.config
+    n = len(ids)
+    lens, max_new = _checked_lengths(cfg, ids, max_new_tokens)
+    sp = sampling_params(n, temperature, top_k, top_p)
+    stops = target.stop_token_ids if stop_token_ids is None else tuple(int(s) for s in stop_token_ids)
     if drafter is not None and drafter.mesh is not target.mesh:
         raise shd.ShardingError("the target and the drafter must be placed on the same mesh (load the drafter "
                                 "with the target: load_drafter(..., target=target) inherits its mesh)")
     dp = shd.mesh_size(target.mesh, "dp")
-    b = max(n, pad_batch_to or 0)
-    b = -(-b // dp) * dp  # batch rows split evenly over dp
-    pad = b - n
-    p = bucket(int(lens.max()))
-    new_cap = bucket(int(max_new.max()))
-    capacity = -(-(p + new_cap + block_size) // 16) * 16
-    prompt = np.zeros((b, p), np.int32)
-    for i, row in enumerate(ids):
-        prompt[i, : len(row)] = row
-    lens_arr = np.concatenate([lens, np.ones(pad, np.int64)]).astype(np.int32)  # dummy rows: one token, one
-    max_arr = np.concatenate([max_new, np.ones(pad, np.int64)]).astype(np.int32)  # new token, discarded
-    stop_arr = np.full((bucket(max(len(stops), 1), 8),), -1, np.int32)
-    stop_arr[: len(stops)] = stops
+    b = -(-max(n, pad_batch_to or 0) // dp) * dp  # batch rows split evenly over dp
+    host = _host_batch(ids, lens, max_new, stops, b, block_size)
     sampled = bool((sp.temperature > 0).any())
     verify_mode, tiers, step_cost, ar_step = resolve_verify_mode(
         _check_verify_mode(verify_mode, target, drafter, block_size, dp), drafter, b, block_size, cost_table)
-    if pad:  # on the host: eager device ops would compile anew for each partial batch's row count
-        sp = SamplingParams(*(np.concatenate([x, np.repeat(x[-1:], pad)]) for x in
+    if b > n:  # on the host: eager device ops would compile anew for each partial batch's row count
+        sp = SamplingParams(*(np.concatenate([x, np.repeat(x[-1:], b - n)]) for x in
                               (sp.temperature, sp.top_k, sp.top_p)))
 
-    spec = _loop_spec(block_size, new_cap, tuple(drafter.config.target_layer_ids) if drafter is not None else (),
+    spec = _loop_spec(block_size, host.new_cap, tuple(drafter.config.target_layer_ids) if drafter is not None else (),
                       attention.resolve_impl(attention_impl, target.model.dtype), sampled, bool(draft_sampling),
                       sampled and bool((sp.top_k > 0).any()), sampled and bool((sp.top_p < 1).any()),
                       target.mesh, cfg, drafter.config.layers if drafter is not None else None, verify_mode, tiers,
@@ -280,17 +307,18 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
     mask_id = drafter.config.mask_token_id if drafter is not None else 0
     graphdefs = (tsplit.static, dsplit.static if dsplit else None)
     params = (tsplit.leaves, dsplit.leaves if dsplit else None)
-    ints, floats = pack_inputs(prompt, lens_arr, max_arr, stop_arr, seed, sp if sampled else None, step_cost)
+    ints, floats = pack_inputs(host.prompt, host.lens, host.max_new, host.stops, seed, sp if sampled else None,
+                               step_cost)
     # One host-to-device copy per vector (each costs ~0.25 ms on a GPU, whatever its size). On one device the
     # compiled program takes the numpy vectors itself (its C++ path skips device_put's Python: ~0.2 ms less
     # per call on the CPU, bench_transfer.py); under a mesh they are placed replicated first.
     pre_args = (params, *jax.device_put((ints, floats), spec.plan.replicated())) if spec.plan else (
         params, ints, floats)
-    shapes = dict(batch=b, prompt_len=p, num_stops=len(stop_arr))
-    key = (spec, capacity, mask_id, tuple(shapes.values()), tsplit.structure, dsplit.structure if dsplit else None,
-           jax.config.jax_default_matmul_precision)
+    shapes = dict(batch=b, prompt_len=host.prompt.shape[1], num_stops=len(host.stops))
+    key = (spec, host.capacity, mask_id, tuple(shapes.values()), tsplit.structure,
+           dsplit.structure if dsplit else None, jax.config.jax_default_matmul_precision)
     t0 = time.perf_counter()
-    programs = _programs(key, graphdefs, params, pre_args, spec, dict(capacity=capacity, **shapes), mask_id)
+    programs = _programs(key, graphdefs, params, pre_args, spec, dict(capacity=host.capacity, **shapes), mask_id)
     return Job(target, drafter, ids, stops, params, pre_args, spec, programs, time.perf_counter() - t0)
 
 

@@ -57,13 +57,43 @@ class GGUFFile:
     tensors: list[GGUFTensor]
 
 
+class _Cursor:
+    """Reads GGUF values from a buffer, advancing ``off``."""
+
+    def __init__(self, buf: memoryview, off: int):
+        self.buf, self.off = buf, off
+
+    def unpack(self, fmt: str) -> tuple:
+        out = struct.unpack_from(fmt, self.buf, self.off)
+        self.off += struct.calcsize(fmt)
+        return out
+
+    def string(self) -> str:
+        (n,) = self.unpack("<Q")
+        self.off += n
+        if self.off > len(self.buf):
+            raise ValueError("the file ends inside its metadata")
+        return str(self.buf[self.off - n: self.off], "utf-8")
+
+    def value(self, kind: int):
+        if kind == _STRING:
+            return self.string()
+        if kind in _SCALARS:
+            return self.unpack("<" + _SCALARS[kind])[0]
+        if kind == _ARRAY:
+            item, n = self.unpack("<IQ")
+            if item in _SCALARS:  # one read for the whole array
+                fmt = "<" + _SCALARS[item]
+                self.off += n * struct.calcsize(fmt)
+                return np.frombuffer(self.buf, np.dtype(fmt), n, self.off - n * struct.calcsize(fmt)).tolist()
+            return [self.value(item) for _ in range(n)]
+        raise ValueError(f"unknown GGUF value type {kind} at byte {self.off}")
+
+
 def _parse(path: str) -> GGUFFile:
     """Header, metadata and tensor index of a (little-endian, version 2 or 3) GGUF file; tensor data stays
     memory-mapped. The same values gguf.GGUFReader gives, without its per-value numpy views, which made
     parsing a tokenizer's ~100k strings take seconds (tests/test_smollm2.py compares the two)."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-    from gguf.quants import quant_shape_to_byte_shape
-
     mm = np.memmap(path, dtype=np.uint8, mode="r")
     buf = memoryview(mm)
     if bytes(buf[:4]) != b"GGUF":
@@ -71,57 +101,32 @@ def _parse(path: str) -> GGUFFile:
     version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
     if version not in (2, 3):
         raise ValueError(f"GGUF version {version} is not supported (big-endian files read as huge versions)")
-    off = 24
-
-    def string() -> str:
-        nonlocal off
-        (n,) = struct.unpack_from("<Q", buf, off)
-        off += 8 + n
-        if off > len(buf):
-            raise ValueError("the file ends inside its metadata")
-        return str(buf[off - n: off], "utf-8")
-
-    def value(kind: int):
-        nonlocal off
-        if kind == _STRING:
-            return string()
-        if kind in _SCALARS:
-            fmt = "<" + _SCALARS[kind]
-            off += struct.calcsize(fmt)
-            return struct.unpack_from(fmt, buf, off - struct.calcsize(fmt))[0]
-        if kind == _ARRAY:
-            item, n = struct.unpack_from("<IQ", buf, off)
-            off += 12
-            if item in _SCALARS:  # one read for the whole array
-                fmt = "<" + _SCALARS[item]
-                size = struct.calcsize(fmt)
-                off += n * size
-                return np.frombuffer(buf, np.dtype(fmt), n, off - n * size).tolist()
-            return [value(item) for _ in range(n)]
-        raise ValueError(f"unknown GGUF value type {kind} at byte {off}")
-
+    cur = _Cursor(buf, 24)
     fields: dict[str, Any] = {}
     for _ in range(n_kv):
-        key = string()
-        (kind,) = struct.unpack_from("<I", buf, off)
-        off += 4
+        key = cur.string()
+        (kind,) = cur.unpack("<I")
         if key in fields:
             raise ValueError(f"duplicate metadata key {key!r}")
-        fields[key] = value(kind)
-    infos = []
+        fields[key] = cur.value(kind)
+    index = []  # (name, shape, ggml type, offset from the data start)
     for _ in range(n_tensors):
-        name = string()
-        (n_dims,) = struct.unpack_from("<I", buf, off)
-        shape = struct.unpack_from(f"<{n_dims}Q", buf, off + 4)
-        ttype, rel = struct.unpack_from("<IQ", buf, off + 4 + 8 * n_dims)
-        off += 4 + 8 * n_dims + 12
-        infos.append((name, shape, ttype, rel))
+        name = cur.string()
+        (n_dims,) = cur.unpack("<I")
+        index.append((name, cur.unpack(f"<{n_dims}Q"), *cur.unpack("<IQ")))
     align = fields.get("general.alignment", 32)
     if align <= 0 or align & (align - 1):
         raise ValueError(f"invalid alignment {align}")
-    start = -(-off // align) * align
+    return GGUFFile(fields, _map_tensors(mm, index, -(-cur.off // align) * align))
+
+
+def _map_tensors(mm: np.memmap, index: list[tuple], start: int) -> list[GGUFTensor]:
+    """Views of the memory map (nothing read) for each indexed tensor; its data begins at byte ``start``."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
     tensors, names = [], set()
-    for name, shape, ttype, rel in infos:
+    for name, shape, ttype, rel in index:
         if name in names:
             raise ValueError(f"duplicate tensor {name!r}")
         names.add(name)
@@ -135,9 +140,9 @@ def _parse(path: str) -> GGUFFile:
             dtype, nbytes, dims = np.dtype(np.uint8), count * type_size // block, quant_shape_to_byte_shape(dims, qtype)
         if start + rel + nbytes > len(mm):
             raise ValueError(f"tensor {name!r} runs past the end of the file")
-        data = np.ndarray(dims, dtype, buffer=mm, offset=start + rel)  # a view of the memory map: nothing read
-        tensors.append(GGUFTensor(name, ttype, tuple(int(d) for d in shape), data))
-    return GGUFFile(fields, tensors)
+        tensors.append(GGUFTensor(name, ttype, tuple(int(d) for d in shape),
+                                  np.ndarray(dims, dtype, buffer=mm, offset=start + rel)))
+    return tensors
 
 
 def read_gguf(path: Path) -> GGUFFile:

@@ -502,7 +502,7 @@ def ragged_verify_attention(
     _raise_if(_check(q.shape, q.dtype, k_cache.shape, k_cache.dtype, block_kv=block_kv,
                      kv_heads_per_block=kv_heads_per_block, window=window,
                      sinks_shape=None if sinks is None else sinks.shape))
-    t, n, h = q.shape
+    t, n, _ = q.shape
     b = k_cache.shape[0]
     if t < 1 or v_cache.shape != k_cache.shape or cu_q_lens.shape != (b + 1,) or kv_lens.shape != (b,):
         raise ValueError(f"inconsistent shapes: q {q.shape}, k_cache {k_cache.shape}, v_cache {v_cache.shape}, "
@@ -511,18 +511,24 @@ def ragged_verify_attention(
         raise ValueError(f"max_q_len={max_q_len} must be >= 1")
     lq = t if max_q_len is None else max_q_len
     plan = _make_plan(lq, k_cache.shape, n, q.dtype, block_kv, kv_heads_per_block)
-    bkv = plan.block_kv
     cu = cu_q_lens.astype(jnp.int32)
     q_lens = cu[1:] - cu[:-1]
     kv_lens = jnp.clip(kv_lens.astype(jnp.int32), 0, plan.s)
+    # Gather each request's window into its own static tile of lq rows (module docstring: ragged tiling).
+    rows = jnp.clip(cu[:-1, None] + jnp.arange(lq)[None, :], 0, t - 1)  # [B, lq]
+    out = _ragged_call(_group_queries(q[rows], plan), k_cache, v_cache, q_lens, kv_lens, sinks, plan=plan,
+                       window=window, interpret=interpret, vmem_limit_bytes=vmem_limit_bytes)
+    return _to_packed(_ungroup_output(out, lq, plan), cu, t).astype(q.dtype)
+
+
+def _ragged_call(q_tiles, k_cache, v_cache, q_lens: Int[Array, "B"], kv_lens: Int[Array, "B"], sinks, *, plan,
+                 window: int | None, interpret: Interpret, vmem_limit_bytes: int | None) -> jax.Array:
+    """The kernel over grid (request, KV-head group, KV block): [B, K, rows, H] tiles out."""
+    b, h, bkv = k_cache.shape[0], k_cache.shape[-1], plan.block_kv
     hi = jnp.where(q_lens > 0, (kv_lens + bkv - 1) // bkv, 0)  # empty windows read nothing
     # With a sliding window no row sees slots before its first query's window (at kv_len - ℓ): skip them.
     lo = jnp.zeros_like(hi) if window is None else jnp.where(
         q_lens > 0, jnp.maximum(kv_lens - q_lens - window + 1, 0) // bkv, 0)
-
-    # Gather each request's window into its own static tile of lq rows (module docstring: ragged tiling).
-    rows = jnp.clip(cu[:-1, None] + jnp.arange(lq)[None, :], 0, t - 1)  # [B, lq]
-    q_tiles = _group_queries(q[rows], plan)
 
     def kv_map(bi, hg, j, kv_len_ref, q_len_ref, lo_ref, hi_ref):
         # Steps outside [lo, hi) repeat a needed block index, so the pipeline issues no DMA for them.
@@ -541,22 +547,24 @@ def ragged_verify_attention(
         in_specs.append(pl.BlockSpec((plan.kb, plan.rows, _LANES), lambda bi, hg, j, *_: (hg, 0, 0)))
     kernel = functools.partial(_verify_kernel, plan=plan, window=window, has_sinks=sinks is not None,
                                scale=h ** -0.5)
-    out = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4, grid=(b, plan.k // plan.kb, plan.n_kv),
             in_specs=in_specs, out_specs=q_spec, scratch_shapes=_scratch(plan)),
-        out_shape=jax.ShapeDtypeStruct((b, plan.k, plan.rows, h), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((b, plan.k, plan.rows, h), q_tiles.dtype),
         compiler_params=_compiler_params(vmem_limit_bytes),
         interpret=_interpret_arg(interpret),
         name="dflash_ragged_verify_attention",
     )(kv_lens, q_lens, lo.astype(jnp.int32), hi.astype(jnp.int32), q_tiles, k_cache, v_cache, *extra)
-    out = _ungroup_output(out, lq, plan)  # [B, lq, N, H]
 
-    # Scatter back to the packed order: token t belongs to the last request whose window starts at or before t.
+
+def _to_packed(out: Float[Array, "B Lq N H"], cu: Int[Array, "B+1"], t: int) -> Float[Array, "T N H"]:
+    """Each request's tile rows back to the packed order: token t belongs to the last request whose window
+    starts at or before t; padding tokens give 0, rows of a window longer than Lq NaN (loud)."""
+    b, lq = out.shape[:2]
     tok = jnp.arange(t)
     req = jnp.clip(jnp.searchsorted(cu, tok, side="right") - 1, 0, b - 1)
     off = tok - cu[req]
-    vals = out[req, jnp.minimum(off, lq - 1)]
-    vals = jnp.where((off >= lq)[:, None, None], jnp.nan, vals)  # window longer than max_q_len: loud
-    return jnp.where((tok < cu[b])[:, None, None], vals, 0).astype(q.dtype)
+    vals = jnp.where((off >= lq)[:, None, None], jnp.nan, out[req, jnp.minimum(off, lq - 1)])
+    return jnp.where((tok < cu[b])[:, None, None], vals, 0)
