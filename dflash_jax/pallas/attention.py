@@ -406,6 +406,18 @@ def _raise_if(reason: str | None) -> None:
         raise ValueError(reason)
 
 
+def _kv_block_index(bi, hg, j, _len_ref, _pos_ref, lo_ref, hi_ref):
+    """KV block of grid step (request, head group, j), from the scalar-prefetched [lo, hi) bounds (both
+    kernels prefetch (length, position, lo, hi)): steps outside [lo, hi) repeat a needed block index, so the
+    pipeline issues no DMA for them."""
+    return bi, jnp.minimum(lo_ref[bi] + j, jnp.maximum(hi_ref[bi] - 1, 0)), hg, 0
+
+
+def _tile_index(bi, hg, j, *_):
+    """The request's query / output tile of the head group."""
+    return bi, hg, 0, 0
+
+
 @functools.partial(jax.jit, static_argnames=("causal", "window", "interpret", "block_kv", "kv_heads_per_block",
                                              "vmem_limit_bytes"))
 def draft_attention(
@@ -445,19 +457,9 @@ def draft_attention(
     # With a sliding window no row sees slots before pos0 - window + 1: skip those blocks too.
     lo = jnp.zeros_like(hi) if window is None else jnp.maximum(pos0 - window + 1, 0) // bkv
 
-    def kv_map(bi, hg, j, ctx_len_ref, pos0_ref, lo_ref, hi_ref):
-        # Steps outside [lo, hi) repeat a needed block index, so the pipeline issues no DMA for them.
-        return bi, jnp.minimum(lo_ref[bi] + j, jnp.maximum(hi_ref[bi] - 1, 0)), hg, 0
-
-    def q_map(bi, hg, j, *_):
-        return bi, hg, 0, 0
-
-    def blk_map(bi, hg, j, *_):
-        return bi, 0, hg, 0
-
-    q_spec = pl.BlockSpec((None, plan.kb, plan.rows, h), q_map)
-    kv_spec = pl.BlockSpec((None, bkv, plan.kb, h), kv_map)
-    blk_spec = pl.BlockSpec((None, l, plan.kb, h), blk_map)
+    q_spec = pl.BlockSpec((None, plan.kb, plan.rows, h), _tile_index)
+    kv_spec = pl.BlockSpec((None, bkv, plan.kb, h), _kv_block_index)
+    blk_spec = pl.BlockSpec((None, l, plan.kb, h), lambda bi, hg, j, *_: (bi, 0, hg, 0))
     kernel = functools.partial(_draft_kernel, plan=plan, blk_len=l, causal=causal, window=window,
                                scale=h ** -0.5)
     out = pl.pallas_call(
@@ -530,15 +532,8 @@ def _ragged_call(q_tiles, k_cache, v_cache, q_lens: Int[Array, "B"], kv_lens: In
     lo = jnp.zeros_like(hi) if window is None else jnp.where(
         q_lens > 0, jnp.maximum(kv_lens - q_lens - window + 1, 0) // bkv, 0)
 
-    def kv_map(bi, hg, j, kv_len_ref, q_len_ref, lo_ref, hi_ref):
-        # Steps outside [lo, hi) repeat a needed block index, so the pipeline issues no DMA for them.
-        return bi, jnp.minimum(lo_ref[bi] + j, jnp.maximum(hi_ref[bi] - 1, 0)), hg, 0
-
-    def q_map(bi, hg, j, *_):
-        return bi, hg, 0, 0
-
-    q_spec = pl.BlockSpec((None, plan.kb, plan.rows, h), q_map)
-    kv_spec = pl.BlockSpec((None, bkv, plan.kb, h), kv_map)
+    q_spec = pl.BlockSpec((None, plan.kb, plan.rows, h), _tile_index)
+    kv_spec = pl.BlockSpec((None, bkv, plan.kb, h), _kv_block_index)
     in_specs, extra = [q_spec, kv_spec, kv_spec], []
     if sinks is not None:
         # Lane-replicated like the running max it initialises: [K, R, 128], row (g, l) holds sink[k·G + g].
