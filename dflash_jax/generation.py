@@ -231,10 +231,6 @@ class _HostBatch:
     new_cap: int  # bucketed largest max_new_tokens
     capacity: int  # cache length: P + new_cap + L, a multiple of 16
 
-    @property
-    def batch(self) -> int:
-        return self.prompt.shape[0]
-
 
 def _checked_lengths(cfg, ids: list[list[int]], max_new_tokens) -> tuple[np.ndarray, np.ndarray]:
     """(prompt lengths, max new tokens per row), or ValueError where a row cannot fit the model."""

@@ -84,8 +84,8 @@ class _Cursor:
             item, n = self.unpack("<IQ")
             if item in _SCALARS:  # one read for the whole array
                 fmt = "<" + _SCALARS[item]
-                self.off += n * struct.calcsize(fmt)
-                return np.frombuffer(self.buf, np.dtype(fmt), n, self.off - n * struct.calcsize(fmt)).tolist()
+                start, self.off = self.off, self.off + n * struct.calcsize(fmt)
+                return np.frombuffer(self.buf, np.dtype(fmt), n, start).tolist()
             return [self.value(item) for _ in range(n)]
         raise ValueError(f"unknown GGUF value type {kind} at byte {self.off}")
 
