@@ -10,8 +10,10 @@ floor is the routed experts' weight bytes (3·D·F per distinct routed expert) �
     python benchmarks/bench_moe.py --sweep --out bench_moe_sweep.json   # + the kernel's tuning alternatives
     python benchmarks/bench_moe.py --small                       # CPU smoke test (interpret mode)
 
-Implementations: ``kernel`` (dflash_jax.cuda.moe on a GPU, dflash_jax.pallas.moe on a TPU; the Triton one in
-interpret mode elsewhere), ``ragged_dot`` (moe.experts_grouped), ``gathered`` (moe.experts_gathered: the K
+Implementations: ``kernel`` (dflash_jax.cuda.moe.grouped_experts on a GPU — per-pair kernels up to
+``PAIR_MAX_TOKENS`` tokens, the expert-sorted ones above —, dflash_jax.pallas.moe on a TPU; the Triton one in
+interpret mode elsewhere), the GPU forms forced: ``sorted`` (sorted_experts), ``pair`` (pair_experts),
+``ragged_dot`` (moe.experts_grouped), ``gathered`` (moe.experts_gathered: the K
 routed experts' weights gathered per token, einsum), ``dense`` (moe.experts_dense: every expert).
 """
 
@@ -33,24 +35,35 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_jax.models import moe  # noqa: E402
 
-IMPLS = ("kernel", "ragged_dot", "gathered", "dense")
-# Tuning alternatives of the GPU kernel for --sweep (the defaults: 64-wide blocks, 4 warps, 3 stages).
-SWEEP = [dict(), dict(block_f=32), dict(block_f=128), dict(block_d=128), dict(block_d=32), dict(num_stages=4),
-         dict(num_stages=2), dict(num_warps=8), dict(block_n=128), dict(block_n=32), dict(block_k=128),
-         dict(num_splits=1)]
+IMPLS = ("kernel", "sorted", "pair", "ragged_dot", "gathered", "dense")
+# Tuning alternatives for --sweep, per GPU kernel (the defaults: sorted 64-wide blocks; pair 32-wide F blocks,
+# 128 D rows, 128 F rows per down step, splits for ~4 programs per SM; 4 warps, 3 stages).
+SWEEP = {
+    "sorted": [dict(block_f=32), dict(block_f=128), dict(block_d=128), dict(block_d=32), dict(num_stages=4),
+               dict(num_stages=2), dict(num_warps=8), dict(block_n=128), dict(block_n=32), dict(block_k=128),
+               dict(num_splits=1)],
+    "pair": [dict(block_f=16), dict(block_f=64), dict(block_d=64), dict(block_d=256), dict(num_splits=1),
+             dict(num_splits=2), dict(num_splits=4), dict(num_splits=8), dict(num_warps=2), dict(num_warps=8),
+             dict(num_stages=2), dict(num_stages=4), dict(block_n=32), dict(block_n=128), dict(block_k=32),
+             dict(block_k=64), dict(block_k=256), dict(block_n=32, block_d=64), dict(num_warps=8, block_d=256)],
+}
 
 
-def kernel_fn(backend: str, tuning: dict):
+def kernel_fn(backend: str, name: str, tuning: dict):
+    """``kernel``: what experts_auto runs (the GPU dispatcher picks pair or sorted by tokens); the others force
+    one GPU form (interpret mode off a GPU)."""
     if backend == "tpu":
         from dflash_jax.pallas import moe as tpu_moe
         return lambda *a: tpu_moe.grouped_experts(*a, **tuning)
     from dflash_jax.cuda import moe as cuda_moe
-    return lambda *a: cuda_moe.grouped_experts(*a, interpret=backend != "gpu", **tuning)
+    fn = {"kernel": cuda_moe.grouped_experts, "sorted": cuda_moe.sorted_experts, "pair": cuda_moe.pair_experts}[name]
+    return lambda *a: fn(*a, interpret=backend != "gpu", **tuning)
 
 
 def impl_fn(name: str, backend: str, tuning: dict):
-    return {"kernel": lambda: kernel_fn(backend, tuning), "ragged_dot": lambda: moe.experts_grouped,
-            "gathered": lambda: moe.experts_gathered, "dense": lambda: moe.experts_dense}[name]()
+    if name in ("ragged_dot", "gathered", "dense"):
+        return {"ragged_dot": moe.experts_grouped, "gathered": moe.experts_gathered, "dense": moe.experts_dense}[name]
+    return kernel_fn(backend, name, tuning)
 
 
 def time_impl(fn, x, w, idx, gate, up, down, iters: int, reps: int, warm_s: float) -> float:
@@ -131,9 +144,12 @@ def main() -> int:
                 iters=args.iters, reps=args.reps, interpret=backend == "cpu",
                 all_experts_floor_us=e * expert_bytes / args.bandwidth * 1e6)
     print(json.dumps(info), flush=True)
-    configs = [(name, {}) for name in args.impls.split(",")]
+    names = args.impls.split(",")
+    if backend == "tpu":  # one TPU kernel: the GPU forms are not separate there
+        names = [nm for nm in names if nm not in SWEEP]
+    configs = [(name, {}) for name in names]
     if args.sweep and backend != "tpu":
-        configs += [("kernel", t) for t in SWEEP[1:]]
+        configs += [(name, t) for name in names if name in SWEEP for t in SWEEP[name]]
     rows = []
     t_start = time.perf_counter()
     for n in (int(t) for t in args.tokens.split(",")):

@@ -82,6 +82,29 @@ def test_kernels_match_reference(idx, e, d, f, dtype, bias, cuda_kw):
         np.testing.assert_allclose(out32, ref32, atol=tol, rtol=TOL[dtype], err_msg=name)
 
 
+# (idx, E, D, F, dtype, bias/act, pair kernel tuning): D / F not multiples of the blocks, D splits.
+PAIR_CASES = [
+    ([[5, 2, 7]], 8, 40, 24, jnp.float32, False, dict(block_f=16, block_d=16, num_splits=2, block_k=16)),
+    ([[1, 4], [4, 6]], 8, 24, 40, jnp.float32, True, dict(num_splits=3, block_d=16)),  # gpt-oss, shared expert
+    ([[3, 0]], 6, 32, 16, jnp.bfloat16, False, {}),
+]
+
+
+@pytest.mark.parametrize("idx, e, d, f, dtype, bias, kw", PAIR_CASES)
+def test_pair_kernel_matches_reference(idx, e, d, f, dtype, bias, kw):
+    """The per-pair GPU kernels (decode at a token or two) against the reference, unrouted experts NaN."""
+    (x, w), idx, poisoned, clean = _inputs(len(idx) + 10, np.asarray(idx), e, d, f, dtype, bias)
+    act = GPT_OSS_ACT if bias else moe._swiglu
+    run = fast_jit(lambda x, w, idx, *a: (
+        moe.experts_gathered(x, w, idx, *clean[:3], biases=tuple(clean[3:]) or None, act=act),
+        cuda_moe.pair_experts(x, w, idx, *a[:3], biases=tuple(a[3:]) or None, act=act, interpret=CUDA_INTERPRET,
+                              **kw)))
+    ref, out = (np.asarray(o, np.float32) for o in run(x, w, idx, *poisoned))
+    assert np.isfinite(out).all(), "non-finite output (an unrouted expert was read)"
+    tol = TOL[dtype] * max(1.0, np.abs(ref).max())
+    np.testing.assert_allclose(out, ref, atol=tol, rtol=TOL[dtype])
+
+
 def test_cuda_kernel_loops_over_row_tiles():
     """An expert with more pairs than a tile has rows (N > 64): the GPU kernel loops over row tiles."""
     n = 70

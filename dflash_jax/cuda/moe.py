@@ -9,6 +9,11 @@ Why: on the H200 (bf16, E=128, D=2048, F=768, K=8) XLA's ``ragged_dot`` read mor
 one token and the gathered einsum was ~15× the routed experts' bytes. Decode is memory-bound, so the goal is
 to stream exactly the routed experts' weights once, with enough programs in flight to fill the HBM pipe.
 
+:func:`grouped_experts` picks one of two forms by the call's tokens: :func:`pair_experts` up to
+:data:`PAIR_MAX_TOKENS` (one token: the pairs are distinct experts, so GEMV kernels over the pairs as routed
+need no grouping and skip its small XLA ops — 43 µs against 61 on the H200), :func:`sorted_experts` above
+(described next: from two tokens on, reading a shared expert once pays for the grouping).
+
 Layout: the P (token, expert) pairs are sorted by expert (:func:`dflash_jax.models.moe.group_pairs`, a few
 small XLA ops) and each pair's token row is copied to ``xs [P, D]`` in that order, so an expert's rows are
 contiguous. Group g (g < G = min(E, P), one per routed expert; idle groups have count 0 and return at once)
@@ -51,7 +56,7 @@ from jax.experimental.pallas import triton as plgpu
 from dflash_jax.cuda import _cdiv, _highest_precision_requested, _next_pow2, _num_sms
 from dflash_jax.models.moe import Biases, _combine, _swiglu, argument_reason, group_pairs
 
-__all__ = ["grouped_experts", "unsupported_reason"]
+__all__ = ["grouped_experts", "pair_experts", "sorted_experts", "unsupported_reason"]
 
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 # Gate/up kernel: D splits until ~this many programs per SM (routed groups × blocks), at least _MIN_SPLIT_ROWS rows
@@ -197,6 +202,135 @@ def _down_kernel(expert_ref, start_ref, count_ref, pg_ref, pu_ref, down_ref, *re
         _over_row_tiles(start_ref[g], count, c.rows, tile)
 
 
+# --------------------------------------------------------------------------------------------------
+# Per-pair kernels: decode at one token (or a few), where grouping costs more than it saves
+# --------------------------------------------------------------------------------------------------
+
+# grouped_experts hands calls of at most this many tokens to pair_experts (bench_moe.py, RESULTS.md).
+PAIR_MAX_TOKENS = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _PairConfig:
+    block_f: int  # gate/up: F columns per program
+    block_d: int  # gate/up: D rows per loop step
+    splits: int  # gate/up: D splits (programs) whose partial sums the down kernel adds
+    chunk_d: int  # gate/up: D rows per split
+    block_n: int  # down: D columns per program
+    block_k: int  # down: F rows per loop step
+    num_warps: int
+    num_stages: int
+
+
+def _pair_gate_up(x_ref, e, t, gate_ref, up_ref, f0, d_lo, steps, c: _PairConfig, d: int, f: int):
+    """x[t] · gate[e] and x[t] · up[e] over D rows [d_lo, d_lo + steps·block_d) for F columns [f0, f0 +
+    block_f), float32: a GEMV (one row fills no tensor-core tile) as multiply-adds into ``[block_d, block_f]``
+    accumulators, reduced over D once at the end (a reduction across threads per loop step cost ~2×)."""
+    fmask = _tail_mask(f0, c.block_f, f)
+
+    def step(i, acc):
+        d0 = d_lo + i * c.block_d
+        dmask = _tail_mask(d0, c.block_d, d)
+        xv = _load(x_ref.at[t, pl.ds(d0, c.block_d)], dmask).astype(jnp.float32)[:, None]
+        wmask = _and(None if dmask is None else dmask[:, None], None if fmask is None else fmask[None, :])
+        wg = _load(gate_ref.at[e, pl.ds(d0, c.block_d), pl.ds(f0, c.block_f)], wmask).astype(jnp.float32)
+        wu = _load(up_ref.at[e, pl.ds(d0, c.block_d), pl.ds(f0, c.block_f)], wmask).astype(jnp.float32)
+        return acc[0] + xv * wg, acc[1] + xv * wu
+
+    zero = jnp.zeros((c.block_d, c.block_f), jnp.float32)
+    acc_g, acc_u = lax.fori_loop(0, steps, step, (zero, zero))
+    return jnp.sum(acc_g, axis=0), jnp.sum(acc_u, axis=0)
+
+
+def _pair_act(hg, hu, bias_refs, e, k0, block: int, kmask, act: Callable, dtype):
+    """act of the gate/up sums (plus biases), in float32, rounded to the weights' dtype as the reference's
+    hidden is; columns past F hold act(bias-free 0, 0) = 0 and meet down rows loaded as 0."""
+    if bias_refs:
+        hg = hg + _load(bias_refs[0].at[e, pl.ds(k0, block)], kmask).astype(jnp.float32)
+        hu = hu + _load(bias_refs[1].at[e, pl.ds(k0, block)], kmask).astype(jnp.float32)
+    return act(hg, hu).astype(dtype).astype(jnp.float32)
+
+
+def _pair_gate_up_kernel(idx_ref, x_ref, gate_ref, up_ref, pg_ref, pu_ref, *, c: _PairConfig, d: int, f: int,
+                         k: int):
+    # idx [P] (pair p = token p // K); x [N, D]; gate/up [E, D, F]; pg/pu [splits, P, F] float32.
+    p, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    f0, d_lo = j * c.block_f, s * c.chunk_d
+    steps = lax.div(jnp.minimum(c.chunk_d, d - d_lo) + c.block_d - 1, c.block_d)
+    acc_g, acc_u = _pair_gate_up(x_ref, idx_ref[p], p // k, gate_ref, up_ref, f0, d_lo, steps, c, d, f)
+    fmask = _tail_mask(f0, c.block_f, f)
+    plgpu.store(pg_ref.at[s, p, pl.ds(f0, c.block_f)], acc_g, mask=fmask)
+    plgpu.store(pu_ref.at[s, p, pl.ds(f0, c.block_f)], acc_u, mask=fmask)
+
+
+def _pair_down_kernel(idx_ref, pg_ref, pu_ref, down_ref, *refs, c: _PairConfig, d: int, f: int, act: Callable):
+    # pg/pu [splits, P, F] float32; down [E, F, D]; [bias_g, bias_u [E, F], bias_d [E, D]]; ys [P, D].
+    *bias_refs, ys_ref = refs
+    p, j = pl.program_id(0), pl.program_id(1)
+    e, d0 = idx_ref[p], j * c.block_n
+    dmask = _tail_mask(d0, c.block_n, d)
+
+    def step(i, acc):
+        k0 = i * c.block_k
+        kmask = _tail_mask(k0, c.block_k, f)
+        part = lambda ref: functools.reduce(jnp.add, (  # noqa: E731 — the splits' partial sums
+            _load(ref.at[jnp.int32(s), p, pl.ds(k0, c.block_k)], kmask) for s in range(c.splits)))
+        h = _pair_act(part(pg_ref), part(pu_ref), bias_refs, e, k0, c.block_k, kmask, act, down_ref.dtype)
+        wmask = _and(None if kmask is None else kmask[:, None], None if dmask is None else dmask[None, :])
+        w = _load(down_ref.at[e, pl.ds(k0, c.block_k), pl.ds(d0, c.block_n)], wmask).astype(jnp.float32)
+        return acc + h[:, None] * w
+
+    acc = lax.fori_loop(0, _cdiv(f, c.block_k), step, jnp.zeros((c.block_k, c.block_n), jnp.float32))
+    acc = jnp.sum(acc, axis=0)  # over F once (see _pair_gate_up)
+    if bias_refs:
+        acc = acc + _load(bias_refs[2].at[e, pl.ds(d0, c.block_n)], dmask).astype(jnp.float32)
+    plgpu.store(ys_ref.at[p, pl.ds(d0, c.block_n)], acc.astype(ys_ref.dtype), mask=dmask)
+
+
+def pair_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Array, up: jax.Array,
+                 down: jax.Array, *, biases: Biases | None = None, act: Callable = _swiglu,
+                 block_f: int | None = None, block_d: int | None = None, num_splits: int | None = None,
+                 block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                 num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+    """:func:`grouped_experts` for a token or a few, one program row per (token, expert) pair, no grouping.
+
+    At one token the pairs are distinct experts, so nothing is read twice, and the grouping's sort, the
+    expert-ordered copy of x and its inverse (a handful of small XLA kernels, each a launch on a step that is
+    ~20 µs of weight traffic) are skipped; with N tokens an expert routed by several of them is read once per
+    pair. The products are GEMVs (multiply + column sum in float32), not 16-row tensor-core tiles.
+
+    Two kernels: gate/up over grid ``(P, F / block_f, splits)`` writing float32 partial sums ``[splits, P, F]``,
+    then down over ``(P, D / block_n)``, which adds the splits, applies ``act`` and writes ``ys [P, D]``. (One
+    kernel per (pair, F block) reading all three matrices' slices, leaving D-wide partial outputs, was tried
+    in the first version: 58.7 µs at one token on the H200 against 61.2 for the two kernels then, 43 since
+    their accumulators are reduced once after the loop; not pursued.) Tuning as :func:`sorted_experts`
+    (``block_k``: F rows per down step; defaults 32-wide F blocks, 128 D rows, 128 F rows per down step, ~4
+    programs per SM in D splits: the H200 sweep's best, bench_moe.py --sweep, RESULTS.md 2026-12-04)."""
+    n, k = idx.shape
+    e, d, f = gate.shape
+    p = n * k
+    bf, bd = _block(block_f, 32, f), _block(block_d, 128, d)
+    if num_splits is None:
+        num_splits = max(1, min(_cdiv(4 * _num_sms(), p * _cdiv(f, bf)), d // _MIN_SPLIT_ROWS))
+    num_splits = max(1, min(num_splits, _cdiv(d, bd)))
+    chunk = _cdiv(_cdiv(d, num_splits), bd) * bd
+    c = _PairConfig(block_f=bf, block_d=bd, splits=_cdiv(d, chunk), chunk_d=chunk, block_n=_block(block_n, 64, d),
+                    block_k=_block(block_k, 128, f), num_warps=num_warps or 4, num_stages=num_stages or 3)
+    flat = idx.reshape(p).astype(jnp.int32)
+    params = plgpu.CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages)
+    partial = jax.ShapeDtypeStruct((c.splits, p, f), jnp.float32)
+    pg, pu = pl.pallas_call(
+        functools.partial(_pair_gate_up_kernel, c=c, d=d, f=f, k=k), out_shape=[partial, partial],
+        grid=(p, _cdiv(f, c.block_f), c.splits), compiler_params=params, interpret=interpret,
+        name="dflash_moe_pair_gate_up")(flat, x, gate, up)
+    ys = pl.pallas_call(
+        functools.partial(_pair_down_kernel, c=c, d=d, f=f, act=act),
+        out_shape=jax.ShapeDtypeStruct((p, d), x.dtype), grid=(p, _cdiv(d, c.block_n)),
+        compiler_params=params, interpret=interpret, name="dflash_moe_pair_down")(
+        flat, pg, pu, down, *(biases or ()))
+    return _combine(ys.reshape(n, k, d), weights)
+
+
 def unsupported_reason(x, weights, idx, gate, up, down, *, biases: Biases | None = None, interpret: bool = False,
                        **_: object) -> str | None:
     """Why :func:`grouped_experts` cannot run these arguments here (None when it can). Arrays or
@@ -208,12 +342,23 @@ def unsupported_reason(x, weights, idx, gate, up, down, *, biases: Biases | None
 
 def grouped_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Array, up: jax.Array,
                     down: jax.Array, *, biases: Biases | None = None, act: Callable = _swiglu,
-                    block_f: int | None = None, block_d: int | None = None, num_splits: int | None = None,
-                    block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                    num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+                    **tuning) -> jax.Array:
     """The routed experts' MLP of :func:`dflash_jax.models.moe.experts_gathered`, reading only routed experts'
-    weights (module docstring). Not jitted itself (``act`` may be a fresh closure each call): call it inside
-    a jitted program. Tuning (static): ``block_f``/``block_d``/``num_splits`` of the gate/up kernel,
+    weights: :func:`pair_experts` for calls of at most :data:`PAIR_MAX_TOKENS` tokens, else
+    :func:`sorted_experts` (the pairs grouped by expert). Not jitted itself (``act`` may be a fresh closure
+    each call): call it inside a jitted program. ``tuning``: the chosen function's keywords."""
+    impl = pair_experts if idx.shape[0] <= PAIR_MAX_TOKENS else sorted_experts
+    return impl(x, weights, idx, gate, up, down, biases=biases, act=act, **tuning)
+
+
+def sorted_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Array, up: jax.Array,
+                   down: jax.Array, *, biases: Biases | None = None, act: Callable = _swiglu,
+                   block_f: int | None = None, block_d: int | None = None, num_splits: int | None = None,
+                   block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
+                   num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+    """The routed experts grouped by expert (module docstring): each routed expert's weights read once, however
+    many tokens routed to it. Not jitted itself (``act`` may be a fresh closure each call): call it inside a
+    jitted program. Tuning (static): ``block_f``/``block_d``/``num_splits`` of the gate/up kernel,
     ``block_n``/``block_k`` of the down kernel (powers of two ≥ 16; default 64, splits for ~4 programs per
     SM), ``num_warps`` (4), ``num_stages`` (3)."""
     n, k = idx.shape
