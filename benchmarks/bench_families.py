@@ -57,7 +57,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import copy_bandwidth, param_bytes  # noqa: E402
+from common import copy_bandwidth, device_profile, param_bytes, print_profile  # noqa: E402
 from dflash_jax import generate, random_drafter, speculative_generate  # noqa: E402
 from dflash_jax import generation  # noqa: E402
 from dflash_jax.config import model_config_from_hf  # noqa: E402
@@ -263,6 +263,11 @@ def family_case(kind: str, hf: dict, args, bw: float, dtype) -> dict:
                                over_floor=t["ms"] / floor["floor_ms"])
         print(f"[{kind}] AR b{b}: {t['ms']:.3f} ms/step ({t['cycles']} steps), floor {floor['floor_ms']:.3f} ms "
               f"→ {t['ms'] / floor['floor_ms']:.2f}× (compile {t['compile_s']:.1f} s)", flush=True)
+        if args.profile and b == 1:
+            prof = device_profile(lambda: generate(target, prompts, **kw), f"{args.profile}/{kind}_ar_b1",
+                                  per=t["cycles"])
+            res["ar_b1"]["profile_per_step"] = prof
+            print_profile(prof, f"[{kind}] AR b1 per step")
     prompts = _prompts(cfg.vocab_size, 1, args.prompt_len)
     t = timed(lambda: speculative_generate(target, drafter, prompts, block_size=args.block_size,
                                            verify_mode="static", **kw), args.repeats)
@@ -274,6 +279,11 @@ def family_case(kind: str, hf: dict, args, bw: float, dtype) -> dict:
     spec_ids = t.pop("token_ids")[0]
     # greedy speculative = greedy AR up to bf16 rounding (a 16-token verify and 1-token steps round differently)
     agree = float(np.mean([x == y for x, y in zip(ar1_ids, spec_ids)]))
+    if args.profile:
+        res["spec_b1_profile_per_cycle"] = prof = device_profile(
+            lambda: speculative_generate(target, drafter, prompts, block_size=args.block_size, verify_mode="static",
+                                         **kw), f"{args.profile}/{kind}_spec_b1", per=t["cycles"])
+        print_profile(prof, f"[{kind}] spec b1 per cycle")
     res["spec_b1"] = dict(t, cycle_ms=t["ms"], cycle_floor=floor, cycle_floor_ms=floor["floor_ms"],
                           cycle_over_ar_b1=t["ms"] / ar1, identical_to_ar=spec_ids == ar1_ids,
                           token_agreement_with_ar=agree)
@@ -332,6 +342,8 @@ def main() -> int:
     ap.add_argument("--drafter-layers", type=int, default=5)
     ap.add_argument("--bandwidth-gib", type=float, help="size of the copy-bandwidth probe (default 4; --small 0.0625)")
     ap.add_argument("--out", default="bench_families.json")
+    ap.add_argument("--profile", metavar="DIR", help="also profile one AR b1 call and one speculative call (JAX "
+                    "profiler traces under DIR): device time per step by kernel, in the JSON and printed")
     ap.add_argument("--commit")
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]

@@ -71,3 +71,47 @@ def read_bandwidth(nbytes: int = 4 << 30, reps: int = 20) -> float:
     """Device read bandwidth in bytes/s (a large reduction; median of ``reps``)."""
     x = jax.random.normal(jax.random.key(1), (nbytes // 4,), jnp.float32)
     return nbytes / _median_seconds(jax.jit(jnp.sum), x, reps)
+
+
+def device_profile(fn, trace_dir: str, per: int = 1, top: int = 25) -> dict:
+    """Run ``fn()`` once under the JAX profiler and sum the device's kernel time by name (Perfetto JSON the
+    profiler writes itself; no TensorBoard needed). Device timelines only (process names without "host"),
+    summed per timeline (thread) so lanes that repeat the same kernels are not added together. Times are µs
+    ÷ ``per`` (e.g. the decode's steps, for per-step figures)."""
+    import collections
+    import glob
+    import gzip
+    import json
+
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        fn()
+    path = sorted(glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True))[-1]
+    with gzip.open(path) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    meta = lambda kind: {(e["pid"], e.get("tid")) if kind == "thread_name" else e["pid"]: e["args"]["name"]  # noqa
+                         for e in events if e.get("ph") == "M" and e.get("name") == kind}
+    procs, threads = meta("process_name"), meta("thread_name")
+    lanes: dict = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0.0]))
+    for e in events:
+        proc = procs.get(e.get("pid"), "")
+        if e.get("ph") != "X" or "host" in proc.lower():
+            continue
+        lane = f"{proc} / {threads.get((e['pid'], e.get('tid')), e.get('tid'))}"
+        acc = lanes[lane][e["name"]]
+        acc[0] += 1
+        acc[1] += float(e.get("dur", 0.0))
+    out = {}
+    for lane, names in lanes.items():
+        ranked = sorted(names.items(), key=lambda kv: -kv[1][1])
+        out[lane] = dict(total_us=sum(v[1] for v in names.values()) / per,
+                         calls=sum(v[0] for v in names.values()) / per,
+                         top=[dict(name=n[:120], calls=c / per, us=t / per) for n, (c, t) in ranked[:top]])
+    return out
+
+
+def print_profile(profile: dict, label: str) -> None:
+    for lane, p in profile.items():
+        print(f"{label} — {lane}: {p['total_us']:.1f} µs in {p['calls']:.1f} kernels", flush=True)
+        for k in p["top"]:
+            print(f"    {k['us']:9.1f} µs  {k['calls']:6.1f}×  {k['name']}", flush=True)
