@@ -15,7 +15,8 @@ Three equivalent expert computations in jnp (XLA-compiled), the references of th
 
 Grouped Pallas kernels (:mod:`dflash_jax.cuda.moe` on GPUs, :mod:`dflash_jax.pallas.moe` on TPUs; same
 signature) read each routed expert's weights once and never touch an unrouted one, from the pairs grouped by
-:func:`group_pairs` (on GPUs a single token's pairs, distinct experts, run ungrouped: ``cuda.moe.pair_experts``). On the H200 XLA's paths were far from that: one token, ragged_dot 334 µs and the
+:func:`group_pairs` (on GPUs a single token's pairs, distinct experts, run ungrouped:
+``cuda.moe.pair_experts``). On the H200 XLA's paths were far from that: one token, ragged_dot 334 µs and the
 gathered einsum 217 µs against a 13.9 µs bandwidth floor (issue 20).
 
 :func:`experts_auto` runs the kernel on ``KERNELS_ON`` backends for calls of at most ``KERNEL_MAX_TOKENS``
