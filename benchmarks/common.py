@@ -111,7 +111,10 @@ def device_profile(fn, trace_dir: str, per: int = 1, top: int = 25) -> dict:
 
 
 def print_profile(profile: dict, label: str) -> None:
+    """The lanes of :func:`device_profile` that ran kernels, each with its top kernels."""
     for lane, p in profile.items():
+        if not p["total_us"]:  # copy-only streams
+            continue
         print(f"{label} — {lane}: {p['total_us']:.1f} µs in {p['calls']:.1f} kernels", flush=True)
         for k in p["top"]:
             print(f"    {k['us']:9.1f} µs  {k['calls']:6.1f}×  {k['name']}", flush=True)
