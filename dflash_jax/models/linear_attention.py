@@ -74,7 +74,10 @@ def _chunk_terms(q, k, v, g, beta):
     kb, vb = k * beta[..., None], v * beta[..., None]
     a = jnp.where(jnp.tril(lower, -1), jnp.einsum("...ik,...jk->...ij", kb, k) * decay, 0.0)
     eye = jnp.eye(n, dtype=a.dtype)
-    solve = lambda rhs: jax.scipy.linalg.solve_triangular(eye + a, rhs, lower=True, unit_diagonal=True)  # noqa
+    if n == 1:  # a decode step: I + A is [[1]], and the solve would still be a cuBLAS trsm call per use on GPUs
+        solve = lambda rhs: rhs  # noqa: E731
+    else:
+        solve = lambda rhs: jax.scipy.linalg.solve_triangular(eye + a, rhs, lower=True, unit_diagonal=True)  # noqa
     u, w = solve(vb), solve(kb * jnp.exp(cum)[..., None])
     intra = jnp.einsum("...ik,...jk->...ij", q, k) * decay
     return cum, u, w, intra
