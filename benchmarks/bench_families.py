@@ -218,6 +218,25 @@ def timed(fn, repeats: int) -> dict:
     return out
 
 
+def hlo_lines(profile: dict, out_dir: str) -> dict[str, str]:
+    """The optimized HLO of the program just run (the AR call's prefill and decode, written to ``out_dir``) and,
+    for each top kernel of ``profile`` that XLA made, its defining instruction (output shape and operands: what
+    a fusion named only ``loop_pad_fusion_140`` does), printed and returned by kernel name."""
+    programs = list(generation._PROGRAMS.values())[-1]  # the AR b1 call's (inserted last)
+    text = programs.decode.as_text()
+    Path(out_dir, "decode.hlo.txt").write_text(text)
+    Path(out_dir, "prefill.hlo.txt").write_text(programs.prefill.as_text())
+    found = {}
+    for lane in profile.values():
+        for k in lane["top"]:
+            for line in text.splitlines():
+                if line.lstrip().startswith((f"%{k['name']} = ", f"ROOT %{k['name']} = ")):
+                    found[k["name"]] = line.strip()[:400]
+                    print(f"    {k['name']}: {found[k['name']]}", flush=True)
+                    break
+    return found
+
+
 def moe_paths(cfg, dtype, tokens: list[int]) -> dict:
     """Which expert computation a call of N tokens takes on this backend (the kernel or why not)."""
     reason = getattr(moe, "kernel_unsupported_reason", None)
@@ -268,6 +287,7 @@ def family_case(kind: str, hf: dict, args, bw: float, dtype) -> dict:
                                   per=t["cycles"])
             res["ar_b1"]["profile_per_step"] = prof
             print_profile(prof, f"[{kind}] AR b1 per step")
+            res["ar_b1"]["profile_hlo"] = hlo_lines(prof, f"{args.profile}/{kind}_ar_b1")
     prompts = _prompts(cfg.vocab_size, 1, args.prompt_len)
     t = timed(lambda: speculative_generate(target, drafter, prompts, block_size=args.block_size,
                                            verify_mode="static", **kw), args.repeats)
@@ -343,7 +363,8 @@ def main() -> int:
     ap.add_argument("--bandwidth-gib", type=float, help="size of the copy-bandwidth probe (default 4; --small 0.0625)")
     ap.add_argument("--out", default="bench_families.json")
     ap.add_argument("--profile", metavar="DIR", help="also profile one AR b1 call and one speculative call (JAX "
-                    "profiler traces under DIR): device time per step by kernel, in the JSON and printed")
+                    "profiler traces under DIR): device time per step by kernel, in the JSON and printed, with the AR "
+                    "program's optimized HLO (DIR/<model>_ar_b1/*.hlo.txt) and each top XLA kernel's instruction")
     ap.add_argument("--commit")
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
