@@ -187,17 +187,41 @@ def _log_once(level: int, message: str) -> None:
     log.log(level, message)
 
 
+# Under a (dp, tp) mesh the kernels run per device (shard_map): token rows over dp, the experts' hidden F over
+# tp (sharding.py's placement of the expert weights), per-device partial outputs summed over tp. The mesh axis
+# of each dimension of x, weights, idx, gate, up, down and the three biases:
+_LAYOUTS = (("dp", None), ("dp", None), ("dp", None), (None, None, "tp"), (None, None, "tp"), (None, "tp", None),
+            (None, "tp"), (None, "tp"), (None, None))
+
+
+def _mesh_sizes() -> dict[str, int]:
+    """The axis sizes of the mesh being traced under ({} when none, or one device)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return {} if mesh.empty or mesh.size == 1 else dict(zip(mesh.axis_names, mesh.axis_sizes))
+
+
+def _per_device(args: tuple, sizes: dict[str, int]) -> tuple[tuple, str | None]:
+    """Each argument's per-device shape under the mesh (``_LAYOUTS``), or why the arguments do not split."""
+    if set(sizes) - {"dp", "tp"}:
+        return (), f"mesh axes {tuple(sizes)} (the kernels split over 'dp' and 'tp' only)"
+    if any(d % sizes.get(axis, 1) for a, layout in zip(args, _LAYOUTS) for d, axis in zip(a.shape, layout) if axis):
+        return (), (f"{args[0].shape[0]} tokens / expert width {args[3].shape[-1]} do not split over "
+                    f"dp={sizes.get('dp', 1)} / tp={sizes.get('tp', 1)}")
+    return tuple(jax.ShapeDtypeStruct(tuple(d // sizes.get(axis, 1) if axis else d for d, axis in zip(a.shape, layout)),
+                                      a.dtype) for a, layout in zip(args, _LAYOUTS)), None
+
+
 def kernel_unsupported_reason(backend: str, x, weights, idx, gate, up, down, *, biases: Biases | None = None
                               ) -> str | None:
-    """Why :func:`experts_auto` keeps the XLA paths for these arguments on ``backend`` (None: the kernel runs;
-    on a TPU after it compiled on its own). Arrays or ShapeDtypeStructs."""
+    """Why :func:`experts_auto` keeps the XLA paths for these arguments on ``backend`` (None: the kernel runs,
+    per device under a mesh; on a TPU after it compiled on its own). Arrays or ShapeDtypeStructs."""
     if backend not in KERNELS_ON:
         return f"no MoE kernel for backend {backend!r} (KERNELS_ON = {KERNELS_ON})"
     if x.shape[0] > KERNEL_MAX_TOKENS:
         return f"{x.shape[0]} tokens > KERNEL_MAX_TOKENS = {KERNEL_MAX_TOKENS}"
-    mesh = jax.sharding.get_abstract_mesh()
-    if not (mesh.empty or mesh.size == 1):
-        return "traced under a multi-device mesh (the kernels run unsharded)"
+    local, why = _per_device((x, weights, idx, gate, up, down, *(biases or ())), _mesh_sizes())
+    if why is not None:
+        return why
     if backend == "gpu":
         if jnp.dtype(x.dtype) == jnp.float32:
             return "float32 on GPU (the kernel is measured in bfloat16 only)"
@@ -206,7 +230,7 @@ def kernel_unsupported_reason(backend: str, x, weights, idx, gate, up, down, *, 
         from dflash_jax.pallas import moe as mod
     else:
         return f"no MoE kernel for backend {backend!r}"
-    return mod.unsupported_reason(x, weights, idx, gate, up, down, biases=biases)
+    return mod.unsupported_reason(*local[:6], biases=tuple(local[6:]) or None)
 
 
 def argument_reason(x, weights, idx, gate, up, down, biases: Biases | None, dtypes: tuple) -> str | None:
@@ -247,16 +271,34 @@ def _experts_kernel(x, weights, idx, gate, up, down, *, biases: Biases | None = 
         args = (x, weights, idx, gate, up, down, *(biases or ()))
         fn = lambda x, w, i, g, u, d, *b: grouped_experts(x, w, i, g, u, d, biases=tuple(b) or None,  # noqa: E731
                                                            act=act)
+        sizes = _mesh_sizes()
         if backend == "tpu":
             # The TPU kernel has never met a real Mosaic compiler: compiled alone first (attention's probe).
-            why = compile_probe(("moe", _act_key(act)), fn, tuple(jax.ShapeDtypeStruct(a.shape, a.dtype)
-                                                                  for a in args))
+            why = compile_probe(("moe", _act_key(act)), fn, _per_device(args, sizes)[0])
         if why is None:
-            return fn(*args)
+            return _per_shard(fn, args, sizes) if sizes else fn(*args)
     if backend in KERNELS_ON and x.shape[0] <= KERNEL_MAX_TOKENS:
         _log_once(logging.WARNING if "compile" in why else logging.INFO,
                   f"MoE experts: XLA path instead of the {backend} kernel ({why})")
     return None
+
+
+def _per_shard(fn: Callable, args: tuple, sizes: dict[str, int]) -> jax.Array:
+    """``fn`` on each device's rows and slice of the experts' hidden, the slices' outputs summed over tp (in
+    float32; the down-projection bias added by one tp shard only)."""
+    from jax.sharding import PartitionSpec as P
+
+    tp = sizes.get("tp", 1)
+
+    def local(x, *rest):
+        if tp > 1 and len(rest) == 8:  # biases: the down bias once, not once per shard
+            rest = (*rest[:7], jnp.where(jax.lax.axis_index("tp") == 0, rest[7], jnp.zeros_like(rest[7])))
+        y = fn(x, *rest)
+        return jax.lax.psum(y.astype(jnp.float32), "tp").astype(y.dtype) if tp > 1 else y
+
+    specs = tuple(P(*(axis if axis in sizes else None for axis in layout)) for layout in _LAYOUTS[:len(args)])
+    return jax.shard_map(local, mesh=jax.sharding.get_abstract_mesh(), in_specs=specs, out_specs=specs[0],
+                         check_vma=False)(*args)
 
 
 def experts_auto(x, weights, idx, gate, up, down, **kw) -> jax.Array:
