@@ -226,14 +226,14 @@ def hlo_lines(profile: dict, out_dir: str) -> dict[str, str]:
     text = programs.decode.as_text()
     Path(out_dir, "decode.hlo.txt").write_text(text)
     Path(out_dir, "prefill.hlo.txt").write_text(programs.prefill.as_text())
-    found = {}
-    for lane in profile.values():
-        for k in lane["top"]:
-            for line in text.splitlines():
-                if line.lstrip().startswith((f"%{k['name']} = ", f"ROOT %{k['name']} = ")):
-                    found[k["name"]] = line.strip()[:400]
-                    print(f"    {k['name']}: {found[k['name']]}", flush=True)
-                    break
+    defined = {}  # instruction name → its line
+    for line in text.splitlines():
+        head = line.strip().removeprefix("ROOT ")
+        if head.startswith("%") and " = " in head:
+            defined.setdefault(head[1:head.index(" = ")], line.strip()[:400])
+    found = {k["name"]: defined[k["name"]] for lane in profile.values() for k in lane["top"] if k["name"] in defined}
+    for name, line in found.items():
+        print(f"    {name}: {line}", flush=True)
     return found
 
 

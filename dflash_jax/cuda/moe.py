@@ -86,16 +86,23 @@ def _block(size: int | None, default: int, extent: int) -> int:
     return max(16, min(b, _next_pow2(extent)))
 
 
+def _d_splits(num_splits: int | None, per_sm: int, programs: int, d: int, block_d: int) -> tuple[int, int]:
+    """(splits, rows per split) of the gate/up kernels' D: ``num_splits``, or by default enough splits for
+    ~``per_sm`` programs per SM over the grid's other ``programs``, each at least _MIN_SPLIT_ROWS rows; a split
+    is a whole number of ``block_d`` steps."""
+    if num_splits is None:
+        num_splits = max(1, min(_cdiv(per_sm * _num_sms(), programs), d // _MIN_SPLIT_ROWS))
+    num_splits = max(1, min(num_splits, _cdiv(d, block_d)))
+    chunk = _cdiv(_cdiv(d, num_splits), block_d) * block_d
+    return _cdiv(d, chunk), chunk
+
+
 def _make_config(n: int, groups: int, d: int, f: int, dtype, *, block_f, block_d, num_splits, block_n, block_k,
                  num_warps, num_stages) -> _Config:
     rows = min(max(_next_pow2(n), 16), 64)
     bf, bd = _block(block_f, 64, f), _block(block_d, 64, d)
-    if num_splits is None:
-        want = _cdiv(_PROGRAMS_PER_SM * _num_sms(), groups * _cdiv(f, bf))
-        num_splits = max(1, min(want, d // _MIN_SPLIT_ROWS))
-    num_splits = max(1, min(num_splits, _cdiv(d, bd)))
-    chunk = _cdiv(_cdiv(d, num_splits), bd) * bd
-    return _Config(rows=rows, block_f=bf, block_d=bd, splits=_cdiv(d, chunk), chunk_d=chunk,
+    splits, chunk = _d_splits(num_splits, _PROGRAMS_PER_SM, groups * _cdiv(f, bf), d, bd)
+    return _Config(rows=rows, block_f=bf, block_d=bd, splits=splits, chunk_d=chunk,
                    block_n=_block(block_n, 64, d), block_k=_block(block_k, 64, f), num_warps=num_warps or 4,
                    num_stages=num_stages or 3,
                    ieee_f32=jnp.dtype(dtype) == jnp.float32 and _highest_precision_requested())
@@ -310,11 +317,8 @@ def pair_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Arr
     e, d, f = gate.shape
     p = n * k
     bf, bd = _block(block_f, 32, f), _block(block_d, 128, d)
-    if num_splits is None:
-        num_splits = max(1, min(_cdiv(4 * _num_sms(), p * _cdiv(f, bf)), d // _MIN_SPLIT_ROWS))
-    num_splits = max(1, min(num_splits, _cdiv(d, bd)))
-    chunk = _cdiv(_cdiv(d, num_splits), bd) * bd
-    c = _PairConfig(block_f=bf, block_d=bd, splits=_cdiv(d, chunk), chunk_d=chunk, block_n=_block(block_n, 64, d),
+    splits, chunk = _d_splits(num_splits, 4, p * _cdiv(f, bf), d, bd)
+    c = _PairConfig(block_f=bf, block_d=bd, splits=splits, chunk_d=chunk, block_n=_block(block_n, 64, d),
                     block_k=_block(block_k, 128, f), num_warps=num_warps or 4, num_stages=num_stages or 3)
     flat = idx.reshape(p).astype(jnp.int32)
     params = plgpu.CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages)

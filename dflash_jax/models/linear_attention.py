@@ -73,11 +73,12 @@ def _chunk_terms(q, k, v, g, beta):
     decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)  # Γ, zero above the diagonal
     kb, vb = k * beta[..., None], v * beta[..., None]
     a = jnp.where(jnp.tril(lower, -1), jnp.einsum("...ik,...jk->...ij", kb, k) * decay, 0.0)
-    eye = jnp.eye(n, dtype=a.dtype)
     if n == 1:  # a decode step: I + A is [[1]], and the solve would still be a cuBLAS trsm call per use on GPUs
         solve = lambda rhs: rhs  # noqa: E731
     else:
-        solve = lambda rhs: jax.scipy.linalg.solve_triangular(eye + a, rhs, lower=True, unit_diagonal=True)  # noqa
+        unit_lower = jnp.eye(n, dtype=a.dtype) + a
+        solve = lambda rhs: jax.scipy.linalg.solve_triangular(  # noqa: E731
+            unit_lower, rhs, lower=True, unit_diagonal=True)
     u, w = solve(vb), solve(kb * jnp.exp(cum)[..., None])
     intra = jnp.einsum("...ik,...jk->...ij", q, k) * decay
     return cum, u, w, intra
