@@ -145,24 +145,37 @@ def mixed(target, drafter, rows: list[dict], per_kind: int, max_new: int) -> dic
     return out
 
 
-def demo_case(target, drafter, max_new: int) -> dict:
-    """`make demo`'s batch (its three prompts together) in every mode: the decode time of a second call."""
+def demo_case(target, drafter, max_new: int, repeats: int = 1, modes=("ar", "static", "compact", "cap-accept")
+              ) -> dict:
+    """`make demo`'s batch (its three prompts together) in every mode: the decode time of warm calls, the
+    modes interleaved ``repeats`` times (this machine's speed drifts by 15-30 % between minutes), medians."""
+    import statistics
+
     from dflash_jax.cli import DEMO_PROMPTS
 
+    def call(mode):
+        if mode == "ar":
+            return generate(target, DEMO_PROMPTS, max_new_tokens=max_new)
+        return speculative_generate(target, drafter, DEMO_PROMPTS, max_new_tokens=max_new, verify_mode=mode)
+
+    for mode in modes:  # compile and warm every program first
+        call(mode)
+    times: dict = {mode: [] for mode in modes}
     res = {}
-    for mode in ("ar", "static", "compact", "cap-accept"):
-        def call():
-            if mode == "ar":
-                return generate(target, DEMO_PROMPTS, max_new_tokens=max_new)
-            return speculative_generate(target, drafter, DEMO_PROMPTS, max_new_tokens=max_new, verify_mode=mode)
-        call()
-        out = call()
-        s = out.stats
-        res[mode] = dict(decode_s=s["decode_s"], tokens=s["new_tokens"], tau=out.tau, cycles=s["cycles"],
-                         mean_window=s.get("mean_window"), utilization=s.get("utilization"),
-                         tier_steps=s.get("tier_steps"))
-        res[mode]["vs_ar"] = res["ar"]["decode_s"] / s["decode_s"]
-        print(mode, {k: v for k, v in res[mode].items()}, flush=True)
+    for _ in range(repeats):
+        for mode in modes:
+            out = call(mode)
+            s = out.stats
+            times[mode].append(s["decode_s"])
+            res[mode] = dict(tokens=s["new_tokens"], tau=out.tau, cycles=s["cycles"], mean_window=s.get("mean_window"),
+                             utilization=s.get("utilization"), tier_steps=s.get("tier_steps"),
+                             ar_steps=s.get("ar_steps"))
+    for mode in modes:
+        res[mode].update(decode_s=statistics.median(times[mode]), decode_s_all=times[mode])
+        if "ar" in res:
+            res[mode]["vs_ar"] = res["ar"]["decode_s"] / res[mode]["decode_s"]
+            res[mode]["vs_ar_each"] = [a / t for a, t in zip(times["ar"], times[mode])]
+        print(mode, res[mode], flush=True)
     return res
 
 
@@ -205,6 +218,8 @@ def main() -> int:
     ap.add_argument("--mixed-per-kind", type=int, default=16)
     ap.add_argument("--skip-sweep", action="store_true")
     ap.add_argument("--demo", action="store_true", help="only `make demo`'s batch in every mode (a CPU check)")
+    ap.add_argument("--repeats", type=int, default=1, help="--demo: interleaved timed calls per mode (medians)")
+    ap.add_argument("--modes", default="ar,static,compact,cap-accept", help="--demo: the modes to time")
     ap.add_argument("--drafter", default="smollm2-135m-dflash",
                     help="a shipped drafter (dflash_jax/assets/<name>: smollm2-135m-dflash, smollm2-135m-dspark) "
                          "or a drafter directory")
@@ -222,10 +237,6 @@ def main() -> int:
                   platform=platform.platform(), max_new=args.max_new, drafter=drafter_dir.name,
                   commit=os.environ.get("BENCH_COMMIT") or subprocess.run(
                       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip())
-    if args.demo:
-        result["demo"] = demo_case(target, drafter, args.max_new)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-        return 0
     if args.calibrate:
         t0 = time.perf_counter()
         table = costs.measure(target, drafter, batches=[int(b) for b in args.batches.split(",")],
@@ -238,6 +249,10 @@ def main() -> int:
     elif args.cost_table:
         drafter.cost_tables = costs.load_tables(args.cost_table)
         result["cost_table"] = drafter.cost_tables[jax.default_backend()].to_json()
+    if args.demo:
+        result["demo"] = demo_case(target, drafter, args.max_new, args.repeats, tuple(args.modes.split(",")))
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     if not args.skip_sweep:
         def save(partial):
             args.out.write_text(json.dumps(dict(result, sweep=partial), indent=1) + "\n")

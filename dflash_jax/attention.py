@@ -7,8 +7,10 @@
 * :func:`draft_attention` — drafter attention: block queries over the injected context cache (entries at
   positions ``< ctx_len``) plus the block's own keys, non-causal (or causal + sliding window for
   ``sliding_attention`` layers, as z-lab's reference does).
-* :func:`ragged_verify_attention` — verify windows of different lengths packed end to end (the form a
-  confidence scheduler needs); the decode loop's static-window verify is its ℓ_r = L case.
+* :func:`ragged_verify_attention` — verify windows of different lengths packed end to end; the decode
+  loop's static-window verify is its ℓ_r = L case.
+* :func:`packed_verify_attention` — compact mode's packed windows over a cache that is only read (each
+  window's own K/V beside it, written after the tier's conditional): draft attention's form, causal.
 
 The first two are written as one joint softmax over key groups so the (large) context cache is never concatenated
 with anything. Scores and softmax are float32 whatever the input dtype.
@@ -279,12 +281,16 @@ def draft_attention(
     causal: bool = False,
     window: int | None = None,
     impl: str = "xla",
+    sinks: Float[Array, "N"] | None = None,
 ) -> Float[Array, "B L N H"]:
     """Block queries over injected context K/V (positions < ctx_len) and the block's own K/V.
 
     The kernels need consecutive block positions (``q_positions[b] = q_positions[b, 0] + arange(L)``), which the
-    decode loop always passes."""
-    if impl in ("pallas", "cuda"):
+    decode loop always passes. ``sinks`` (gpt-oss, as in :func:`cache_attention`): the reference only."""
+    if impl in ("pallas", "cuda") and sinks is not None:
+        _warn_once(f"attention_impl={impl!r}: block attention with sinks uses the XLA reference (the block "
+                   f"kernels take no sinks)")
+    elif impl in ("pallas", "cuda"):
         kernels = _kernels(impl)
 
         def local(q, ctx_k, ctx_v, blk_k, blk_v, q_positions, ctx_len):
@@ -313,7 +319,7 @@ def draft_attention(
         if not causal:
             blk_mask &= blk_pos - qp < window
     parts = [(_grouped_scores(q, ctx_k), ctx_mask, ctx_v), (_grouped_scores(q, blk_k), blk_mask, blk_v)]
-    return _joint_softmax_attend(parts, q.shape, q.dtype)
+    return _joint_softmax_attend(parts, q.shape, q.dtype, sinks)
 
 
 def ragged_verify_attention(
@@ -391,8 +397,10 @@ class PackedLayout:
         return jnp.where(inside.reshape(inside.shape + (1,) * (y.ndim - 1)), out, jnp.zeros((), y.dtype))
 
 
-def packed_cache_attention(
+def packed_verify_attention(
     q: Float[Array, "T N H"],
+    k: Float[Array, "T K H"],
+    v: Float[Array, "T K H"],
     k_cache: Float[Array, "B S K H"],
     v_cache: Float[Array, "B S K H"],
     layout: PackedLayout,
@@ -401,32 +409,18 @@ def packed_cache_attention(
     sinks: Float[Array, "N"] | None = None,
     window: int | None = None,
 ) -> Float[Array, "T N H"]:
-    """Verify attention of packed windows (their K/V already written): slot t attends causally to its own
-    row's cache up to its position. The kernels take the packed rows as they are (:func:`ragged_verify_attention`);
-    the reference puts the windows back into their ``[B, L]`` block, runs :func:`cache_attention` and packs
-    the result (its cost is the static verify's, which for attention over a long cache is the same reads).
-    Padding slots give zeros or their row's first token's output; either way they are never used. Under a
-    tp-only mesh the kernels run per device on its own KV heads (compact verify does not run with dp > 1)."""
-    if impl in ("pallas", "cuda"):
-        kernels = _kernels(impl)
+    """Verify attention of packed windows whose own K/V (``k``, ``v``) are *not* in the cache: slot t attends
+    to its row's cache before the window (positions < the anchor's, written by earlier steps) and causally to
+    its window's K/V. The cache is only read, so a compiled tier (a branch of a ``lax.switch``) can run this
+    and leave the write to after the conditional (:class:`dflash_jax.models.target.PendingKV`): a branch that
+    writes a buffer gets its own copy of it from XLA, every cache of every layer each step.
 
-        def local(q, k_cache, v_cache, cu_q_lens, kv_lens, sinks=None):
-            return kernels.verify_op(q, k_cache, v_cache, cu_q_lens, kv_lens, sinks, max_q_len=layout.block,
-                                     window=window)
-
-        def reason(q, k_cache, v_cache, cu_q_lens, kv_lens, sinks=None):
-            return kernels.verify_reason(q, k_cache, layout.block, window, sinks)
-
-        # Under a tp mesh each device runs its KV heads (with their query heads and sinks) over every row's
-        # windows; the window bounds are replicated.
-        heads = () if sinks is None else (sinks,)
-        out = _run_kernel(impl, "packed verify attention", (layout.block, window), local, reason,
-                          (q, k_cache, v_cache, layout.cu_q_lens, layout.kv_lens, *heads),
-                          (_PACKED, _ALL_ROWS, _ALL_ROWS, _WHOLE, _WHOLE) + (_HEAD_VECTOR,) * len(heads),
-                          warn_once=True)
-        if out is not None:
-            return out
+    The windows go back into their ``[B, L]`` block (zeros past a window: masked, as the block is causal) for
+    :func:`draft_attention` — the block kernels (causal, sliding window) under ``impl``, the reference with
+    ``sinks``; padding slots give their row's outputs and are never used."""
     win = layout.cu_q_lens[1:] - layout.cu_q_lens[:-1]
-    positions = (layout.kv_lens - win)[:, None] + jnp.arange(layout.block, dtype=jnp.int32)[None, :]
-    out = cache_attention(layout.unpack(q), k_cache, v_cache, positions, impl="xla", sinks=sinks, window=window)
+    start = layout.kv_lens - win  # each row's anchor position: the cache holds what lies before it
+    positions = start[:, None] + jnp.arange(layout.block, dtype=jnp.int32)[None, :]
+    out = draft_attention(layout.unpack(q), k_cache, v_cache, layout.unpack(k), layout.unpack(v), positions,
+                          start, causal=True, window=window, impl=impl, sinks=sinks)
     return layout.pack(out)

@@ -17,10 +17,11 @@ import pytest
 from conftest import ZLAB, fast_jit, oracle_drafter, random_prompts, tiny_target
 from test_sampling import V, chi2_pvalue, draw, exact_distribution, logits, pair  # noqa: F401 (fixtures)
 from dflash_jax import attention, costs, generate, generation, random_drafter, speculative_generate
-from dflash_jax.attention import PackedLayout, cache_attention, packed_cache_attention
+from dflash_jax.attention import PackedLayout, cache_attention, packed_verify_attention
 from dflash_jax.costs import CostTable
 from dflash_jax.decode import schedule
-from dflash_jax.models.target import write_packed
+from dflash_jax.decode.state import LoopSpec
+from dflash_jax.models.target import KVCache, PendingKV
 
 MODES = ("static", "compact", "cap-accept")
 
@@ -128,59 +129,71 @@ def test_packed_layout_round_trip_and_writes():
     block = jnp.arange(12).reshape(3, 4)
     back = layout.unpack(layout.pack(block))
     assert back.tolist() == [[0, 1, 0, 0], [0, 0, 0, 0], [8, 9, 10, 11]]
-    # K/V writes land at (row, position); padding slots are dropped.
+    # K/V writes land at (row, position); padding slots (and those padded on to a larger tier) are dropped.
     cache = jnp.zeros((3, 12, 1, 1))
     new = jnp.arange(1, 9, dtype=jnp.float32).reshape(8, 1, 1)
-    out = np.asarray(write_packed(cache, new, layout))[..., 0, 0]
+    written = PendingKV.of(layout, (new,), (-new,)).padded(12).write(KVCache((cache,), (cache,)))
+    out = np.asarray(written.k[0])[..., 0, 0]
     assert out[0, 5:7].tolist() == [1, 2] and out[2, 3:7].tolist() == [3, 4, 5, 6]
     assert out.sum() == sum(range(1, 7))  # nothing else written (slots 7, 8 were padding)
+    assert np.array_equal(np.asarray(written.v[0]), -np.asarray(written.k[0]))
+
+
+def _packed_case(rng, lens, anchor, size, heads=4):
+    """Packed windows' q / k / v (NaN in the padding slots) and the reference: the windows' K/V written into
+    the cache, then causal attention over it."""
+    k_cache, v_cache = _cache(rng)
+    layout = PackedLayout.build(jnp.asarray(lens, jnp.int32), jnp.asarray(anchor, jnp.int32), size, 4)
+    poison = lambda x: jnp.where(layout.valid[:, None, None], x, jnp.nan)  # noqa: E731
+    q = poison(jnp.asarray(rng.normal(size=(size, heads, 16)), jnp.float32))
+    k, v = (poison(jnp.asarray(rng.normal(size=(size, 2, 16)), jnp.float32)) for _ in range(2))
+    written = PendingKV.of(layout, (k,), (v,)).write(KVCache((k_cache,), (v_cache,)))
+    return layout, q, k, v, k_cache, v_cache, (written.k[0], written.v[0])
 
 
 @pytest.mark.parametrize("impl", ["xla", "cuda"])
 def test_packed_attention_sees_only_its_own_row(impl):
-    """Each slot attends to its own row's cache up to its position; other rows' caches and NaN in the padding
-    slots change nothing."""
+    """Each slot attends to its own row's cache before its window and to its window's K/V up to itself, as
+    causal attention over the cache with the window written in; other rows' caches, the cache's entries from
+    the window on, and NaN in the padding slots change nothing."""
     rng = np.random.default_rng(0)
-    k, v = _cache(rng)
-    lens, anchor = jnp.asarray([3, 0, 4], jnp.int32), jnp.asarray([6, 10, 2], jnp.int32)
-    layout = PackedLayout.build(lens, anchor, 10, 4)
-    q = jnp.asarray(rng.normal(size=(10, 4, 16)), jnp.float32)
-    q = jnp.where(layout.valid[:, None, None], q, jnp.nan)  # poisoned padding
-    run = fast_jit(lambda q, k, v, layout: packed_cache_attention(q, k, v, layout, impl=impl))
-    out = np.asarray(run(q, k, v, layout))
+    lens, anchor = [3, 0, 4], [6, 10, 2]
+    layout, q, k, v, k_cache, v_cache, (k_full, v_full) = _packed_case(rng, lens, anchor, 10)
+    run = fast_jit(lambda *a: packed_verify_attention(*a, impl=impl))
+    out = np.asarray(run(q, k, v, k_cache, v_cache, layout))
     assert np.isfinite(out[:7]).all()
     for r, start in ((0, 0), (2, 3)):
-        n = int(lens[r])
+        n = lens[r]
         pos = anchor[r] + jnp.arange(n)
-        want = cache_attention(q[start:start + n][None], k[r:r + 1], v[r:r + 1], pos[None])[0]
+        want = cache_attention(q[start:start + n][None], k_full[r:r + 1], v_full[r:r + 1], pos[None])[0]
         np.testing.assert_allclose(out[start:start + n], want, rtol=2e-5, atol=2e-5)
-    # Other rows' caches (and row 0's entries past its window) do not matter.
-    k2 = k.at[1].set(1e4).at[2].set(-1e4).at[0, 9:].set(7.0)
-    out2 = np.asarray(run(q, k2, v.at[1].set(3.0), layout))
+    # Other rows' caches and row 0's entries from its anchor on (stale drafts) do not matter.
+    k2 = k_cache.at[1].set(1e4).at[2].set(-1e4).at[0, 6:].set(7.0)
+    out2 = np.asarray(run(q, k, v, k2, v_cache.at[1].set(3.0), layout))
     np.testing.assert_allclose(out2[:3], out[:3], rtol=1e-6)
 
 
 @pytest.mark.parametrize("impl", ["pallas", "cuda"])
-def test_packed_attention_kernels_take_sinks_and_window(impl, caplog):
-    """gpt-oss's packed verify: the kernels take the sinks and the sliding window (no fallback), as the
-    reference computes them."""
+def test_packed_attention_kernels(impl, caplog):
+    """The packed verify through the block kernels (causal, gpt-oss's sliding window) without a fallback, as
+    the reference computes it; with gpt-oss's sinks the reference runs (the block kernels take none)."""
     rng = np.random.default_rng(1)
-    k, v = _cache(rng)
-    layout = PackedLayout.build(jnp.asarray([3, 0, 4], jnp.int32), jnp.asarray([16, 10, 2], jnp.int32), 10, 4)
-    q = jnp.asarray(rng.normal(size=(10, 4, 16)), jnp.float32)
+    layout, q, k, v, k_cache, v_cache, _ = _packed_case(rng, [3, 0, 4], [16, 10, 2], 10)
     sinks = jnp.asarray(rng.normal(size=4), jnp.float32)
 
-    def run(impl):
-        def attend(q, k, v, layout, sinks):
-            return packed_cache_attention(q, k, v, layout, impl=impl, sinks=sinks, window=5)
-        return np.asarray(fast_jit(attend)(q, k, v, layout, sinks))
+    def run(impl, sinks=None):
+        def attend(*a):
+            return packed_verify_attention(*a, impl=impl, sinks=sinks, window=5)
+        return np.asarray(fast_jit(attend)(q, k, v, k_cache, v_cache, layout))
 
     attention._warn_once.cache_clear()  # the fallback's warning is logged once per session
     with caplog.at_level(logging.WARNING, logger="dflash_jax"):
         out = run(impl)
-    want = run("xla")
-    np.testing.assert_allclose(out[:7], want[:7], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(out[:7], run("xla")[:7], rtol=2e-5, atol=2e-5)
     assert not any("uses the XLA reference" in r.getMessage() for r in caplog.records)
+    with caplog.at_level(logging.WARNING, logger="dflash_jax"):
+        np.testing.assert_allclose(run(impl, sinks)[:7], run("xla", sinks)[:7], rtol=2e-5, atol=2e-5)
+    assert any("sinks uses the XLA reference" in r.getMessage() for r in caplog.records)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -261,6 +274,28 @@ def test_steps_without_drafting_are_lossless(target, runs, reference):
     assert out.stats["ar_steps"] > 0 and drafted > 0, out.stats
     assert out.stats["ar_steps"] + drafted == max(map(len, out.acceptance_lengths))
     assert "ar_steps" not in runs["compact"].stats  # TABLE has no autoregressive step time: not offered
+
+
+def _cache_copies(text: str, shape: tuple) -> list[str]:
+    """The HLO instructions of ``text`` that copy a buffer of the cache's shape."""
+    kind = "[" + ",".join(map(str, shape)) + "]"
+    return [line for line in text.splitlines() if " copy(" in line and kind in line.split(" copy(")[0]]
+
+
+def test_compact_steps_update_the_caches_in_place(target, oracle, runs):
+    """A tier's branch only reads the caches; their writes come after the conditional. (XLA gives a branch that
+    writes an operand its own copy of it: every layer's cache, every step.) The static program, which has
+    no conditional, is the control: it copies no cache either."""
+    texts = {}
+    for key, programs in generation._PROGRAMS.items():
+        spec = next((k for k in key if isinstance(k, LoopSpec)), None)
+        if spec is not None and spec.verify_mode in ("static", "compact") and spec.block_size == 8:
+            shape = programs.prefill.out_info[0].target_cache.k[0].shape
+            texts[spec.verify_mode, spec.ar_step] = (programs.decode.as_text(), shape)
+    assert {("static", False), ("compact", False), ("compact", True)} <= set(texts), set(texts)
+    for (mode, _), (text, shape) in texts.items():
+        assert ("conditional(" in text) == (mode == "compact")
+        assert _cache_copies(text, shape) == [], mode
 
 
 def test_dspark_confidences_schedule_compact_and_cap_accept_alike(target, reference):

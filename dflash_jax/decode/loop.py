@@ -312,61 +312,105 @@ def verify(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeStat
 def verify_compact(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, block: Int[Array, "B L"],
                    spec: LoopSpec, q: jax.Array | None, window: Int[Array, "B"], tier: Int[Array, ""]
                    ) -> DecodeState:
-    """Verify only each row's window (anchor + ``window`` drafts), packed end to end into the compiled tier
-    ``spec.tiers[tier]`` (a ``lax.switch``: every tier is compiled into this one program, chosen per step on
-    the device). Finished rows verify nothing. Commits what :func:`verify` with the same window commits."""
-    return _verify_packed(target, drafter, state, spec, window, tier, lambda size, _: (block, q), None)
+    """Verify only each row's window (anchor + ``window`` drafts) of a block drafted already (a DSpark
+    drafter's, whose confidences chose the windows), packed into the compiled tier ``spec.tiers[tier]``.
+    Finished rows verify nothing. Commits what :func:`verify` with the same window commits."""
+    return _packed_step(target, drafter, state, spec, window, tier, lambda size, drafted: drafted,
+                        (block, q, state.rng))
 
 
-def draft_and_verify_compact(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, spec: LoopSpec,
-                             mask_token_id: int, window: Int[Array, "B"], tier: Int[Array, ""]) -> DecodeState:
-    """Compact verify for a parallel (DFlash) drafter whose windows are known before drafting: the drafts' LM
-    head runs over the windows only (on a CPU the full head is a third of a draft's time), in the same tier
-    branch as the verify — one conditional per step: a GPU runs one by reading its branch index on the host.
-    Drafts past a window are 0 (never verified)."""
-    hidden = _draft_hidden(target, drafter, state, spec, mask_token_id)[:, 1:]  # [B, G, D]
-    state, k_draft = _draft_keys(state, spec)
-    b, g = hidden.shape[:2]
-    n_drafts = jnp.where(state.done, 0, window)
+def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, spec: LoopSpec,
+                 mask_token_id: int, window: Int[Array, "B"], tier: Int[Array, ""]) -> DecodeState:
+    """Draft, then verify the given windows packed into tier ``tier``: windows known before drafting
+    (drafters without a confidence head; also what ``dflash-jax calibrate`` times). A parallel (DFlash)
+    drafter's LM head runs over the windows only, inside the tier's branch (on a CPU the full head is a
+    third of a draft's time); a sequential one drafts its whole block. With ``spec.ar_step`` the drafting is
+    skipped when the scheduler picked a plain autoregressive step (tier index K: a ``lax.cond`` that only
+    reads the drafter's cache). Drafts past a window are 0 (never verified)."""
+    if drafter.config.sequential:
+        def draft():
+            block, q, _, drafted = propose(target, drafter, state, spec, mask_token_id)
+            return block, q, drafted.rng
+        make_block = lambda size, drafted: drafted  # noqa: E731
+    else:
+        def draft():  # the trunk's hidden states [B, G, D] and the PRNG keys after drawing the drafts
+            drafted, k_draft = _draft_keys(state, spec)
+            return _draft_hidden(target, drafter, state, spec, mask_token_id)[:, 1:], k_draft, drafted.rng
 
-    def make_block(size: int, hidden):
-        layout = attention.PackedLayout.build(n_drafts, jnp.zeros((b,), jnp.int32), size, g)
-        logits = drafter.draft_logits(layout.pack(hidden)[None], target)[0]  # [T, V]
-        if k_draft is None:
-            drafts, q = layout.unpack(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None
-        else:
-            drafts, q = _pick_drafts(layout.unpack(logits), state, spec, k_draft)
-        return jnp.concatenate([state.anchor[:, None], drafts], axis=1), q
+        def make_block(size: int, drafted):
+            hidden, k_draft, rng = drafted
+            b, g = hidden.shape[:2]
+            layout = attention.PackedLayout.build(jnp.where(state.done, 0, window), jnp.zeros((b,), jnp.int32),
+                                                  size, g)
+            logits = drafter.draft_logits(layout.pack(hidden)[None], target)[0]  # [T, V]
+            if k_draft is None:
+                drafts, q = layout.unpack(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None
+            else:
+                drafts, q = _pick_drafts(layout.unpack(logits), state, spec, k_draft)
+            return jnp.concatenate([state.anchor[:, None], drafts], axis=1), q, rng
 
-    return _verify_packed(target, drafter, state, spec, window, tier, make_block, hidden)
+    if not spec.ar_step:
+        return _packed_step(target, drafter, state, spec, window, tier, make_block, draft())
+    skipped = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(draft))  # noqa: E731
+    drafted = jax.lax.cond(tier == len(spec.tiers), skipped, draft)
+    return _packed_step(target, drafter, state, spec, window, tier, make_block, drafted)
 
 
-def _verify_packed(target, drafter, state: DecodeState, spec: LoopSpec, window, tier, make_block, operand
-                   ) -> DecodeState:
-    """The packed verify, in one ``lax.switch`` over the tiers; ``make_block(size, operand)`` → (block [B, L],
-    q) runs first inside the branch."""
+def _packed_step(target, drafter, state: DecodeState, spec: LoopSpec, window, tier, make_block, drafted
+                 ) -> DecodeState:
+    """The compact step's packed verify, in one ``lax.switch`` over the compiled tiers (chosen per step on the
+    device; a GPU reads the branch index on the host) and, with ``spec.ar_step``, index K: a plain
+    autoregressive step (the anchors alone, window 0, no drafting: what the scheduler picks when no drafting
+    pays; the acceptance counts then fade, having observed nothing, so drafting is tried again after a while).
+    ``make_block(size, drafted)`` → (block [B, L], q, PRNG keys after drafting) runs first inside a tier's
+    branch (``drafted``: what was drafted before the switch).
+
+    The branches only read the caches: the target's new K/V come out of the switch (:class:`PendingKV`) and
+    are written after it, with the drafter's context and the commit. XLA gives a conditional's branch its
+    own copy of every operand the branch writes — every layer's cache, every step (~55 ms a step at batch 3
+    on a 2-core CPU; the cache's size again in memory traffic on a GPU) — and a read-only operand none."""
     l = spec.block_size
+    b = state.anchor.shape[0]
     lens = jnp.where(state.done, 0, window + 1)
     positions = block_positions(state, l)
+    slots = spec.tiers[-1]  # every branch's pending writes padded to the largest tier
 
-    def run(size: int):
-        def branch(operands):
-            tcache, operand = operands
-            block, q = make_block(size, operand)
-            layout = attention.PackedLayout.build(lens, state.anchor_pos, size, l)
-            hidden, feats, tcache = target(layout.pack(block)[None], layout.positions[None], tcache,
-                                           capture=spec.capture, impl=spec.impl, packed=layout)
-            logits = target.logits(hidden[0])  # [T, V]: the LM head only over the packed rows
-            scored = (layout.unpack(logits) if spec.sampling
-                      else layout.unpack(jnp.argmax(logits, axis=-1).astype(jnp.int32)))
-            return block, q, scored, (layout.unpack(feats[0]) if feats is not None else None), tcache
+    def forward(block, size: int):
+        layout = attention.PackedLayout.build(lens, state.anchor_pos, size, l)
+        hidden, feats, pending = target(layout.pack(block)[None], layout.positions[None], state.target_cache,
+                                        capture=spec.capture, impl=spec.impl, packed=layout)
+        logits = target.logits(hidden[0])  # [T, V]: the LM head only over the packed rows
+        scored = (layout.unpack(logits) if spec.sampling
+                  else layout.unpack(jnp.argmax(logits, axis=-1).astype(jnp.int32)))
+        return scored, (layout.unpack(feats[0]) if feats is not None else None), pending.padded(slots)
+
+    def tier_branch(size: int):
+        def branch(drafted):
+            block, q, rng = make_block(size, drafted)
+            return block, q, rng, *forward(block, size)
         return branch
 
-    block, q, scored, feats, tcache = jax.lax.switch(tier, [run(t) for t in spec.tiers],
-                                                     (state.target_cache, operand))
+    branches = [tier_branch(size) for size in spec.tiers]
+    if spec.ar_step:
+        q_like = jax.eval_shape(lambda: make_block(spec.tiers[0], drafted)[1])
+
+        def undrafted(_):
+            block = jnp.zeros((b, l), jnp.int32).at[:, 0].set(state.anchor)
+            q = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), q_like)  # never read: the window is 0
+            return block, q, state.rng, *forward(block, spec.tiers[0])
+        branches.append(undrafted)
+
+    block, q, rng, scored, feats, pending = jax.lax.switch(tier, branches, drafted)
+    state = dataclasses.replace(state, rng=rng)
+    if spec.ar_step:
+        sch = state.schedule
+        counts = jax.tree.map(lambda faded, kept: jnp.where(tier == len(spec.tiers), faded, kept),
+                              sch.counts.faded(schedule.UNOBSERVED_DECAY), sch.counts)
+        state = dataclasses.replace(state, schedule=dataclasses.replace(sch, counts=counts))
     logits, choice = (scored, None) if spec.sampling else (None, scored)
     state, accepted, last, _ = _accept(state, block, logits, choice, spec, q, window)
-    return _commit_verified(drafter, state, block, positions, tcache, feats, accepted, last, None, window)
+    return _commit_verified(drafter, state, block, positions, pending.write(state.target_cache), feats, accepted,
+                            last, None, window)
 
 
 def _accept(state: DecodeState, block, logits, choice, spec: LoopSpec, q, window):
@@ -435,44 +479,6 @@ def cycle(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState
     else:
         state = verify(target, drafter, state, block, spec, q, window)
     return shard_state(state, spec.plan)
-
-
-def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, spec: LoopSpec,
-                 mask_token_id: int, window: Int[Array, "B"], tier: Int[Array, ""]) -> DecodeState:
-    """Draft, then verify the given windows packed into tier ``tier`` (windows known before drafting: a
-    parallel drafter's LM head runs over the windows only; a sequential one drafts its whole block). Also
-    what ``dflash-jax calibrate`` times (:func:`dflash_jax.costs.measure`)."""
-    def drafted(state):
-        if not drafter.config.sequential:
-            return draft_and_verify_compact(target, drafter, state, spec, mask_token_id, window, tier)
-        block, q, _, state = propose(target, drafter, state, spec, mask_token_id)  # no confidence head here
-        return verify_compact(target, drafter, state, block, spec, q, window, tier)
-
-    if not spec.ar_step:
-        return drafted(state)
-    return jax.lax.cond(tier == len(spec.tiers), lambda s: ar_step(target, drafter, s, spec), drafted, state)
-
-
-def ar_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, spec: LoopSpec) -> DecodeState:
-    """One plain autoregressive step in a scheduled loop (the scheduler found that no drafting pays this
-    step, tier index K): the target over each row's anchor, its token (argmax, or a draw from p) committed,
-    the drafter's context extended by that position. What a window of 0 commits, without drafting. The
-    acceptance counts fade (nothing was observed), so that drafting is tried again after a while."""
-    block = state.anchor[:, None]
-    positions = block_positions(state, 1)
-    hidden, feats, tcache = target(block, positions, state.target_cache, capture=spec.capture, impl=spec.impl)
-    logits = target.logits(hidden)[:, 0]  # [B, V]
-    if spec.sampling:
-        rng, k_token = _split_rows(state.rng)
-        p = sampling.filtered_probs(logits, state.sampling, use_top_k=spec.top_k, use_top_p=spec.top_p)
-        state, last = dataclasses.replace(state, rng=rng), jax.vmap(sampling.sample)(k_token, p)
-    else:
-        last = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    sch = state.schedule
-    state = dataclasses.replace(state, schedule=dataclasses.replace(
-        sch, counts=sch.counts.faded(schedule.UNOBSERVED_DECAY)))
-    none = jnp.zeros_like(state.anchor)
-    return _commit_verified(drafter, state, block, positions, tcache, feats, none, last, None, none)
 
 
 def _schedule(state: DecodeState, rates: Float[Array, "B G"], spec: LoopSpec):

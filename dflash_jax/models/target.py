@@ -45,12 +45,35 @@ def write_rows(cache: Float[Array, "B S K H"], new: Float[Array, "B T K H"], sta
     return jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u.astype(c.dtype), (s, 0, 0)))(cache, new, start)
 
 
-def write_packed(cache: Float[Array, "B S K H"], new: Float[Array, "T K H"],
-                 packed: attention.PackedLayout) -> jax.Array:
-    """Write packed slots into their rows at their positions; padding slots are dropped (scattered out of
-    bounds)."""
-    pos = jnp.where(packed.valid, packed.positions, cache.shape[1])
-    return cache.at[packed.rows, pos].set(new.astype(cache.dtype), mode="drop")
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PendingKV:
+    """A packed verify's new K/V per layer (``[T, K, H]``) and each slot's place in the cache (row, position;
+    padding slots point past any cache and are dropped). A compiled tier (a branch of a ``lax.switch``) only
+    reads the caches and returns these; :meth:`write` stores them after the conditional, in place."""
+
+    rows: Int[Array, "T"]
+    positions: Int[Array, "T"]
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @staticmethod
+    def of(layout: attention.PackedLayout, k: tuple, v: tuple) -> "PendingKV":
+        return PendingKV(layout.rows, jnp.where(layout.valid, layout.positions, _NOWHERE), k, v)
+
+    def padded(self, size: int) -> "PendingKV":
+        """The same writes in ``size`` slots (the largest tier's, so every branch returns one shape)."""
+        n = size - self.rows.shape[0]
+        slots = lambda x: jnp.pad(x, [(0, n)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
+        return PendingKV(slots(self.rows), jnp.pad(self.positions, (0, n), constant_values=_NOWHERE),
+                         tuple(map(slots, self.k)), tuple(map(slots, self.v)))
+
+    def write(self, cache: KVCache) -> KVCache:
+        put = lambda c, new: c.at[self.rows, self.positions].set(new.astype(c.dtype), mode="drop")  # noqa: E731
+        return KVCache(tuple(map(put, cache.k, self.k)), tuple(map(put, cache.v, self.v)))
+
+
+_NOWHERE = 2 ** 30  # a position past any cache: its write is dropped
 
 
 class Attention(nnx.Module):
@@ -85,10 +108,10 @@ class Attention(nnx.Module):
                  packed: attention.PackedLayout | None = None):
         q, k, v = self.project_qkv(x, cos, sin)
         extra = dict(sinks=None if self.sinks is None else self.sinks[...], window=self.window)
-        if packed is not None:  # x is [1, T, D]: verify windows packed end to end
-            k_cache = write_packed(k_cache, k[0], packed)
-            v_cache = write_packed(v_cache, v[0], packed)
-            out = attention.packed_cache_attention(q[0], k_cache, v_cache, packed, impl=impl, **extra)[None]
+        if packed is not None:  # x is [1, T, D]: verify windows packed end to end; the cache is only read
+            out = attention.packed_verify_attention(q[0], k[0], v[0], k_cache, v_cache, packed, impl=impl,
+                                                    **extra)[None]
+            k_cache, v_cache = k[0], v[0]  # the new entries, for PendingKV
         elif prefill:
             # Empty cache: attend over the prompt's own keys (slot j = position j), then store them. Prefill is
             # compute-bound and long: the reference, not the decode kernels.
@@ -172,9 +195,10 @@ class TargetModel(nnx.Module):
 
         ``prefill=True`` means the cache is empty and positions are ``0..T-1``; then ``cache`` may be ``None``
         (no K/V are kept). ``packed``: the compact verify's windows packed end to end — then ``tokens`` and
-        ``positions`` are ``[1, T]`` (``packed.pack`` of the block and its positions). Returns the final-normed
-        hidden states, the concatenated outputs of the ``capture`` layers (HF ``hidden_states[l+1]``; for the
-        last layer HF reports it after the final norm, and so do we) and the updated cache.
+        ``positions`` are ``[1, T]`` (``packed.pack`` of the block and its positions), and the cache is only
+        read. Returns the final-normed hidden states, the concatenated outputs of the ``capture`` layers (HF
+        ``hidden_states[l+1]``; for the last layer HF reports it after the final norm, and so do we) and the
+        updated cache (``packed``: the writes still to make, :class:`PendingKV`).
         """
         cos, sin = self.rope(positions)
         x = self.embed(tokens)
@@ -192,4 +216,6 @@ class TargetModel(nnx.Module):
         if n - 1 in capture:
             captured[n - 1] = h
         feats = jnp.concatenate([captured[i] for i in capture], axis=-1) if capture else None
+        if packed is not None:
+            return h, feats, PendingKV.of(packed, tuple(ks), tuple(vs))
         return h, feats, KVCache(tuple(ks), tuple(vs)) if cache is not None else None

@@ -311,38 +311,34 @@ def test_hybrid_decoding_is_token_identical_to_one_device(moe, key_heads, tp, dp
 
 
 @pytest.mark.parametrize("impl", ["cuda", "pallas"])
-def test_packed_verify_kernels_run_per_tp_shard(impl, caplog):
-    """Compact verify's packed windows under a tp-only mesh: each device runs the kernel (interpret mode here) on
-    its own KV heads with their query heads and sinks, over every row's windows, as the reference on one device
-    computes (a sliding window too); under dp > 1 the reference runs (the packed buffer holds every row)."""
+def test_packed_verify_kernels_run_per_shard(impl, caplog):
+    """Compact verify's packed windows (the cache only read, the windows' own K/V beside it) under a mesh: each
+    device runs the block kernel (interpret mode here) on its rows and its KV heads with their query heads, as
+    the reference on one device computes (a sliding window too)."""
     import jax.numpy as jnp
 
     from dflash_jax import attention
 
     rng = np.random.default_rng(0)
-    kc, vc = (jnp.asarray(rng.normal(size=(3, 24, 4, 16)), jnp.float32) for _ in range(2))
-    layout = attention.PackedLayout.build(jnp.asarray([3, 0, 4], jnp.int32), jnp.asarray([16, 10, 2], jnp.int32),
-                                          10, 4)
-    q = jnp.asarray(rng.normal(size=(10, 8, 16)), jnp.float32)
-    sinks = jnp.asarray(2 * rng.normal(size=8), jnp.float32)
+    kc, vc = (jnp.asarray(rng.normal(size=(4, 24, 4, 16)), jnp.float32) for _ in range(2))
+    layout = attention.PackedLayout.build(jnp.asarray([3, 0, 4, 2], jnp.int32),
+                                          jnp.asarray([16, 10, 2, 7], jnp.int32), 12, 4)
+    q = jnp.asarray(rng.normal(size=(12, 8, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(12, 4, 16)), jnp.float32) for _ in range(2))
 
     def attend(impl):
-        return lambda q, kc, vc, layout, sinks: attention.packed_cache_attention(q, kc, vc, layout, impl=impl,
-                                                                                sinks=sinks, window=6)
+        return lambda *a: attention.packed_verify_attention(*a, impl=impl, window=6)
 
-    args = (q, kc, vc, layout, sinks)
-    want = fast_jit(attend("xla"))(*args)
+    args = (q, k, v, kc, vc, layout)
+    want = np.asarray(fast_jit(attend("xla"))(*args))[:9]  # 9 slots: 3 + 0 + 4 + 2
     attention._warn_once.cache_clear()
-    with caplog.at_level("WARNING", logger="dflash_jax"), jax.set_mesh(make_mesh(tp=2)):
-        program = str(jax.make_jaxpr(attend(impl))(*args))
-        out = fast_jit(attend(impl))(*args)
-    assert not any("uses the XLA reference" in r.getMessage() for r in caplog.records)
-    assert "shard_map" in program and "pallas_call" in program
-    np.testing.assert_allclose(np.asarray(out)[:7], np.asarray(want)[:7], atol=1e-5, rtol=0)  # 7 slots: 3 + 0 + 4
-    with caplog.at_level("WARNING", logger="dflash_jax"), jax.set_mesh(make_mesh(tp=2, dp=2)):
-        program = str(jax.make_jaxpr(attend(impl))(*args))
-    assert "pallas_call" not in program
-    assert any("packed windows hold every row (dp=2" in r.getMessage() for r in caplog.records)
+    for mesh in (make_mesh(tp=2), make_mesh(tp=2, dp=2)):
+        with caplog.at_level("WARNING", logger="dflash_jax"), jax.set_mesh(mesh):
+            program = str(jax.make_jaxpr(attend(impl))(*args))
+            out = fast_jit(attend(impl))(*args)
+        assert not any("uses the XLA reference" in r.getMessage() for r in caplog.records)
+        assert "shard_map" in program and "pallas_call" in program
+        np.testing.assert_allclose(np.asarray(out)[:9], want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("tp,dp,tokens,bias", [(2, 2, 4, True), (4, 2, 2, False)], ids=["tp2-dp2-sorted-gpt-oss",
