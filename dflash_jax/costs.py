@@ -205,7 +205,9 @@ def measure(target, drafter, *, batches=(1, 4, 16, 32, 64, 128), block_size: int
         assert job.spec.tiers == tiers
         state, _ = job.programs.prefill(*job.pre_args)
         graphdefs = (job.target.split().static, job.drafter.split().static)
-        spec = job.spec
+        # The AR step is a branch of the compact step only where the scheduler may pick it (drafters without a
+        # confidence head); it is timed for every drafter (the table's ar_ms explains when drafting pays).
+        spec = dataclasses.replace(job.spec, ar_step=True)
 
         def step(params, state, tier, spec=spec, tiers=tiers):
             t, d = loop._merge(graphdefs, params)

@@ -402,7 +402,7 @@ def _packed_step(target, drafter, state: DecodeState, spec: LoopSpec, window, ti
 
     block, q, rng, scored, feats, pending = jax.lax.switch(tier, branches, drafted)
     state = dataclasses.replace(state, rng=rng)
-    if spec.ar_step:
+    if spec.ar_step and state.schedule.counts is not None:
         sch = state.schedule
         counts = jax.tree.map(lambda faded, kept: jnp.where(tier == len(spec.tiers), faded, kept),
                               sch.counts.faded(schedule.UNOBSERVED_DECAY), sch.counts)
