@@ -211,7 +211,7 @@ def measure(target, drafter, *, batches=(1, 4, 16, 32, 64, 128), block_size: int
 
         def step(params, state, tier, spec=spec, tiers=tiers):
             t, d = loop._merge(graphdefs, params)
-            window = jnp.full((b,), (jnp.asarray(tiers, jnp.int32) // b - 1)[tier], jnp.int32)
+            window = jnp.full((b,), (jnp.asarray(tiers + (b,), jnp.int32) // b - 1)[tier], jnp.int32)  # AR: 0
             out = loop.compact_step(t, d, state, spec, d.config.mask_token_id, window, tier)
             # The state comes back at the same positions, so every timed step writes and attends the same
             # cache slots; it is donated, so the caches are updated in place as in the decode loop (timing

@@ -375,19 +375,22 @@ def _packed_step(target, drafter, state: DecodeState, spec: LoopSpec, window, ti
     positions = block_positions(state, l)
     slots = spec.tiers[-1]  # every branch's pending writes padded to the largest tier
 
-    def forward(block, size: int):
-        layout = attention.PackedLayout.build(lens, state.anchor_pos, size, l)
+    def forward(block, size: int, width: int):
+        """The target over the packed windows (``width``: the longest window a row can have in ``size``
+        slots — the attention's block), results back in ``[B, L]`` (zeros past each window)."""
+        layout = attention.PackedLayout.build(lens, state.anchor_pos, size, width)
         hidden, feats, pending = target(layout.pack(block)[None], layout.positions[None], state.target_cache,
                                         capture=spec.capture, impl=spec.impl, packed=layout)
         logits = target.logits(hidden[0])  # [T, V]: the LM head only over the packed rows
-        scored = (layout.unpack(logits) if spec.sampling
-                  else layout.unpack(jnp.argmax(logits, axis=-1).astype(jnp.int32)))
-        return scored, (layout.unpack(feats[0]) if feats is not None else None), pending.padded(slots)
+        scored = layout.unpack(logits if spec.sampling else jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        widen = lambda x: jnp.pad(x, [(0, 0), (0, l - width)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+        return (widen(scored), widen(layout.unpack(feats[0])) if feats is not None else None,
+                pending.padded(slots))
 
     def tier_branch(size: int):
         def branch(drafted):
             block, q, rng = make_block(size, drafted)
-            return block, q, rng, *forward(block, size)
+            return block, q, rng, *forward(block, size, min(size, l))
         return branch
 
     branches = [tier_branch(size) for size in spec.tiers]
@@ -397,7 +400,7 @@ def _packed_step(target, drafter, state: DecodeState, spec: LoopSpec, window, ti
         def undrafted(_):
             block = jnp.zeros((b, l), jnp.int32).at[:, 0].set(state.anchor)
             q = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), q_like)  # never read: the window is 0
-            return block, q, state.rng, *forward(block, spec.tiers[0])
+            return block, q, state.rng, *forward(block, spec.tiers[0], 1)
         branches.append(undrafted)
 
     block, q, rng, scored, feats, pending = jax.lax.switch(tier, branches, drafted)
