@@ -19,8 +19,9 @@ with anything. Scores and softmax are float32 whatever the input dtype.
 :mod:`dflash_jax.pallas`), ``"cuda"`` (Pallas-on-Triton GPU kernels, :mod:`dflash_jax.cuda`); ``"auto"`` is
 resolved by :func:`resolve_impl` to the kernel of the backend. A kernel asked for on another backend runs in
 Pallas interpret mode (slow; for tests). Shapes a kernel does not support fall back to the reference with a
-log line, at trace time. The target's verify / AR step goes through the ragged kernel (static windows of T
-rows); prefill stays on the reference (compute-bound, not what the kernels are for).
+log line, at trace time. The target's static verify / AR step goes through the ragged kernel (static windows
+of T rows), compact mode's packed windows through the draft kernel; prefill stays on the reference
+(compute-bound, not what the kernels are for).
 """
 
 from __future__ import annotations
@@ -133,9 +134,6 @@ def compile_probe(key: tuple, local: Callable, shapes: tuple) -> str | None:
 # How a kernel argument is laid out under a (dp, tp) mesh: the mesh axis of each of its dimensions.
 _HEADS = ("dp", None, "tp", None)  # [B, ·, heads, H]: rows over dp, heads over tp
 _HEAD_VECTOR = ("tp",)  # [N]: per query head (attention sinks)
-_PACKED = (None, "tp", None)  # [T, heads, H]: every row's packed windows, heads over tp
-_ALL_ROWS = (None, None, "tp", None)  # [B, S, K, H] caches read by packed windows: every row, KV heads over tp
-_WHOLE = (None,)  # [n]: replicated
 
 
 def _rows(ndim: int) -> tuple:
@@ -154,8 +152,6 @@ def _run_kernel(impl: str, op: str, key: tuple, local: Callable, reason_of: Call
     Under a ``(dp, tp)`` mesh (see :mod:`dflash_jax.sharding`) attention is independent per row and per KV
     head, so each device runs the kernel on its own rows and heads (``shard_map``): nothing is gathered.
     That needs the KV heads split like the query heads (K divisible by tp); otherwise the reference runs.
-    Arguments without a dp dimension (packed windows hold every row) need dp = 1: split over dp, the kernel
-    would need every row's cache on every device.
     """
     mesh = jax.sharding.get_abstract_mesh()
     sharded = not (mesh.empty or mesh.size == 1)
@@ -164,8 +160,6 @@ def _run_kernel(impl: str, op: str, key: tuple, local: Callable, reason_of: Call
     why = None
     if set(sizes) - {"dp", "tp"}:
         why = f"mesh axes {tuple(sizes)} (kernels shard over 'dp' and 'tp' only)"
-    elif n_dp > 1 and not any("dp" in layout for layout in layouts):
-        why = f"the packed windows hold every row (dp={n_dp}: each device would need every row's cache)"
     elif any(d % sizes.get(axis, 1) for a, layout in zip(args, layouts) for d, axis in zip(a.shape, layout)
              if axis is not None):
         why = (f"arguments of shapes {[tuple(a.shape) for a in args]} do not split over tp={n_tp}, dp={n_dp} "
@@ -282,11 +276,13 @@ def draft_attention(
     window: int | None = None,
     impl: str = "xla",
     sinks: Float[Array, "N"] | None = None,
+    warn_once: bool = False,
 ) -> Float[Array, "B L N H"]:
     """Block queries over injected context K/V (positions < ctx_len) and the block's own K/V.
 
     The kernels need consecutive block positions (``q_positions[b] = q_positions[b, 0] + arange(L)``), which the
-    decode loop always passes. ``sinks`` (gpt-oss, as in :func:`cache_attention`): the reference only."""
+    decode loop always passes. ``sinks`` (gpt-oss, as in :func:`cache_attention`): the reference only.
+    ``warn_once``: a fallback's line once per process (see :func:`_run_kernel`)."""
     if impl in ("pallas", "cuda") and sinks is not None:
         _warn_once(f"attention_impl={impl!r}: block attention with sinks uses the XLA reference (the block "
                    f"kernels take no sinks)")
@@ -302,7 +298,7 @@ def draft_attention(
 
         out = _run_kernel(impl, "draft attention", (causal, window), local, reason,
                           (q, ctx_k, ctx_v, blk_k, blk_v, q_positions, ctx_len),
-                          (_HEADS,) * 5 + (_rows(2), _rows(1)))
+                          (_HEADS,) * 5 + (_rows(2), _rows(1)), warn_once=warn_once)
         if out is not None:
             return out
     s = ctx_k.shape[1]
@@ -422,5 +418,6 @@ def packed_verify_attention(
     start = layout.kv_lens - win  # each row's anchor position: the cache holds what lies before it
     positions = start[:, None] + jnp.arange(layout.block, dtype=jnp.int32)[None, :]
     out = draft_attention(layout.unpack(q), k_cache, v_cache, layout.unpack(k), layout.unpack(v), positions,
-                          start, causal=True, window=window, impl=impl, sinks=sinks)
+                          start, causal=True, window=window, impl=impl, sinks=sinks,
+                          warn_once=True)  # traced in every tier of the switch
     return layout.pack(out)
