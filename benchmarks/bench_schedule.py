@@ -13,6 +13,8 @@
     python benchmarks/bench_schedule.py --make-prompts benchmarks/data/schedule_prompts.json   # here, once
     python benchmarks/bench_schedule.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --calibrate --out sched.json
     python benchmarks/bench_schedule.py --demo --dtype float32 --max-new 96 --out demo_cpu.json   # CPU
+    python benchmarks/bench_schedule.py --demo --dtype float32 --max-new 96 --repeats 3 --modes ar,compact \
+        --draft-vocab 0,16384 --out demo_vocab.json   # CPU: the whole vocabulary vs a reduced draft vocabulary
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_jax import costs, generate, load_drafter, load_target, speculative_generate  # noqa: E402
-from dflash_jax.loading import _ASSETS  # noqa: E402
+from dflash_jax import costs, draft_vocab, generate, load_drafter, load_target, speculative_generate  # noqa: E402
+from dflash_jax.loading import _ASSETS, restrict_draft_vocab  # noqa: E402
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "schedule_prompts.json"
 # Poetry: free-form text that a drafter predicts worst (seed 002's "poetry" kind).
@@ -145,19 +147,27 @@ def mixed(target, drafter, rows: list[dict], per_kind: int, max_new: int) -> dic
     return out
 
 
-def demo_case(target, drafter, max_new: int, repeats: int = 1, modes=("ar", "static", "compact", "cap-accept")
-              ) -> dict:
+def demo_case(target, drafters: dict, max_new: int, repeats: int = 1,
+              modes=("ar", "static", "compact", "cap-accept")) -> dict:
     """`make demo`'s batch (its three prompts together) in every mode: the decode time of warm calls, the
-    modes interleaved ``repeats`` times (this machine's speed drifts by 15-30 % between minutes), medians."""
+    modes interleaved ``repeats`` times (this machine's speed drifts by 15-30 % between minutes), medians.
+    ``drafters``: label → drafter (e.g. one per draft vocabulary); speculative modes run with each, named
+    ``<mode>/<label>`` when there are several."""
     import statistics
 
     from dflash_jax.cli import DEMO_PROMPTS
 
-    def call(mode):
-        if mode == "ar":
+    runs = {"ar": None} if "ar" in modes else {}
+    for mode in (m for m in modes if m != "ar"):
+        runs.update({(f"{mode}/{label}" if len(drafters) > 1 else mode): (mode, d) for label, d in drafters.items()})
+
+    def call(name):
+        if runs[name] is None:
             return generate(target, DEMO_PROMPTS, max_new_tokens=max_new)
+        mode, drafter = runs[name]
         return speculative_generate(target, drafter, DEMO_PROMPTS, max_new_tokens=max_new, verify_mode=mode)
 
+    modes = tuple(runs)
     for mode in modes:  # compile and warm every program first
         call(mode)
     times: dict = {mode: [] for mode in modes}
@@ -177,6 +187,14 @@ def demo_case(target, drafter, max_new: int, repeats: int = 1, modes=("ar", "sta
             res[mode]["vs_ar_each"] = [a / t for a, t in zip(times["ar"], times[mode])]
         print(mode, res[mode], flush=True)
     return res
+
+
+def restricted(target, drafter, size: int):
+    """``drafter`` drafting over the embedded ranking's ``size`` most frequent tokens (0: unchanged)."""
+    if not size:
+        return drafter
+    ids = draft_vocab.top_ids(draft_vocab.resolve_ranking("embedded:smollm2-135m"), size, target.config.vocab_size)
+    return restrict_draft_vocab(drafter, target, ids)
 
 
 def plot_spectrum(results: dict, path: Path, title: str) -> None:
@@ -220,6 +238,9 @@ def main() -> int:
     ap.add_argument("--demo", action="store_true", help="only `make demo`'s batch in every mode (a CPU check)")
     ap.add_argument("--repeats", type=int, default=1, help="--demo: interleaved timed calls per mode (medians)")
     ap.add_argument("--modes", default="ar,static,compact,cap-accept", help="--demo: the modes to time")
+    ap.add_argument("--draft-vocab", default="0",
+                    help="DFlash drafts over the N most frequent tokens (the embedded ranking; 0: all); "
+                         "--demo takes a list and times each")
     ap.add_argument("--drafter", default="smollm2-135m-dflash",
                     help="a shipped drafter (dflash_jax/assets/<name>: smollm2-135m-dflash, smollm2-135m-dspark) "
                          "or a drafter directory")
@@ -232,6 +253,9 @@ def main() -> int:
     drafter_dir = Path(args.drafter) if Path(args.drafter).is_dir() else _ASSETS / args.drafter
     drafter = load_drafter(drafter_dir, target)
     kind = "DSpark" if drafter.config.sequential else "DFlash"
+    vocab_sizes = [int(n) for n in args.draft_vocab.split(",")]
+    drafters = {(f"v{n}" if n else "full"): restricted(target, drafter, n) for n in vocab_sizes}
+    drafter = next(iter(drafters.values()))
     rows = json.loads(args.prompts.read_text())
     result = dict(date=time.strftime("%Y-%m-%d"), device=jax.devices()[0].device_kind, dtype=args.dtype,
                   platform=platform.platform(), max_new=args.max_new, drafter=drafter_dir.name,
@@ -242,15 +266,17 @@ def main() -> int:
         table = costs.measure(target, drafter, batches=[int(b) for b in args.batches.split(",")],
                               pair="smollm2-135m", progress=lambda line: print(line, flush=True))
         print(f"calibrated in {time.perf_counter() - t0:.0f} s", flush=True)
-        drafter.cost_tables = {table.backend: table}
+        for d in drafters.values():
+            d.cost_tables = {table.backend: table}
         result["cost_table"] = table.to_json()
         costs.save_table(args.out.with_name(args.out.stem + ".costs.json"), table)
         costs.plot(table, args.out.with_name(args.out.stem + ".costs.png"))
     elif args.cost_table:
-        drafter.cost_tables = costs.load_tables(args.cost_table)
+        for d in drafters.values():
+            d.cost_tables = costs.load_tables(args.cost_table)
         result["cost_table"] = drafter.cost_tables[jax.default_backend()].to_json()
     if args.demo:
-        result["demo"] = demo_case(target, drafter, args.max_new, args.repeats, tuple(args.modes.split(",")))
+        result["demo"] = demo_case(target, drafters, args.max_new, args.repeats, tuple(args.modes.split(",")))
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         return 0
     if not args.skip_sweep:

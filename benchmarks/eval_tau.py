@@ -17,6 +17,9 @@ them), written after each batch (and the AR answers, for replay): an interrupted
     # on the GPU machine (device_runs/README.md, session 6): all three sets, full width, ~85 s a drafter
     python3 benchmarks/eval_tau.py --target $M --drafter DSpark=dflash_jax/assets/smollm2-135m-dspark \
         --method decode --batch-size 180 --prompt-dir runs/device --out $OUT/tau.json
+    # the DFlash drafter over its whole vocabulary and over the 8,192 / 16,384 most frequent tokens
+    python3 benchmarks/eval_tau.py --target $M --drafter DFlash=dflash_jax/assets/smollm2-135m-dflash \
+        --draft-vocab 0,8192,16384 --method decode --batch-size 180 --prompt-dir runs/device --out $OUT/tau_vocab.json
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_jax import generate, load_drafter, load_pair, load_target, speculative_generate  # noqa: E402
+from dflash_jax import draft_vocab, generate, load_drafter, load_pair, load_target, speculative_generate  # noqa: E402
+from dflash_jax.loading import restrict_draft_vocab  # noqa: E402
 from dflash_jax.train.data import EVALUATION_SETS, evaluation_prompts, pack_rows  # noqa: E402
 from dflash_jax.train.trainer import Trainer, TrainSettings  # noqa: E402
 
@@ -122,6 +126,9 @@ def main() -> int:
                     help="read the sets from <dir>/<set>.jsonl ({'prompt': …} lines, device_runs/make_run_config.py "
                          "writes them) instead of the installed evaluation packages")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--draft-vocab", default="0",
+                    help="comma-separated draft vocabulary sizes to score each DFlash drafter at (the embedded "
+                         "ranking's N most frequent tokens; 0: the whole vocabulary), labelled LABEL/vN")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out = Path(args.out)
@@ -134,8 +141,13 @@ def main() -> int:
     target = load_target(args.target, dtype=args.dtype)
     prompts = read_prompt_dir(args.prompt_dir) if args.prompt_dir else evaluation_prompts()
     set_ids = {name: [target.tokenizer.encode(p) for p in prompts[name]] for name in args.sets.split(",")}
-    for label, spec in (d.split("=", 1) for d in args.drafter):
+    sizes = [int(n) for n in args.draft_vocab.split(",")]
+    for label, spec, size in ((*d.split("=", 1), n) for d in args.drafter for n in sizes):
         drafter = load(spec, target, args.dtype)
+        if size:
+            ids = draft_vocab.top_ids(draft_vocab.resolve_ranking("embedded:smollm2-135m"), size,
+                                      target.config.vocab_size)
+            drafter, label = restrict_draft_vocab(drafter, target, ids), f"{label}/v{size}"
         runs = results.setdefault(label, {"drafter": spec})
         for name, ids in set_ids.items():
             entry = runs.setdefault(name, {"prompts": len(ids), "done": 0, "cycles": 0, "tau": 0.0,

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dflash_jax.checkpoints import gguf_io
 from dflash_jax.checkpoints.safetensors_io import (CheckpointError, load_into, read_safetensors,
@@ -27,7 +27,7 @@ from dflash_jax.checkpoints.safetensors_io import (CheckpointError, load_into, r
 from dflash_jax.config import (ConfigError, DrafterConfig, ModelConfig, default_target_layer_ids,
                                drafter_config_from_hf, model_config_from_hf, read_config_json)
 from dflash_jax.models import gpt_oss
-from dflash_jax.models.drafter import DFlashDrafter, DSparkDrafter
+from dflash_jax.models.drafter import DFlashDrafter, DraftHead, DSparkDrafter, TokenMap
 from dflash_jax.models.split import SplitModel, split_model
 from dflash_jax.models.target import TargetModel
 from dflash_jax.tokenizer import Tokenizer
@@ -236,7 +236,36 @@ def load_drafter(source: str | Path, target: Target | TargetModel | None = None,
                    ignore=lambda n: n in ("d2t", "draft_id_to_target_id", "t2d"))
     if d2t is not None:
         model.d2t.set_value(jnp.asarray(d2t, jnp.int32))
+        if target is not None:  # the head then reads the draft vocabulary's rows only, not all V
+            model.draft_head = DraftHead(_head_rows(as_target(target), d2t, mesh))
     return Drafter(model, str(source), True, mesh)
+
+
+def restrict_draft_vocab(drafter: Drafter | DFlashDrafter, target: Target | TargetModel, ids) -> Drafter:
+    """The DFlash ``drafter`` proposing drafts among the target token ``ids`` only (e.g. the most frequent
+    ones: :mod:`dflash_jax.draft_vocab`): its LM head then reads ``len(ids)`` rows of the target's instead of
+    all V — on a CPU a sizeable part of each drafted step. Still exactly lossless (drafts are only proposals,
+    and a sampled draft's distribution is zero outside ``ids``); τ falls where the target's tokens fall outside
+    ``ids``. A new handle sharing the drafter's weights; the drafter itself is unchanged."""
+    d, t = as_drafter(drafter), as_target(target)
+    if d.config.sequential:
+        raise ConfigError("a DSpark drafter drafts over the vocabulary it was trained with (its checkpoint's "
+                          "draft_vocab_size and d2t); restrict_draft_vocab takes DFlash drafters")
+    vocab = d.config.layers.vocab_size
+    ids = np.asarray(ids).reshape(-1)
+    if not np.issubdtype(ids.dtype, np.integer) or ids.size == 0 or ids.min() < 0 or ids.max() >= vocab \
+            or len(np.unique(ids)) != ids.size:
+        raise ConfigError(f"a draft vocabulary must be distinct token ids in [0, {vocab}); got {ids.size} ids "
+                          f"of dtype {ids.dtype}" + (f" from {ids.min()} to {ids.max()}" if ids.size else ""))
+    model = nnx.merge(*nnx.split(d.model))  # new Variables holding the same arrays
+    model.d2t = TokenMap(jnp.asarray(ids, jnp.int32))
+    model.draft_head = DraftHead(_head_rows(t, ids, d.mesh))
+    return Drafter(model, f"{d.name} (drafts over {ids.size} tokens)", d.trained, d.mesh, d.cost_tables)
+
+
+def _head_rows(target: Target, ids: np.ndarray, mesh: Mesh | None) -> jax.Array:
+    rows = target.model.head_rows(jnp.asarray(ids, jnp.int32))
+    return jax.device_put(rows, NamedSharding(mesh, P())) if mesh is not None else rows
 
 
 def _draft_to_target(cfg: DrafterConfig, tensors: dict, path: Path) -> np.ndarray | None:
@@ -363,13 +392,16 @@ def with_confidence_temperatures(drafter: Drafter, temperatures) -> Drafter:
 SMOLLM2_MASK_TOKEN_ID = 16
 
 
-def load_pair(name_or_path: str = EMBEDDED_PAIR, dtype: Any = None, mesh: Mesh | None = None
-              ) -> tuple[Target, Drafter]:
+def load_pair(name_or_path: str = EMBEDDED_PAIR, dtype: Any = None, mesh: Mesh | None = None,
+              draft_vocab: int | None = None) -> tuple[Target, Drafter]:
     """A ready (target, drafter) pair: a name from ``configs/`` (e.g. ``"smollm2-135m"``, ``"qwen3-8b"``) or
     the path of a pair YAML (schema in :mod:`dflash_jax.pairs`). ``dtype`` overrides the config's.
 
     ``"smollm2-135m"`` is embedded (no download). Its drafter is the trained one shipped in
     ``dflash_jax/assets``; were it missing, a randomly initialised drafter labelled ``trained=False``.
+
+    ``draft_vocab``: the drafts' vocabulary (:func:`restrict_draft_vocab`) — None: what the config sets for
+    this backend; 0: the whole vocabulary; N: the N most frequent tokens of the config's ranking.
     """
     from dflash_jax.pairs import load_pair_config
 
@@ -385,7 +417,26 @@ def load_pair(name_or_path: str = EMBEDDED_PAIR, dtype: Any = None, mesh: Mesh |
         from dflash_jax import costs
 
         drafter.cost_tables = costs.load_tables(costs.tables_path(cfg.path)) or None
+        drafter = _pair_draft_vocab(cfg, target, drafter, draft_vocab)
+    elif draft_vocab:
+        raise ConfigError("draft_vocab needs the pair's config (its token ranking): configs/ is not installed")
     return target, drafter
+
+
+def _pair_draft_vocab(cfg, target: Target, drafter: Drafter, size: int | None) -> Drafter:
+    from dflash_jax import draft_vocab
+
+    if size is None:
+        size = cfg.draft_vocab_size(jax.default_backend())
+        if size is None or drafter.config.sequential:  # a DSpark drafter keeps its checkpoint's vocabulary
+            return drafter
+    if not size:
+        return drafter
+    if cfg.draft_vocab_ranking is None:
+        raise ConfigError(f"pair {cfg.name!r} names no token ranking (draft_vocab.ranking in {cfg.path})")
+    ids = draft_vocab.top_ids(draft_vocab.resolve_ranking(cfg.draft_vocab_ranking, cfg.path), size,
+                              target.config.vocab_size)
+    return restrict_draft_vocab(drafter, target, ids)
 
 
 def _pair_drafter(cfg, target: Target) -> Drafter:

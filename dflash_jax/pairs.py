@@ -9,6 +9,9 @@ dtype: bfloat16                       # float32 | bfloat16
 block_size: 16                        # default block size at serving time (≤ the drafter's trained size)
 chat_template_kwargs: {enable_thinking: false}
 mesh: {tp: 1, dp: 1}                  # suggested mesh for this pair
+draft_vocab:                          # optional: DFlash drafts over the most frequent tokens only
+  ranking: embedded:smollm2-135m      # token ranking (dflash_jax.draft_vocab): embedded:<name> or a path
+  size: {cpu: 16384}                  # tokens kept, per backend (unlisted backends: the whole vocabulary)
 training: {...}                       # optional: `dflash-jax train` settings (see train/pipeline.py)
 ```
 """
@@ -25,7 +28,8 @@ from dflash_jax.config import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 _KEYS = {"name", "target", "drafter", "dtype", "block_size", "chat_template_kwargs", "mesh", "training",
-         "description"}
+         "description", "draft_vocab"}
+_BACKENDS = ("cpu", "gpu", "tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +43,12 @@ class PairConfig:
     mesh: dict = dataclasses.field(default_factory=lambda: {"tp": 1, "dp": 1})
     description: str = ""
     path: str = ""
+    draft_vocab_ranking: str | None = None
+    draft_vocab_sizes: dict = dataclasses.field(default_factory=dict)  # backend → tokens kept
+
+    def draft_vocab_size(self, backend: str) -> int | None:
+        """Tokens the drafts keep on ``backend`` (None: the whole vocabulary)."""
+        return self.draft_vocab_sizes.get(backend) if self.draft_vocab_ranking else None
 
 
 def find_pair_file(name_or_path: str | Path) -> Path:
@@ -81,9 +91,26 @@ def parse_pair(raw: Any, where: str) -> PairConfig:
         raise ConfigError(f"{where}: mesh must be a mapping with positive integers tp and/or dp, got {mesh!r}")
     if "training" in raw and not isinstance(raw["training"], dict):
         raise ConfigError(f"{where}: 'training' must be a mapping")
+    ranking, sizes = _draft_vocab(raw.get("draft_vocab"), where)
     return PairConfig(name=raw["name"], target=raw["target"], drafter=drafter, dtype=dtype, block_size=block,
                       chat_template_kwargs=dict(chat), mesh={"tp": 1, "dp": 1, **mesh},
-                      description=str(raw.get("description", "")), path=where)
+                      description=str(raw.get("description", "")), path=where, draft_vocab_ranking=ranking,
+                      draft_vocab_sizes=sizes)
+
+
+def _draft_vocab(raw: Any, where: str) -> tuple[str | None, dict]:
+    if raw is None:
+        return None, {}
+    if not isinstance(raw, dict) or set(raw) != {"ranking", "size"}:
+        raise ConfigError(f"{where}: draft_vocab must be a mapping with 'ranking' and 'size', got {raw!r}")
+    ranking, sizes = raw["ranking"], raw["size"]
+    if not isinstance(ranking, str) or not ranking.strip():
+        raise ConfigError(f"{where}: draft_vocab.ranking must be a path or 'embedded:<name>'")
+    if not isinstance(sizes, dict) or set(sizes) - set(_BACKENDS) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes.values()):
+        raise ConfigError(f"{where}: draft_vocab.size must map backends {list(_BACKENDS)} to positive integers, "
+                          f"got {sizes!r}")
+    return ranking, dict(sizes)
 
 
 def load_pair_config(name_or_path: str | Path) -> PairConfig:

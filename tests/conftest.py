@@ -326,7 +326,8 @@ class OracleDrafter(DFlashDrafter):
         return jnp.take_along_axis(self.table[...], positions, axis=1)  # token ids, not hidden states
 
     def draft_logits(self, hidden, target):
-        return jax.nn.one_hot(hidden, self.vocab) * 10.0
+        logits = jax.nn.one_hot(hidden, self.vocab) * 10.0
+        return logits if self.d2t is None else jnp.take(logits, self.d2t[...], axis=-1)  # a draft vocabulary
 
 
 def oracle_drafter(target: Target, prompts: list[list[int]], continuations: list[list[int]], *,

@@ -171,6 +171,10 @@ def test_checkpoint_round_trip_and_reduced_vocabulary(target, dspark, reference,
     save_safetensors(small, reduced / "model.safetensors")
     drafter = load_drafter(reduced, target)
     np.testing.assert_array_equal(np.asarray(drafter.model.d2t[...]), keep)
+    h = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, d)), jnp.float32)
+    assert drafter.model.draft_head[...].shape == (40, d)  # the drafts' head reads the kept rows only
+    np.testing.assert_allclose(np.asarray(drafter.model.base_logits(h, target.model)),
+                               np.asarray(loaded.model.base_logits(h, target.model))[..., keep], rtol=1e-5, atol=1e-5)
     out = speculative_generate(target, drafter, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=[])
     assert out.token_ids == reference.token_ids
     roundtrip = read_safetensors([export_drafter(drafter.model, tmp_path / "r2") / "model.safetensors"])

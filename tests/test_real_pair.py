@@ -53,14 +53,23 @@ def test_shipped_drafter_is_lossless_with_real_acceptance(smollm2, smollm2_draft
 
 @pytest.mark.auto_verify
 def test_default_is_compact_on_the_cpu_and_lossless(smollm2, smollm2_drafter, reference):
+    """What `load_pair("smollm2-135m")` gives on a CPU: drafts over the 16,384 most frequent tokens (the pair
+    config's draft_vocab) and, from the shipped table, compact verify with steps without drafting offered."""
+    from dflash_jax.loading import _pair_draft_vocab
+    from dflash_jax.pairs import load_pair_config
+
+    cfg = load_pair_config("smollm2-135m")
+    assert _pair_draft_vocab(cfg, smollm2, smollm2_drafter, 0) is smollm2_drafter  # draft_vocab=0: all tokens
+    drafter = _pair_draft_vocab(cfg, smollm2, smollm2_drafter, None)
+    assert drafter.model.draft_head[...].shape == (16384, 576) and smollm2_drafter.model.d2t is None
     # The default on this CPU, from the shipped table: compact (whole blocks cost ~2x one token per row), with
     # steps without drafting offered (decided on the host; nothing compiles).
-    mode, tiers, cost, ar_step = generation.resolve_verify_mode("auto", smollm2_drafter, 2, 16)
+    mode, tiers, cost, ar_step = generation.resolve_verify_mode("auto", drafter, 2, 16)
     assert mode == "compact" and ar_step and len(tiers) >= 2 and len(cost) == len(tiers) + 1
     # Lossless on the real pair with a table that keeps three tiers, and the AR step (fewer branches to compile
     # than the default's five; the tiers' code is the same).
     small = CostTable("cpu", "test", "float32", "smollm2", 16, 64, {2: {4: 1.0, 16: 2.0}}, ar_ms={2: 0.6})
-    out = speculative_generate(smollm2, smollm2_drafter, PROMPTS[:2], max_new_tokens=MAX_NEW, cost_table=small)
+    out = speculative_generate(smollm2, drafter, PROMPTS[:2], max_new_tokens=MAX_NEW, cost_table=small)
     assert out.stats["verify_mode"] == "compact" and list(out.stats["tier_steps"]) != []
     assert out.token_ids == reference.token_ids[:2] and out.tau > 1.3
 

@@ -16,6 +16,7 @@ from conftest import tiny_target
 from dflash_jax import generate, generation, random_drafter, speculative_generate
 from dflash_jax.decode import sampling
 from dflash_jax.decode.sampling import SamplingParams, filtered_probs
+from dflash_jax.loading import restrict_draft_vocab
 
 V = 8
 PROMPT = [1, 2, 3, 4]
@@ -98,6 +99,18 @@ def test_speculative_sampling_matches_target_distribution(pair, logits, temperat
                         temperature=temperature, top_k=top_k, top_p=top_p, seed=1, draft_sampling=draft_sampling)
     assert chi2_pvalue(samples, probs) > 1e-3
     # The drafts were really exercised: some accepted, some rejected.
+    firsts = [row[0] for row in out.acceptance_lengths if row]
+    assert 1 in firsts and max(firsts) >= 2
+
+
+def test_sampled_drafts_over_a_reduced_draft_vocabulary(pair, logits):
+    """Drafts drawn among 5 of the 8 tokens (q zero elsewhere): still exactly the target's distribution."""
+    target, drafter = pair
+    small = restrict_draft_vocab(drafter, target, [0, 2, 3, 5, 6])
+    probs = exact_distribution(logits, 1.0, 3, 1.0)
+    samples, out = draw(lambda *a, **k: speculative_generate(target, small, *a, **k), with_output=True,
+                        temperature=1.0, top_k=3, seed=2, draft_sampling=True)
+    assert chi2_pvalue(samples, probs) > 1e-3
     firsts = [row[0] for row in out.acceptance_lengths if row]
     assert 1 in firsts and max(firsts) >= 2
 

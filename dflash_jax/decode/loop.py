@@ -224,7 +224,7 @@ def propose(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeSta
         drafts, q, conf, state = _draft_sequential(target, drafter, h, state, spec)
         return jnp.concatenate([anchor, drafts], axis=1), q, conf, state
     state, k_draft = _draft_keys(state, spec)
-    drafts, q = _pick_drafts(drafter.draft_logits(h[:, 1:], target), state, spec, k_draft)
+    drafts, q = _pick_drafts(drafter.draft_logits(h[:, 1:], target), state, spec, k_draft, drafter)
     return jnp.concatenate([anchor, drafts], axis=1), q, None, state
 
 
@@ -245,12 +245,14 @@ def _draft_keys(state: DecodeState, spec: LoopSpec) -> tuple[DecodeState, jax.Ar
     return dataclasses.replace(state, rng=rng), k_draft
 
 
-def _pick_drafts(logits: Float[Array, "B G V"], state: DecodeState, spec: LoopSpec, k_draft):
-    """(drafts [B, G], q [B, G, V] or None): argmax, or draws from the filtered distribution q."""
+def _pick_drafts(logits: Float[Array, "B G Vd"], state: DecodeState, spec: LoopSpec, k_draft,
+                 drafter: DFlashDrafter):
+    """(drafts [B, G] as target ids, q [B, G, V] or None): argmax, or draws from the filtered distribution q
+    (over the draft vocabulary, then zero outside it: still exactly the distribution drafts are drawn from)."""
     if k_draft is None:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        return drafter.to_target_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None
     q = sampling.filtered_probs(logits, state.sampling, use_top_k=spec.top_k, use_top_p=spec.top_p)
-    return jax.vmap(sampling.sample)(k_draft, q), q
+    return drafter.to_target_ids(jax.vmap(sampling.sample)(k_draft, q)), drafter.to_target_probs(q)
 
 
 def _draft_sequential(target: TargetModel, drafter: DSparkDrafter, hidden: Float[Array, "B G D"],
@@ -342,11 +344,12 @@ def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState
             b, g = hidden.shape[:2]
             layout = attention.PackedLayout.build(jnp.where(state.done, 0, window), jnp.zeros((b,), jnp.int32),
                                                   size, g)
-            logits = drafter.draft_logits(layout.pack(hidden)[None], target)[0]  # [T, V]
+            logits = drafter.draft_logits(layout.pack(hidden)[None], target)[0]  # [T, Vd]
             if k_draft is None:
-                drafts, q = layout.unpack(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None
+                drafts = layout.unpack(drafter.to_target_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32)))
+                q = None
             else:
-                drafts, q = _pick_drafts(layout.unpack(logits), state, spec, k_draft)
+                drafts, q = _pick_drafts(layout.unpack(logits), state, spec, k_draft, drafter)
             return jnp.concatenate([state.anchor[:, None], drafts], axis=1), q, rng
 
     if not spec.ar_step:

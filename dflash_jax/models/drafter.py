@@ -61,6 +61,15 @@ class DraftLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class TokenMap(nnx.Variable):
+    """Draft-vocabulary id → target id (a reduced draft vocabulary); not a trained parameter."""
+
+
+class DraftHead(nnx.Variable):
+    """The target's LM-head rows of a reduced draft vocabulary [Vd, D]: a copy of target weights, neither
+    trained nor exported."""
+
+
 class DFlashDrafter(nnx.Module):
     """z-lab ``DFlashDraftModel``: fc, hidden_norm, Qwen3-style layers, norm. No embeddings, no lm_head."""
 
@@ -73,6 +82,11 @@ class DFlashDrafter(nnx.Module):
         self.layers = nnx.List([DraftLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=dtype)
         self.rope = Rope(c)
+        # A reduced draft vocabulary (:func:`dflash_jax.loading.restrict_draft_vocab`; a DSpark checkpoint's
+        # ``d2t``): draft id → target id, and the target's LM-head rows of those ids, so the drafts' head reads
+        # Vd rows instead of V. None = drafts over the whole target vocabulary.
+        self.d2t: TokenMap | None = nnx.data(None)
+        self.draft_head: DraftHead | None = nnx.data(None)
 
     @property
     def dtype(self):
@@ -114,20 +128,33 @@ class DFlashDrafter(nnx.Module):
             x = layer(x, positions, cos, sin, cache.k[i], cache.v[i], ctx_len, impl=impl)
         return self.norm(x)
 
-    def draft_logits(self, hidden: Float[Array, "B L D"], target) -> Float[Array, "B L V"]:
-        """Target lm_head on draft hidden states, with z-lab's optional multiplier / soft-capping."""
-        logits = target.logits(hidden) * self.config.output_multiplier
+    def draft_logits(self, hidden: Float[Array, "*b D"], target) -> Float[Array, "*b Vd"]:
+        """Target lm_head on draft hidden states, with z-lab's optional multiplier / soft-capping, over the
+        draft vocabulary (Vd = V without one; ids back to the target's with :meth:`to_target_ids`)."""
+        if self.draft_head is not None:
+            logits = jnp.einsum("...d,vd->...v", hidden, self.draft_head[...], preferred_element_type=jnp.float32)
+        else:
+            logits = target.logits(hidden)
+            if self.d2t is not None:
+                logits = jnp.take(logits, self.d2t[...], axis=-1)
+        logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         return jnp.tanh(logits / cap) * cap if cap else logits
+
+    def to_target_ids(self, draft_ids: Int[Array, "*b"]) -> Int[Array, "*b"]:
+        return draft_ids if self.d2t is None else jnp.take(self.d2t[...], draft_ids)
+
+    def to_target_probs(self, q: Float[Array, "*b Vd"]) -> Float[Array, "*b V"]:
+        """A draft-vocabulary distribution as one over the target vocabulary (zero outside the draft vocab)."""
+        if self.d2t is None:
+            return q
+        full = jnp.zeros((*q.shape[:-1], self.config.layers.vocab_size), q.dtype)
+        return full.at[..., self.d2t[...]].set(q)
 
 
 # --------------------------------------------------------------------------------------------------
 # DSpark (SPEC §7): the DFlash trunk plus a sequential head and a confidence head
 # --------------------------------------------------------------------------------------------------
-
-class TokenMap(nnx.Variable):
-    """Draft-vocabulary id → target id (a reduced draft vocabulary); not a trained parameter."""
-
 
 class MarkovHead(nnx.Module):
     """``bias(prev) = W2 · W1[prev]``: the previous token's contribution to the next draft's logits
@@ -173,22 +200,12 @@ class DSparkDrafter(DFlashDrafter):
         self.markov_head = MarkovHead(c.vocab_size, cfg.draft_vocab, cfg.markov_rank, dtype=dtype, rngs=rngs)
         self.confidence_head = (ConfidenceHead(c.hidden_size, cfg.markov_rank, dtype=dtype, rngs=rngs)
                                 if cfg.confidence_head else None)
-        self.d2t = TokenMap(jnp.arange(cfg.draft_vocab, dtype=jnp.int32)) if cfg.draft_vocab_size else None
+        if cfg.draft_vocab_size:
+            self.d2t = TokenMap(jnp.arange(cfg.draft_vocab, dtype=jnp.int32))
 
     def base_logits(self, hidden: Float[Array, "B G D"], target) -> Float[Array, "B G Vd"]:
-        """``U_k``: the target's lm_head on the trunk's hidden states, restricted to the draft vocabulary."""
-        logits = self.draft_logits(hidden, target)
-        return logits if self.d2t is None else jnp.take(logits, self.d2t[...], axis=-1)
-
-    def to_target_ids(self, draft_ids: Int[Array, "*b"]) -> Int[Array, "*b"]:
-        return draft_ids if self.d2t is None else jnp.take(self.d2t[...], draft_ids)
-
-    def to_target_probs(self, q: Float[Array, "*b Vd"]) -> Float[Array, "*b V"]:
-        """A draft-vocabulary distribution as one over the target vocabulary (zero outside the draft vocab)."""
-        if self.d2t is None:
-            return q
-        full = jnp.zeros((*q.shape[:-1], self.config.layers.vocab_size), q.dtype)
-        return full.at[..., self.d2t[...]].set(q)
+        """``U_k``: the target's lm_head on the trunk's hidden states, over the draft vocabulary."""
+        return self.draft_logits(hidden, target)
 
     def temperatures(self, g: int) -> Float[Array, "G"]:
         temps = self.config.confidence_temperatures

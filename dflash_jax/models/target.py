@@ -180,6 +180,12 @@ class TargetModel(nnx.Module):
         w = self.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head.kernel[...]
         return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
 
+    def head_rows(self, ids: Int[Array, "N"]) -> Float[Array, "N D"]:
+        """The lm_head's weights of tokens ``ids``, one row each (what :meth:`logits` multiplies them by)."""
+        if self.lm_head is None:
+            return jnp.take(self.embed_tokens.embedding[...], ids, axis=0)
+        return jnp.take(self.lm_head.kernel[...], ids, axis=1).T
+
     def __call__(
         self,
         tokens: Int[Array, "B T"],

@@ -194,7 +194,7 @@ def anchor_acceptance(drafter: DFlashDrafter, target: TargetModel, batch: dict,
     block_ids, positions, labels, label_ok = block_inputs(batch["tokens"], batch["lengths"], batch["anchors"],
                                                           batch["valid"], block_size, cfg.mask_token_id)
     hidden = drafter_forward_blocks(drafter, target, features, block_ids, positions, batch["anchors"])
-    guess = jnp.argmax(drafter.draft_logits(hidden[:, :, 1:], target), -1)
+    guess = drafter.to_target_ids(jnp.argmax(drafter.draft_logits(hidden[:, :, 1:], target), -1))
     return _leading((guess == labels) & label_ok) + 1
 
 
@@ -265,6 +265,8 @@ def dflash_loss(drafter: DFlashDrafter, target: TargetModel, batch: dict, *, wei
     Metrics: ``acc`` (top-1 per labelled slot) and ``tau`` — the acceptance length greedy decoding would get
     on these blocks, 1 + the number of leading correct slots, averaged over anchors.
     """
+    if drafter.d2t is not None:  # labels live in the target vocabulary; train on the whole vocabulary
+        raise NotImplementedError("training a drafter restricted to a reduced draft vocabulary is not supported")
     cfg = drafter.config
     l = weights.shape[0] + 1
     if features is None:
