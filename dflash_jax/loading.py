@@ -242,22 +242,28 @@ def load_drafter(source: str | Path, target: Target | TargetModel | None = None,
 
 
 def restrict_draft_vocab(drafter: Drafter | DFlashDrafter, target: Target | TargetModel, ids) -> Drafter:
-    """The DFlash ``drafter`` proposing drafts among the target token ``ids`` only (e.g. the most frequent
-    ones: :mod:`dflash_jax.draft_vocab`): its LM head then reads ``len(ids)`` rows of the target's instead of
-    all V — on a CPU a sizeable part of each drafted step. Still exactly lossless (drafts are only proposals,
-    and a sampled draft's distribution is zero outside ``ids``); τ falls where the target's tokens fall outside
-    ``ids``. A new handle sharing the drafter's weights; the drafter itself is unchanged."""
+    """The ``drafter`` proposing drafts among the target token ``ids`` only (e.g. the most frequent ones:
+    :mod:`dflash_jax.draft_vocab`): its LM head then reads ``len(ids)`` rows of the target's instead of all V —
+    on a CPU a sizeable part of each drafted step. Still exactly lossless (drafts are only proposals, and a
+    sampled draft's distribution is zero outside ``ids``); τ falls where the target's tokens fall outside
+    ``ids``. A DSpark drafter also keeps its Markov head's columns of ``ids`` (it then exports as a reduced-
+    vocabulary checkpoint, ``draft_vocab_size`` + ``d2t``); one whose checkpoint already has a reduced
+    vocabulary cannot be restricted again. A new handle sharing the drafter's other weights; the drafter
+    itself is unchanged."""
     d, t = as_drafter(drafter), as_target(target)
-    if d.config.sequential:
-        raise ConfigError("a DSpark drafter drafts over the vocabulary it was trained with (its checkpoint's "
-                          "draft_vocab_size and d2t); restrict_draft_vocab takes DFlash drafters")
+    if d.model.d2t is not None:
+        raise ConfigError(f"{d.name} already drafts over a reduced vocabulary ({len(d.model.d2t[...])} tokens)")
     vocab = d.config.layers.vocab_size
     ids = np.asarray(ids).reshape(-1)
     if not np.issubdtype(ids.dtype, np.integer) or ids.size == 0 or ids.min() < 0 or ids.max() >= vocab \
             or len(np.unique(ids)) != ids.size:
         raise ConfigError(f"a draft vocabulary must be distinct token ids in [0, {vocab}); got {ids.size} ids "
                           f"of dtype {ids.dtype}" + (f" from {ids.min()} to {ids.max()}" if ids.size else ""))
-    model = nnx.merge(*nnx.split(d.model))  # new Variables holding the same arrays
+    model = nnx.merge(*nnx.split(d.model), copy=True)  # new Variables holding the same arrays
+    if d.config.sequential:  # the Markov head's bias is over the draft vocabulary: keep those columns
+        model.config = dataclasses.replace(d.config, draft_vocab_size=int(ids.size)).validate()
+        w2 = model.markov_head.markov_w2.kernel
+        w2.set_value(jnp.take(w2[...], jnp.asarray(ids, jnp.int32), axis=1))
     model.d2t = TokenMap(jnp.asarray(ids, jnp.int32))
     model.draft_head = DraftHead(_head_rows(t, ids, d.mesh))
     return Drafter(model, f"{d.name} (drafts over {ids.size} tokens)", d.trained, d.mesh, d.cost_tables)
@@ -428,7 +434,7 @@ def _pair_draft_vocab(cfg, target: Target, drafter: Drafter, size: int | None) -
 
     if size is None:
         size = cfg.draft_vocab_size(jax.default_backend())
-        if size is None or drafter.config.sequential:  # a DSpark drafter keeps its checkpoint's vocabulary
+        if size is None or drafter.model.d2t is not None:  # a checkpoint's reduced vocabulary stays as it is
             return drafter
     if not size:
         return drafter

@@ -89,9 +89,28 @@ def test_bad_draft_vocabularies(target):
     for ids in ([], [0, 0, 1], [0, v], [-1, 2], [0.5, 1.0]):
         with pytest.raises(ConfigError, match="distinct token ids"):
             restrict_draft_vocab(drafter, target, np.asarray(ids))
-    dspark = random_drafter(target, block_size=4, num_layers=1, kind="dspark", markov_rank=8)
-    with pytest.raises(ConfigError, match="DSpark"):
-        restrict_draft_vocab(dspark, target, [1, 2])
+    small = restrict_draft_vocab(drafter, target, [1, 2])
+    with pytest.raises(ConfigError, match="already drafts over a reduced vocabulary"):
+        restrict_draft_vocab(small, target, [1])
+
+
+def test_dspark_drafts_over_a_reduced_vocabulary(target, prompts, reference):
+    """A DSpark drafter keeps its Markov head's columns of the kept ids: the same logits there, lossless
+    decoding, and the config of a reduced-vocabulary checkpoint."""
+    dspark = random_drafter(target, block_size=7, num_layers=1, kind="dspark", markov_rank=8, seed=4)
+    ids = np.random.default_rng(6).permutation(target.config.vocab_size)[:20]
+    small = restrict_draft_vocab(dspark, target, ids)
+    assert small.config.draft_vocab_size == 20 and dspark.config.draft_vocab_size is None
+    assert small.model.markov_head.markov_w2.kernel[...].shape == (8, 20)
+    assert dspark.model.markov_head.markov_w2.kernel[...].shape == (8, target.config.vocab_size)  # unchanged
+    h = jnp.asarray(np.random.default_rng(1).normal(size=(2, 3, target.config.hidden_size)), jnp.float32)
+    e = small.model.markov_head.embed(jnp.asarray([[3, 4, 5], [6, 7, 8]]))
+    full = np.asarray(dspark.model.base_logits(h, target.model) + dspark.model.markov_head.bias(e))
+    np.testing.assert_allclose(np.asarray(small.model.base_logits(h, target.model) + small.model.markov_head.bias(e)),
+                               full[..., ids], rtol=1e-5, atol=1e-5)
+    out = speculative_generate(target, small, prompts, max_new_tokens=MAX_NEW, stop_token_ids=[],
+                               verify_mode="static")
+    assert out.token_ids == reference.token_ids
 
 
 class _CharTokenizer:
