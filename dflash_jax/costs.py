@@ -178,13 +178,18 @@ def resolve(table: "CostTable | str | Path | None", backend: str, attached: dict
 # Measuring
 # --------------------------------------------------------------------------------------------------
 
+ROUNDS = 3  # timed calls per tier in measure()
+
+
 def measure(target, drafter, *, batches=(1, 4, 16, 32, 64, 128), block_size: int | None = None,
             context: int = 256, repeats: int = 20, pair: str = "", progress=None) -> CostTable:
     """Time one compact step (draft + packed verify of ``per_row`` tokens per row + accept + commit) at every
     tier of every batch, and the scheduler's autoregressive step (no drafting), the rows' caches holding
-    ``context`` tokens. One program per batch (the tier is a runtime argument, as in the decode loop);
-    ``repeats`` timed runs per tier after one warm-up, the median kept. ``progress``: called with a line per
-    batch."""
+    ``context`` tokens. One program per batch (the tier is a runtime argument, as in the decode loop) that runs
+    the step in a ``lax.while_loop``, as decoding does: one call's dispatch and the host's wait are spread over
+    its steps instead of added to each (on a GPU they are a large part of a small model's step, and timing
+    one step per call flattened the table). ``repeats`` steps per tier after one warm-up, in ``ROUNDS``
+    calls; the median of the calls' per-step times is kept. ``progress``: called with a line per batch."""
     import jax
     import jax.numpy as jnp
 
@@ -219,18 +224,23 @@ def measure(target, drafter, *, batches=(1, 4, 16, 32, 64, 128), block_size: int
             # on a 2-core CPU, which flattened the table's ratios and made the scheduler over-verify).
             return dataclasses.replace(out, num_new=state.num_new, anchor_pos=state.anchor_pos, done=state.done)
 
-        fn = jax.jit(step, donate_argnums=1).lower(job.params, state, np.int32(0)).compile(
+        def steps(params, state, tier, n, step=step):
+            return jax.lax.while_loop(lambda c: c[1] < n, lambda c: (step(params, c[0], tier), c[1] + 1),
+                                      (state, jnp.zeros((), jnp.int32)))[0]
+
+        fn = jax.jit(steps, donate_argnums=1).lower(job.params, state, np.int32(0), np.int32(1)).compile(
             generation.COMPILER_OPTIONS)
+        per_call = max(1, repeats // ROUNDS)
         row = {}
         for i, size in enumerate(tiers + (0,)):  # index len(tiers): the autoregressive step
-            state = fn(job.params, state, np.int32(i))
+            state = fn(job.params, state, np.int32(i), np.int32(1))
             jax.block_until_ready(state)
             times = []
-            for _ in range(repeats):
+            for _ in range(ROUNDS):
                 t0 = time.perf_counter()
-                state = fn(job.params, state, np.int32(i))
+                state = fn(job.params, state, np.int32(i), np.int32(per_call))
                 jax.block_until_ready(state)
-                times.append(time.perf_counter() - t0)
+                times.append((time.perf_counter() - t0) / per_call)
             row[size // b] = float(np.median(times) * 1e3)
         ar_ms[b] = row.pop(0)
         step_ms[b] = row
