@@ -269,6 +269,9 @@ def pytest_unconfigure(config):
 
 
 @pytest.hookimpl(tryfirst=True)
+from dflash_jax.generation import AUTO_COMPACT_RATIO as _LIBRARY_AUTO_RATIO  # noqa: E402 (before tests change it)
+
+
 def pytest_runtest_setup(item):
     """Before any fixture of the test is set up (module-scoped ones compile programs too)."""
     from dflash_jax import generation
@@ -278,7 +281,7 @@ def pytest_runtest_setup(item):
     # verify_mode="auto" is static here unless a test asks for the default (marker auto_verify): on the CPU it
     # resolves to compact, whose tier programs compile several verify passes; tests/test_schedule.py covers the
     # modes, and one real-pair test the default.
-    generation.AUTO_COMPACT_RATIO = 1.25 if item.get_closest_marker("auto_verify") else float("inf")
+    generation.AUTO_COMPACT_RATIO = _LIBRARY_AUTO_RATIO if item.get_closest_marker("auto_verify") else float("inf")
 
 
 @pytest.fixture
