@@ -268,10 +268,10 @@ def pytest_unconfigure(config):
         shutil.rmtree(_OWN_PROGRAM_CACHE, ignore_errors=True)
 
 
-@pytest.hookimpl(tryfirst=True)
 from dflash_jax.generation import AUTO_COMPACT_RATIO as _LIBRARY_AUTO_RATIO  # noqa: E402 (before tests change it)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """Before any fixture of the test is set up (module-scoped ones compile programs too)."""
     from dflash_jax import generation
