@@ -1,0 +1,122 @@
+"""Where a CPU decode step's time goes, by XLA:CPU thunk: the plain autoregressive loop's step against the compact
+program's autoregressive branch (the scheduler's step without drafting) and one of its drafted tiers, on the
+embedded pair at batch ``--batch`` with ``--context`` tokens in each row's cache.
+
+Each step runs ``--steps`` times in one ``lax.while_loop`` call (as decoding runs it) under the JAX profiler;
+thunk times are summed over the profile's XLA threads (two worker threads on a 2-core machine, so the sums can
+exceed the wall time) and grouped by thunk name without its numeric suffix.
+
+    python benchmarks/profile_cpu_step.py --out benchmarks/results/<date>_cpu_step_profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import glob
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.profiler import ProfileData
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dflash_jax import generation, load_pair  # noqa: E402
+from dflash_jax.costs import CostTable  # noqa: E402
+from dflash_jax.decode import loop  # noqa: E402
+
+
+def plain_step(target, ids):
+    job = generation.prepare(target, None, ids, max_new_tokens=64, stop_token_ids=[], block_size=1)
+    graphs = (job.target.split().static, None)
+
+    def step(params, s, tier):
+        t, d = loop._merge(graphs, params)
+        out = loop.cycle(t, d, s, job.spec, 0)
+        return dataclasses.replace(out, num_new=s.num_new, anchor_pos=s.anchor_pos, done=s.done)
+    return job, step
+
+
+def compact_step(target, drafter, ids, batch: int):
+    every_tier = CostTable("", "", "", "", 16, 0, {1: {n: 3.0 * n for n in (1, 2, 4, 8, 16)}}, ar_ms={1: 0.5})
+    job = generation.prepare(target, drafter, ids, max_new_tokens=64, block_size=16, stop_token_ids=[],
+                             verify_mode="compact", cost_table=every_tier)
+    spec = dataclasses.replace(job.spec, ar_step=True)
+    graphs = (job.target.split().static, job.drafter.split().static)
+
+    def step(params, s, tier):
+        t, d = loop._merge(graphs, params)
+        window = jnp.full((batch,), (jnp.asarray(spec.tiers + (batch,), jnp.int32) // batch - 1)[tier], jnp.int32)
+        out = loop.compact_step(t, d, s, spec, d.config.mask_token_id, window, tier)
+        return dataclasses.replace(out, num_new=s.num_new, anchor_pos=s.anchor_pos, done=s.done)
+    return job, step
+
+
+def profile(job, step, tier: int, steps: int) -> dict:
+    state, _ = job.programs.prefill(*job.pre_args)
+
+    def run(params, state, tier, n):
+        return jax.lax.while_loop(lambda c: c[1] < n, lambda c: (step(params, c[0], tier), c[1] + 1),
+                                  (state, jnp.zeros((), jnp.int32)))[0]
+
+    fn = jax.jit(run, donate_argnums=1).lower(job.params, state, np.int32(0), np.int32(1)).compile()
+    state = jax.block_until_ready(fn(job.params, state, np.int32(tier), np.int32(2)))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(job.params, state, np.int32(tier), np.int32(steps)))
+        wall_ms = (time.perf_counter() - t0) / steps * 1e3
+        jax.profiler.stop_trace()
+        data = ProfileData.from_file(sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))[-1])
+        total, calls = collections.Counter(), collections.Counter()
+        for plane in data.planes:
+            for line in plane.lines:
+                if not line.name.startswith("tf_XLAEigen"):
+                    continue
+                for ev in line.events:
+                    if ev.name == "ThunkExecutor::Execute" or ev.name.startswith("end: "):
+                        continue
+                    name = re.sub(r"\.\d+$", "", ev.name)
+                    total[name] += ev.duration_ns
+                    calls[name] += 1
+    return dict(wall_ms=wall_ms, thunks={k: dict(ms=v / steps / 1e6, calls=calls[k] / steps)
+                                         for k, v in total.most_common(12)})
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=3)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    target, drafter = load_pair("smollm2-135m")
+    ids = np.random.default_rng(0).integers(0, target.config.vocab_size, (args.batch, args.context)).tolist()
+    job, step = compact_step(target, drafter, ids, args.batch)
+    k = len(job.spec.tiers)
+    cases = {"plain AR step": (*plain_step(target, ids), 0), "compact: AR branch": (job, step, k),
+             f"compact: tier {job.spec.tiers[0]} (1 token per row)": (job, step, 0)}
+    result = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=jax.devices()[0].device_kind, batch=args.batch,
+                  context=args.context, commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                              capture_output=True, text=True).stdout.strip(),
+                  cases={})
+    for name, (j, s, tier) in cases.items():
+        r = result["cases"][name] = profile(j, s, tier, args.steps)
+        print(f"== {name}: {r['wall_ms']:.1f} ms a step", flush=True)
+        for thunk, t in r["thunks"].items():
+            print(f"   {t['ms']:7.2f} ms  ×{t['calls']:6.1f}  {thunk}", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
