@@ -96,6 +96,9 @@ def _load_models(args: argparse.Namespace):
     from dflash_jax.sharding import make_mesh, parse_mesh
 
     mesh = make_mesh(**parse_mesh(args.mesh)) if args.mesh else None
+    if args.target and args.draft_vocab:
+        raise SystemExit("--draft-vocab takes its token ranking from a pair config (--config); with --target, call "
+                         "dflash_jax.restrict_draft_vocab from Python")
     if args.target:
         target = load_target(args.target, args.dtype or "float32", mesh=mesh)
         drafter = load_drafter(args.drafter, target) if args.drafter else None

@@ -140,3 +140,11 @@ def test_ranking_file_and_pair_settings(tmp_path):
                 {"ranking": "r.npz", "size": {"cpu": 0}}):
         with pytest.raises(ConfigError, match="draft_vocab"):
             parse_pair({**base, "draft_vocab": bad}, "p.yaml")
+
+
+def test_cli_draft_vocab_needs_a_pair_config():
+    from dflash_jax.cli import main
+
+    with pytest.raises(SystemExit, match="--draft-vocab takes its token ranking from a pair config"):
+        main(["generate", "--no-compile-cache", "--target", "some/dir", "--draft-vocab", "8", "--input", "in.jsonl",
+              "--output", "out.jsonl"])
