@@ -11,7 +11,7 @@ import pytest
 
 from conftest import fast_jit, oracle_drafter, random_prompts, tiny_config, tiny_target
 from dflash_jax import (ShardingError, generate, generation, load_drafter, load_target, make_mesh, random_drafter,
-                        shard, speculative_generate)
+                        restrict_draft_vocab, shard, speculative_generate)
 from dflash_jax.loading import Target
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -46,6 +46,15 @@ def test_token_identical_to_single_device(reference, tp, dp):
     assert generate(t, PROMPTS, **kw).token_ids == reference["ar"]
     if dp == 1:  # per-row PRNG keys are the same rows as on one device only without batch padding
         assert speculative_generate(t, d, PROMPTS, temperature=1.0, seed=3, **kw).token_ids == reference["sampled"]
+
+
+def test_reduced_draft_vocabulary_under_a_mesh(reference):
+    """The drafts' head rows (placed replicated) and id map under tp × dp: the target's tokens still."""
+    t, d = pair(make_mesh(tp=4, dp=2))
+    small = restrict_draft_vocab(d, t, np.arange(0, 64, 2))
+    assert small.model.draft_head[...].sharding.spec == P()
+    out = speculative_generate(t, small, PROMPTS, max_new_tokens=16, stop_token_ids=[])
+    assert out.token_ids == reference["ar"]
 
 
 def count_collectives(hlo: str) -> dict[str, int]:
