@@ -19,6 +19,7 @@ padding never enters them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -376,19 +377,7 @@ def _packed_step(target, drafter, state: DecodeState, spec: LoopSpec, window, ti
     b = state.anchor.shape[0]
     lens = jnp.where(state.done, 0, window + 1)
     positions = block_positions(state, l)
-    slots = spec.tiers[-1]  # every branch's pending writes padded to the largest tier
-
-    def forward(block, size: int, width: int):
-        """The target over the packed windows (``width``: the longest window a row can have in ``size``
-        slots — the attention's block), results back in ``[B, L]`` (zeros past each window)."""
-        layout = attention.PackedLayout.build(lens, state.anchor_pos, size, width)
-        hidden, feats, pending = target(layout.pack(block)[None], layout.positions[None], state.target_cache,
-                                        capture=spec.capture, impl=spec.impl, packed=layout)
-        logits = target.logits(hidden[0])  # [T, V]: the LM head only over the packed rows
-        scored = layout.unpack(logits if spec.sampling else jnp.argmax(logits, axis=-1).astype(jnp.int32))
-        widen = lambda x: jnp.pad(x, [(0, 0), (0, l - width)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-        return (widen(scored), widen(layout.unpack(feats[0])) if feats is not None else None,
-                pending.padded(slots))
+    forward = functools.partial(_packed_forward, target, state, spec, lens)
 
     def tier_branch(size: int):
         def branch(drafted):
@@ -417,6 +406,23 @@ def _packed_step(target, drafter, state: DecodeState, spec: LoopSpec, window, ti
     state, accepted, last, _ = _accept(state, block, logits, choice, spec, q, window)
     return _commit_verified(drafter, state, block, positions, pending.write(state.target_cache), feats, accepted,
                             last, None, window)
+
+
+def _packed_forward(target, state: DecodeState, spec: LoopSpec, lens: Int[Array, "B"], block: Int[Array, "B L"],
+                    size: int, width: int):
+    """The target over each row's first ``lens`` block tokens packed into ``size`` slots (``width``: the longest
+    window a row can have there — the attention's block): (scores [B, L] — logits, or the argmax when greedy —,
+    captured features [B, L, F] or None, both zero past each window; the new K/V as a :class:`PendingKV` padded
+    to the largest tier, so that every branch returns one shape)."""
+    l = spec.block_size
+    layout = attention.PackedLayout.build(lens, state.anchor_pos, size, width)
+    hidden, feats, pending = target(layout.pack(block)[None], layout.positions[None], state.target_cache,
+                                    capture=spec.capture, impl=spec.impl, packed=layout)
+    logits = target.logits(hidden[0])  # [T, V]: the LM head only over the packed rows
+    scored = layout.unpack(logits if spec.sampling else jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    widen = lambda x: jnp.pad(x, [(0, 0), (0, l - width)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+    return (widen(scored), widen(layout.unpack(feats[0])) if feats is not None else None,
+            pending.padded(spec.tiers[-1]))
 
 
 def _accept(state: DecodeState, block, logits, choice, spec: LoopSpec, q, window):
