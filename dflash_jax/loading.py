@@ -409,24 +409,26 @@ def load_pair(name_or_path: str = EMBEDDED_PAIR, dtype: Any = None, mesh: Mesh |
     ``draft_vocab``: the drafts' vocabulary (:func:`restrict_draft_vocab`) — None: what the config sets for
     this backend; 0: the whole vocabulary; N: the N most frequent tokens of the config's ranking.
     """
-    from dflash_jax.pairs import load_pair_config
+    from dflash_jax import costs
+    from dflash_jax.pairs import load_pair_config, parse_pair
 
-    if name_or_path == EMBEDDED_PAIR and not (_ASSETS.parent.parent / "configs").is_dir():
-        cfg = None  # installed without the configs folder: the embedded pair still works
+    if name_or_path == EMBEDDED_PAIR and not _configs_installed():  # e.g. a wheel: the embedded pair still works
+        cfg = parse_pair(EMBEDDED_PAIR_SETTINGS, "the embedded pair's built-in settings")
     else:
         cfg = load_pair_config(name_or_path)
-    dtype = dtype or (cfg.dtype if cfg else "float32")
-    target = load_target(cfg.target if cfg else EMBEDDED_PAIR, dtype,
-                         chat_template_kwargs=cfg.chat_template_kwargs if cfg else None, mesh=mesh)
+    target = load_target(cfg.target, dtype or cfg.dtype, chat_template_kwargs=cfg.chat_template_kwargs, mesh=mesh)
     drafter = _pair_drafter(cfg, target)
-    if cfg is not None:
-        from dflash_jax import costs
+    drafter.cost_tables = costs.load_tables(costs.tables_path(cfg.path)) or None  # built-in settings: none
+    return target, _pair_draft_vocab(cfg, target, drafter, draft_vocab)
 
-        drafter.cost_tables = costs.load_tables(costs.tables_path(cfg.path)) or None
-        drafter = _pair_draft_vocab(cfg, target, drafter, draft_vocab)
-    elif draft_vocab:
-        raise ConfigError("draft_vocab needs the pair's config (its token ranking): configs/ is not installed")
-    return target, drafter
+
+# configs/smollm2-135m.yaml's settings, for an install without the configs folder (tests keep the two equal).
+EMBEDDED_PAIR_SETTINGS = {"name": EMBEDDED_PAIR, "target": EMBEDDED_PAIR, "drafter": "embedded", "dtype": "float32",
+                          "block_size": 16, "draft_vocab": {"ranking": "embedded:smollm2-135m", "size": {"cpu": 16384}}}
+
+
+def _configs_installed() -> bool:
+    return (_ASSETS.parent.parent / "configs").is_dir()
 
 
 def _pair_draft_vocab(cfg, target: Target, drafter: Drafter, size: int | None) -> Drafter:
@@ -446,7 +448,7 @@ def _pair_draft_vocab(cfg, target: Target, drafter: Drafter, size: int | None) -
 
 
 def _pair_drafter(cfg, target: Target) -> Drafter:
-    drafter_src = cfg.drafter if cfg else "embedded"
+    drafter_src = cfg.drafter
     if drafter_src is None:
         raise ConfigError(f"pair {cfg.name!r} has no drafter")
     if drafter_src == "embedded" or drafter_src.startswith("embedded:"):  # shipped in dflash_jax/assets

@@ -148,3 +148,14 @@ def test_cli_draft_vocab_needs_a_pair_config():
     with pytest.raises(SystemExit, match="--draft-vocab takes its token ranking from a pair config"):
         main(["generate", "--no-compile-cache", "--target", "some/dir", "--draft-vocab", "8", "--input", "in.jsonl",
               "--output", "out.jsonl"])
+
+
+def test_built_in_embedded_pair_settings_match_its_config():
+    """An install without configs/ (a wheel) loads the embedded pair from built-in settings: the YAML's."""
+    from dflash_jax.loading import EMBEDDED_PAIR_SETTINGS
+    from dflash_jax.pairs import load_pair_config
+
+    built_in, yaml_cfg = parse_pair(EMBEDDED_PAIR_SETTINGS, "built-in"), load_pair_config("smollm2-135m")
+    for field in ("name", "target", "drafter", "dtype", "block_size", "chat_template_kwargs", "mesh",
+                  "draft_vocab_ranking", "draft_vocab_sizes"):
+        assert getattr(built_in, field) == getattr(yaml_cfg, field), field

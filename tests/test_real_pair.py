@@ -74,6 +74,18 @@ def test_default_is_compact_on_the_cpu_and_lossless(smollm2, smollm2_drafter, re
     assert out.token_ids == reference.token_ids[:2] and out.tau > 1.3
 
 
+def test_embedded_pair_without_the_configs_folder(smollm2, monkeypatch):
+    """Installed without configs/ (a wheel, e.g. the notebook's Colab install): load_pair still gives the
+    embedded pair with its CPU draft vocabulary (built-in settings)."""
+    from dflash_jax import load_pair, loading
+
+    monkeypatch.setattr(loading, "_configs_installed", lambda: False)
+    monkeypatch.setattr(loading, "load_target", lambda *a, **k: smollm2)  # the session's target, not a reload
+    target, drafter = load_pair("smollm2-135m")
+    assert target is smollm2 and drafter.trained and drafter.cost_tables is None
+    assert drafter.model.draft_head[...].shape == (16384, 576)
+
+
 def test_shipped_dspark_drafter_is_lossless(smollm2, reference):
     """The shipped DSpark pair's drafter (trained Markov and confidence heads, STS temperatures), greedy:
     identical to autoregressive decoding, with real acceptance; a pair naming a drafter that is not shipped
