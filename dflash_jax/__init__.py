@@ -18,6 +18,6 @@ from dflash_jax.tokenizer import TokenizerMissingError
 __all__ = [
     "CheckpointError", "ConfigError", "Drafter", "DrafterConfig", "GenerationOutput", "ModelConfig", "Target",
     "TokenizerMissingError", "compile_count", "generate", "load_drafter", "load_pair", "load_target",
-    "random_drafter", "restrict_draft_vocab", "speculative_generate", "make_mesh", "shard", "ShardingError", "StreamChunk", "TokenStream",
-    "speculative_stream", "stream_generate",
+    "random_drafter", "restrict_draft_vocab", "speculative_generate", "make_mesh", "shard", "ShardingError",
+    "StreamChunk", "TokenStream", "speculative_stream", "stream_generate",
 ]
