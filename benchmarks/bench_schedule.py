@@ -7,11 +7,14 @@
   after an untimed pass over them (every shape bucket compiled). Per mode: tokens/s over the whole run (prefill + decode, host included), the
   mean per-row latency per token (a batch's wall time ÷ its mean answer length: what one user waits per token),
   τ, verified tokens per committed token, the tier histogram. Drawn as a throughput–latency spectrum.
+  ``--continuous``: every prompt through one pool of the batch's rows instead (:mod:`dflash_jax.continuous`: a
+  finished row takes the next prompt); latency is then each request's own, per token.
 * Mixed batch: code, chat and poetry prompts in one batch, cap-accept (whose commits equal compact's): mean
   window and utilisation (committed ÷ what the whole block would have committed) per kind.
 
     python benchmarks/bench_schedule.py --make-prompts benchmarks/data/schedule_prompts.json   # here, once
     python benchmarks/bench_schedule.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --calibrate --out sched.json
+    python benchmarks/bench_schedule.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --continuous --out pool.json
     python benchmarks/bench_schedule.py --demo --dtype float32 --max-new 96 --out demo_cpu.json   # CPU
     python benchmarks/bench_schedule.py --demo --dtype float32 --max-new 96 --repeats 3 --modes ar,compact \
         --draft-vocab 0,16384 --out demo_vocab.json   # CPU: the whole vocabulary vs a reduced draft vocabulary
@@ -33,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_jax import costs, draft_vocab, generate, load_drafter, load_target, speculative_generate  # noqa: E402
+from dflash_jax import continuous, costs, draft_vocab, generate, load_drafter, load_target, speculative_generate  # noqa: E402,E501
 from dflash_jax.loading import _ASSETS, restrict_draft_vocab  # noqa: E402
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "schedule_prompts.json"
@@ -59,8 +62,16 @@ def make_prompts(path: Path) -> None:
     print(f"{len(rows)} prompts → {path}")
 
 
-def run_mode(mode: str, target, drafter, batches: list[list[list[int]]], max_new: int) -> dict:
+def run_mode(mode: str, target, drafter, batches: list[list[list[int]]], max_new: int,
+             pool: dict | None = None) -> dict:
+    """``pool`` (continuous batching): ``batches`` is one list of every prompt, decoded through a pool of
+    ``pool["batch_size"]`` rows refilled ``pool["refill_size"]`` at a time; latency is then each request's own
+    (its prefill's dispatch to its answer on the host) per token."""
     def call(batch):
+        if pool:
+            return continuous.run(target, None if mode == "ar" else drafter, batch, max_new_tokens=max_new,
+                                  block_size=1 if mode == "ar" else drafter.config.verify_width,
+                                  verify_mode="static" if mode == "ar" else mode, **pool)
         if mode == "ar":
             return generate(target, batch, max_new_tokens=max_new)
         return speculative_generate(target, drafter, batch, max_new_tokens=max_new, verify_mode=mode)
@@ -77,7 +88,10 @@ def run_mode(mode: str, target, drafter, batches: list[list[list[int]]], max_new
         outs.append(out)
         n = out.stats["new_tokens"]
         wall, tokens = wall + dt, tokens + n
-        latency.append(1e3 * dt / (n / len(batch)))
+        if pool:
+            latency += [1e3 * s / len(t) for s, t in zip(out.stats["request_latency_s"], out.token_ids)]
+        else:
+            latency.append(1e3 * dt / (n / len(batch)))
         cycles += sum(len(a) for a in out.acceptance_lengths)
         verified += out.stats.get("verify_tokens", n)
         for t, c in out.stats.get("tier_steps", {}).items():
@@ -86,22 +100,28 @@ def run_mode(mode: str, target, drafter, batches: list[list[list[int]]], max_new
                tau=(tokens - sum(map(len, batches))) / max(cycles, 1), verified_per_token=verified / tokens)
     if tiers:
         res["tier_steps"] = dict(sorted(tiers.items()))
+    if pool:
+        res.update({k: out.stats[k] for k in ("cycles", "segments", "refills", "refill_size")})
     return res, outs
 
 
 def sweep(target, drafter, rows: list[dict], batch_sizes: list[int], max_new: int, max_prompts: int,
-          save=lambda results: None) -> dict:
+          save=lambda results: None, refill_size: int | None = None, continuous_batching: bool = False) -> dict:
     prompts = [r["ids"] for r in rows if r["set"] != "poetry"]
     results = {}
     for b in batch_sizes:
         n = min(len(prompts), max(b, max_prompts if b < 16 else len(prompts)))
-        n -= n % b if n >= b else 0
-        batches = [prompts[i: i + b] for i in range(0, n, b)]
+        pool = None
+        if continuous_batching:
+            batches, pool = [prompts[:n]], dict(batch_size=b, refill_size=refill_size)
+        else:
+            n -= n % b if n >= b else 0
+            batches = [prompts[i: i + b] for i in range(0, n, b)]
         res = {}
         ids = {}
         for mode in ("ar", "static", "compact"):
             t0 = time.perf_counter()
-            res[mode], outs = run_mode(mode, target, drafter, batches, max_new)
+            res[mode], outs = run_mode(mode, target, drafter, batches, max_new, pool)
             ids[mode] = [t for o in outs for t in o.token_ids]
             print(f"batch {b:4d} {mode:8s} {res[mode]['tokens_per_s']:9.1f} tok/s  "
                   f"{res[mode]['row_ms_per_token']:7.2f} ms/token/row  τ {res[mode]['tau']:.2f}  "
@@ -244,6 +264,10 @@ def main() -> int:
     ap.add_argument("--drafter", default="smollm2-135m-dflash",
                     help="a shipped drafter (dflash_jax/assets/<name>: smollm2-135m-dflash, smollm2-135m-dspark) "
                          "or a drafter directory")
+    ap.add_argument("--continuous", action="store_true",
+                    help="sweep: every prompt through one pool of the batch's rows (continuous batching) instead "
+                         "of consecutive static batches")
+    ap.add_argument("--refill-size", type=int, help="--continuous: rows refilled at a time (default: the library's)")
     ap.add_argument("--out", type=Path, default=Path("schedule.json"))
     args = ap.parse_args()
     if args.make_prompts:
@@ -283,8 +307,9 @@ def main() -> int:
         def save(partial):
             args.out.write_text(json.dumps(dict(result, sweep=partial), indent=1) + "\n")
 
+        result["continuous"] = args.continuous
         result["sweep"] = sweep(target, drafter, rows, [int(b) for b in args.batches.split(",")], args.max_new,
-                                args.small_batch_prompts, save)
+                                args.small_batch_prompts, save, args.refill_size, args.continuous)
         plot_spectrum(result["sweep"], args.out.with_name(args.out.stem + ".spectrum.png"),
                       f"SmolLM2-135M + {kind} drafter ({drafter_dir.name}), {result['device']}, {args.dtype}")
     if args.mixed_per_kind:

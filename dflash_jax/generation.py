@@ -64,11 +64,15 @@ def compile_count() -> int:
     return _COMPILE_COUNT
 
 
+def count_compiles(k: int) -> None:
+    global _COMPILE_COUNT
+    _COMPILE_COUNT += k
+
+
 def _programs(key: tuple, graphdefs: tuple, params: tuple, pre_args: tuple, spec: LoopSpec, static: dict,
               mask_id: int) -> Programs:
     """The cached programs for ``key`` (small and cheap to hash: the model structures enter as the integers
     of :class:`~dflash_jax.loading.SplitModel`), compiled on first use."""
-    global _COMPILE_COUNT
     programs = _PROGRAMS.get(key)
     if programs is None:
         # Trace under our (auto-axes) mesh, whatever mesh context the caller is in (e.g. an explicit one).
@@ -79,7 +83,7 @@ def _programs(key: tuple, graphdefs: tuple, params: tuple, pre_args: tuple, spec
                           donate_argnums=2).lower(graphdefs, params, pre.out_info[0],
                                                   jax.ShapeDtypeStruct((), jnp.int32)).compile(COMPILER_OPTIONS)
         programs = _PROGRAMS[key] = Programs(pre, dec, DecodeView.widths(pre.out_info[0]))
-        _COMPILE_COUNT += 2
+        count_compiles(2)
     return programs
 
 
@@ -145,6 +149,11 @@ def check_max_new_tokens(max_new_tokens: int) -> None:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
 
 
+def check_batch_size(batch_size) -> None:
+    if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) or batch_size <= 0:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+
+
 def _per_row(value, n: int, name: str, dtype) -> np.ndarray:
     arr = np.asarray(value, dtype=np.float64)
     if arr.ndim == 0:
@@ -202,6 +211,9 @@ class Job:
     spec: LoopSpec
     programs: Programs
     compile_s: float = 0.0
+    key: tuple = ()  # the programs' cache key
+    host: "_HostBatch | None" = None
+    step_cost: np.ndarray | None = None  # the scheduler's cost per tier (scheduled verify modes)
 
     @property
     def survival_width(self) -> int:
@@ -248,12 +260,23 @@ def _checked_lengths(cfg, ids: list[list[int]], max_new_tokens) -> tuple[np.ndar
     return lens, max_new
 
 
+@dataclasses.dataclass(frozen=True)
+class PoolShape:
+    """What a run over more prompts than rows (:mod:`dflash_jax.continuous`) fixes for all its batches: the
+    compiled decode program's buffers and sampling branches, from every prompt of the run."""
+
+    new_cap: int  # bucketed largest max_new_tokens
+    capacity: int  # cache length for the longest prompt
+    sampling: SamplingParams  # every prompt's settings: decide which sampling steps are compiled
+
+
 def _host_batch(ids: list[list[int]], lens: np.ndarray, max_new: np.ndarray, stops: tuple[int, ...], b: int,
-                block_size: int) -> _HostBatch:
-    """``ids`` padded to ``b`` rows (finished dummy rows: one token, one discarded new token), bucketed."""
+                block_size: int, pool: PoolShape | None = None) -> _HostBatch:
+    """``ids`` padded to ``b`` rows (finished dummy rows: one token, one discarded new token), bucketed
+    (new tokens and cache length: as ``pool`` says when given)."""
     pad = b - len(ids)
     p = bucket(int(lens.max()))
-    new_cap = bucket(int(max_new.max()))
+    new_cap = pool.new_cap if pool else bucket(int(max_new.max()))
     prompt = np.zeros((b, p), np.int32)
     for i, row in enumerate(ids):
         prompt[i, : len(row)] = row
@@ -261,16 +284,22 @@ def _host_batch(ids: list[list[int]], lens: np.ndarray, max_new: np.ndarray, sto
     stop_arr[: len(stops)] = stops
     return _HostBatch(prompt, np.concatenate([lens, np.ones(pad, np.int64)]).astype(np.int32),
                       np.concatenate([max_new, np.ones(pad, np.int64)]).astype(np.int32), stop_arr, new_cap,
-                      -(-(p + new_cap + block_size) // 16) * 16)
+                      pool.capacity if pool else cache_length(p, new_cap, block_size))
+
+
+def cache_length(prompt_bucket: int, new_cap: int, block_size: int) -> int:
+    return -(-(prompt_bucket + new_cap + block_size) // 16) * 16
 
 
 def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, max_new_tokens, block_size: int,
             stop_token_ids=None, attention_impl: str = "auto", temperature=None, top_k=None, top_p=None,
             seed: int = 0, draft_sampling: bool = False, pad_batch_to: int | None = None,
-            verify_mode: str = "auto", cost_table=None) -> Job:
+            verify_mode: str = "auto", cost_table=None, pool: PoolShape | None = None,
+            return_at_done: int | None = None) -> Job:
     """Validate and bucket one batch of token-id prompts. ``max_new_tokens``: one value or one per row.
 
-    ``pad_batch_to`` adds finished dummy rows so that every batch of a run has the same compiled shape.
+    ``pad_batch_to`` adds finished dummy rows so that every batch of a run has the same compiled shape;
+    ``pool`` and ``return_at_done``: the first batch of a continuous run (:mod:`dflash_jax.continuous`).
     Host work only, no per-parameter Python: the models' splits are cached on their handles and the
     programs are looked up by a small key.
     """
@@ -286,8 +315,9 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
                                 "with the target: load_drafter(..., target=target) inherits its mesh)")
     dp = shd.mesh_size(target.mesh, "dp")
     b = -(-max(n, pad_batch_to or 0) // dp) * dp  # batch rows split evenly over dp
-    host = _host_batch(ids, lens, max_new, stops, b, block_size)
-    sampled = bool((sp.temperature > 0).any())
+    host = _host_batch(ids, lens, max_new, stops, b, block_size, pool)
+    flags = pool.sampling if pool else sp  # which sampling steps the programs compile
+    sampled = bool((flags.temperature > 0).any())
     verify_mode, tiers, step_cost, ar_step = resolve_verify_mode(
         _check_verify_mode(verify_mode, target, drafter, block_size, dp), drafter, b, block_size, cost_table)
     if b > n:  # on the host: eager device ops would compile anew for each partial batch's row count
@@ -296,7 +326,7 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
 
     spec = _loop_spec(block_size, host.new_cap, tuple(drafter.config.target_layer_ids) if drafter is not None else (),
                       attention.resolve_impl(attention_impl, target.model.dtype), sampled, bool(draft_sampling),
-                      sampled and bool((sp.top_k > 0).any()), sampled and bool((sp.top_p < 1).any()),
+                      sampled and bool((flags.top_k > 0).any()), sampled and bool((flags.top_p < 1).any()),
                       target.mesh, cfg, drafter.config.layers if drafter is not None else None, verify_mode, tiers,
                       ar_step)
     tsplit = target.split()
@@ -305,7 +335,7 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
     graphdefs = (tsplit.static, dsplit.static if dsplit else None)
     params = (tsplit.leaves, dsplit.leaves if dsplit else None)
     ints, floats = pack_inputs(host.prompt, host.lens, host.max_new, host.stops, seed, sp if sampled else None,
-                               step_cost)
+                               step_cost, return_at_done)
     # One host-to-device copy per vector (each costs ~0.25 ms on a GPU, whatever its size). On one device the
     # compiled program takes the numpy vectors itself (its C++ path skips device_put's Python: ~0.2 ms less
     # per call on the CPU, bench_transfer.py); under a mesh they are placed replicated first.
@@ -316,7 +346,8 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
            dsplit.structure if dsplit else None, jax.config.jax_default_matmul_precision)
     t0 = time.perf_counter()
     programs = _programs(key, graphdefs, params, pre_args, spec, dict(capacity=host.capacity, **shapes), mask_id)
-    return Job(target, drafter, ids, stops, params, pre_args, spec, programs, time.perf_counter() - t0)
+    return Job(target, drafter, ids, stops, params, pre_args, spec, programs, time.perf_counter() - t0, key, host,
+               step_cost)
 
 
 def resolve_verify_mode(mode: str, drafter: Drafter | None, batch: int, block_size: int, cost_table=None
@@ -367,11 +398,13 @@ def _check_verify_mode(mode: str, target: Target, drafter: Drafter | None, block
 
 
 def pack_inputs(prompt: np.ndarray, lens: np.ndarray, max_new: np.ndarray, stops: np.ndarray, seed: int,
-                sp: SamplingParams | None, step_cost: np.ndarray | None = None
+                sp: SamplingParams | None, step_cost: np.ndarray | None = None, return_at_done: int | None = None
                 ) -> tuple[np.ndarray, np.ndarray | None]:
-    """The prefill's inputs as two flat vectors (see :func:`dflash_jax.decode.loop.unpack_inputs`)."""
+    """The prefill's inputs as two flat vectors (see :func:`dflash_jax.decode.loop.unpack_inputs`);
+    ``return_at_done`` defaults to the batch (the decode loop runs until every row is done)."""
     seed_bits = np.asarray([seed % 2**32], np.uint32).view(np.int32)
-    ints = np.concatenate([prompt.reshape(-1), lens, max_new, stops, seed_bits]).astype(np.int32)
+    return_at = len(lens) if return_at_done is None else return_at_done
+    ints = np.concatenate([prompt.reshape(-1), lens, max_new, stops, seed_bits, [return_at]]).astype(np.int32)
     parts = ([] if sp is None else [sp.temperature, sp.top_k, sp.top_p]) + (
         [] if step_cost is None else [step_cost])
     floats = np.concatenate(parts).astype(np.float32) if parts else None
@@ -462,8 +495,19 @@ def make_job(target: Target, drafter: Drafter | None, prompts, *, chat: bool, **
     return prepare(target, drafter, _tokenize(target, prompts, chat), **kw)
 
 
-def _run(target: Target, drafter: Drafter | None, prompts, *, chat: bool, **kw) -> GenerationOutput:
-    """Prepare, then run prefill and decode with a sync between them (for the timing stats)."""
+def _run(target: Target, drafter: Drafter | None, prompts, *, chat: bool, batch_size: int | None = None,
+         **kw) -> GenerationOutput:
+    """Prepare, then run prefill and decode with a sync between them (for the timing stats); with more prompts
+    than ``batch_size``, continuous batching (:mod:`dflash_jax.continuous`)."""
+    n = len(prompts) if isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)) else 0
+    if batch_size is not None:
+        check_batch_size(batch_size)
+    if batch_size is not None and n > batch_size:
+        sampling_params(n, kw.get("temperature"), kw.get("top_k"), kw.get("top_p"))
+        check_max_new_tokens(kw["max_new_tokens"])
+        from dflash_jax import continuous
+
+        return continuous.run(target, drafter, _tokenize(target, prompts, chat), batch_size=batch_size, **kw)
     job = make_job(target, drafter, prompts, chat=chat, **kw)
     t1 = time.perf_counter()
     state, packed = job.programs.prefill(*job.pre_args)
@@ -510,6 +554,7 @@ def speculative_generate(
     draft_sampling: bool = False,
     verify_mode: str = "auto",
     cost_table=None,
+    batch_size: int | None = None,
 ) -> GenerationOutput:
     """Lossless DFlash speculative decoding: greedy output identical to :func:`generate`, sampled output with
     exactly the target's distribution — with fewer target calls.
@@ -527,14 +572,15 @@ def speculative_generate(
     windows, packed; ``"cap-accept"`` verifies the whole block but commits only the windows (what compact
     commits), recording what trimming gave up (``stats["utilization"]``). ``cost_table``: the scheduler's
     step costs (a :class:`dflash_jax.costs.CostTable` or a ``.costs.json`` path; default: the pair's, from
-    ``dflash-jax calibrate``, else the one shipped for this backend).
+    ``dflash-jax calibrate``, else the one shipped for this backend). ``batch_size``: decode at most this many
+    prompts at once; a row that finishes takes the next prompt (continuous batching: README "Many prompts").
     :func:`dflash_jax.speculative_stream` takes the same arguments and yields the output as it is made.
     """
     target, drafter, block_size = speculative_settings(target, drafter, block_size)
     return _run(target, drafter, prompts, max_new_tokens=max_new_tokens, block_size=block_size,
                 stop_token_ids=stop_token_ids, chat=chat_template, attention_impl=attention_impl,
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, draft_sampling=draft_sampling,
-                verify_mode=verify_mode, cost_table=cost_table)
+                verify_mode=verify_mode, cost_table=cost_table, batch_size=batch_size)
 
 
 def generate(
@@ -549,10 +595,11 @@ def generate(
     top_k: int | Sequence[int] | None = 0,
     top_p: float | Sequence[float] | None = 1.0,
     seed: int = 0,
+    batch_size: int | None = None,
 ) -> GenerationOutput:
     """Plain autoregressive decoding with the same target code (the speed and correctness baseline);
-    greedy by default, sampling with the same options as :func:`speculative_generate`
+    greedy by default, sampling and ``batch_size`` as in :func:`speculative_generate`
     (:func:`dflash_jax.stream_generate` streams it)."""
     return _run(as_target(target), None, prompts, max_new_tokens=max_new_tokens, block_size=1,
                 stop_token_ids=stop_token_ids, chat=chat_template, attention_impl=attention_impl,
-                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+                temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, batch_size=batch_size)

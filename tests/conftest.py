@@ -351,6 +351,46 @@ def oracle_drafter(target: Target, prompts: list[list[int]], continuations: list
     return Drafter(OracleDrafter(cfg, table, tc.vocab_size), "oracle", True)
 
 
+class ContentOracleDrafter(OracleDrafter):
+    """An oracle that does not know which prompt a row holds (continuous batching moves prompts between rows):
+    it reads the anchor back from its embedding and proposes ``table[anchor position, anchor]``."""
+
+    def __init__(self, cfg: DrafterConfig, table: np.ndarray, vocab: int, embedding: jax.Array):
+        super().__init__(cfg, table, vocab)
+        self.embedding = nnx.Variable(jnp.asarray(embedding))  # [V, D]: the target's
+
+    def __call__(self, block_embeds, positions, cache, ctx_len, *, impl="xla"):
+        e = self.embedding[...]
+        dist = ((block_embeds[:, :1, None, :] - e[None, None]) ** 2).sum(-1)[:, 0]  # [B, V]
+        anchor = jnp.argmin(dist, axis=-1)
+        block = self.table[...][positions[:, 0], anchor]  # [B, L_max]
+        return block[:, : positions.shape[1]]
+
+
+def content_oracle_drafter(target: Target, prompts: list[list[int]], continuations: list[list[int]], *,
+                           block_size: int, corrupt: float, seed: int = 0, capacity: int = 128) -> Drafter:
+    """table[p, t] = the L tokens from position p of a sequence whose token at p is t (anchor first; a wrong
+    draft w.p. ``corrupt``; random where no sequence has t at p, or where two disagree: the first wins)."""
+    tc = target.config
+    rng = np.random.default_rng(seed)
+    table = rng.integers(0, tc.vocab_size, (capacity, tc.vocab_size, block_size))
+    table[:, :, 0] = np.arange(tc.vocab_size)[None, :]
+    seen = np.zeros((capacity, tc.vocab_size), bool)
+    for p, c in zip(prompts, continuations):
+        seq = list(p) + list(c)
+        for i in range(len(seq)):
+            if not seen[i, seq[i]]:
+                ahead = seq[i: i + block_size]
+                table[i, seq[i], : len(ahead)] = ahead
+                seen[i, seq[i]] = True
+    wrong = rng.random(table.shape) < corrupt
+    wrong[..., 0] = False
+    table = np.where(wrong, (table + 1 + rng.integers(0, tc.vocab_size - 1, table.shape)) % tc.vocab_size, table)
+    base = oracle_drafter(target, prompts, continuations, block_size=block_size, corrupt=0.0, capacity=capacity)
+    embedding = target.model.embed_tokens.embedding[...]
+    return Drafter(ContentOracleDrafter(base.config, table, tc.vocab_size, embedding), "content-oracle", True)
+
+
 def random_prompts(n: int, lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, size=lengths[i % len(lengths)]).tolist() for i in range(n)]

@@ -115,6 +115,16 @@ def test_sampled_drafts_over_a_reduced_draft_vocabulary(pair, logits):
     assert 1 in firsts and max(firsts) >= 2
 
 
+def test_continuous_batching_samples_the_target_distribution(pair, logits):
+    """N draws through a pool of N/4 rows refilled N/16 at a time: refilled rows draw from keys of their own."""
+    target, drafter = pair
+    probs = exact_distribution(logits, 1.0, 0, 1.0)
+    samples, out = draw(lambda *a, **k: speculative_generate(target, drafter, *a, **k), with_output=True,
+                        temperature=1.0, seed=6, draft_sampling=True, batch_size=N // 4)
+    assert out.stats["refills"] >= 12 and out.stats["refill_size"] == N // 64
+    assert chi2_pvalue(samples, probs) > 1e-3
+
+
 def test_autoregressive_sampling_matches_target_and_speculative(pair, logits):
     target, drafter = pair
     probs = exact_distribution(logits, 1.0, 0, 1.0)

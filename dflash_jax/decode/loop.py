@@ -87,11 +87,13 @@ def prefill(
     seed: Int[Array, ""] | None = None,
     sampling_params: sampling.SamplingParams | None = None,
     step_cost: Float[Array, "K"] | None = None,
+    return_at_done: Int[Array, ""] | None = None,
 ) -> DecodeState:
     """Target over the (right-padded) prompts; first token; drafter context for all prompt positions.
 
     ``seed``: the PRNG seed (needed when ``spec.sampling``; row ``b`` draws from the ``b``-th key of its split);
-    ``sampling_params``: per-row settings; ``step_cost``: the scheduler's cost per tier (scheduled modes).
+    ``sampling_params``: per-row settings; ``step_cost``: the scheduler's cost per tier (scheduled modes);
+    ``return_at_done``: see :attr:`DecodeState.return_at_done` (default: all rows).
     """
     b, p = prompt.shape
     rng = jax.random.split(jax.random.key(seed), b) if spec.sampling else None
@@ -132,6 +134,7 @@ def prefill(
         survival_sum=(jnp.zeros((b, spec.block_size - 1), jnp.float32)
                       if drafter is not None and getattr(drafter, "confidence_head", None) is not None else None),
         schedule=_new_schedule(drafter, b, spec, step_cost) if spec.scheduled and drafter is not None else None,
+        return_at_done=jnp.asarray(b if return_at_done is None else return_at_done, jnp.int32),
     )
     # The first token is committed like any other (it may be a stop token, or the whole budget).
     return shard_state(commit(state, first, jnp.ones((b,), jnp.int32), record=False), spec.plan)
@@ -513,14 +516,18 @@ def _record_survival(state: DecodeState, conf) -> DecodeState:
 
 def decode(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, spec: LoopSpec,
            mask_token_id: int, max_cycles: Int[Array, ""]) -> DecodeState:
-    """Cycles until every row is done, or ``max_cycles`` cycles (a runtime value: a stream runs the loop in
-    segments with the very program a whole call runs, so both commit identical tokens)."""
+    """Cycles until ``state.return_at_done`` rows are done (every row, but for continuous batching), or
+    ``max_cycles`` cycles (a runtime value: a stream runs the loop in segments with the very program a whole
+    call runs, so both commit identical tokens)."""
     def body(carry):
         s, i = carry
         return cycle(target, drafter, s, spec, mask_token_id), i + 1
 
-    state, _ = jax.lax.while_loop(lambda c: ~jnp.all(c[0].done) & (c[1] < max_cycles), body,
-                                  (state, jnp.zeros((), jnp.int32)))
+    def running(carry):
+        s, i = carry
+        return (jnp.sum(s.done, dtype=jnp.int32) < s.return_at_done) & (i < max_cycles)
+
+    state, _ = jax.lax.while_loop(running, body, (state, jnp.zeros((), jnp.int32)))
     return state
 
 
@@ -539,13 +546,14 @@ def _merge(statics, params):
 def unpack_inputs(ints: Int[Array, "N"], floats: jax.Array | None, spec: LoopSpec, batch: int, prompt_len: int,
                   num_stops: int) -> tuple:
     """The prefill's inputs from the host's two packed vectors (one host-to-device copy each): ``ints`` =
-    prompt [B·P] | prompt_len [B] | max_new [B] | stop ids [Z] | seed; ``floats`` (sampling only) =
+    prompt [B·P] | prompt_len [B] | max_new [B] | stop ids [Z] | seed | return_at_done (| a refill's rows
+    [B], unpacked by :func:`refill_fn`); ``floats`` (sampling only) =
     temperature [B] | top_k [B] | top_p [B], then (scheduled verify modes) the step cost per tier [K] (and
     an autoregressive step's, ``spec.ar_step``).
     Inverse of :func:`dflash_jax.generation.pack_inputs`."""
     b, p, z = batch, prompt_len, num_stops
-    cuts = np.cumsum([b * p, b, b, z])
-    prompt, lens, max_new, stops, seed = jnp.split(ints, cuts)
+    cuts = np.cumsum([b * p, b, b, z, 1, 1])
+    prompt, lens, max_new, stops, seed, return_at, _ = jnp.split(ints, cuts)
     sp = cost = None
     if spec.sampling:
         t, k, top_p = floats[0:b], floats[b:2 * b], floats[2 * b:3 * b]
@@ -553,15 +561,30 @@ def unpack_inputs(ints: Int[Array, "N"], floats: jax.Array | None, spec: LoopSpe
     if spec.scheduled:
         cost = floats[floats.shape[0] - len(spec.tiers) - spec.ar_step:]
     return (prompt.reshape(b, p), lens, max_new, stops, jax.lax.bitcast_convert_type(seed[0], jnp.uint32), sp,
-            cost)
+            cost, return_at[0])
 
 
 def prefill_fn(graphdefs, params, ints, floats, *, spec: LoopSpec, capacity: int, batch: int, prompt_len: int,
                num_stops: int):
     """→ (state, its packed view)."""
     target, drafter = _merge(graphdefs, params)
-    prompt, lens, max_new, stops, seed, sp, cost = unpack_inputs(ints, floats, spec, batch, prompt_len, num_stops)
-    state = prefill(target, drafter, prompt, lens, max_new, stops, spec, capacity, seed, sp, cost)
+    prompt, lens, max_new, stops, seed, sp, cost, return_at = unpack_inputs(ints, floats, spec, batch, prompt_len,
+                                                                            num_stops)
+    state = prefill(target, drafter, prompt, lens, max_new, stops, spec, capacity, seed, sp, cost, return_at)
+    return state, DecodeView.pack(state)
+
+
+def refill_fn(graphdefs, params, state, ints, floats, *, spec: LoopSpec, capacity: int, batch: int,
+              prompt_len: int, num_stops: int):
+    """Continuous batching: prefill ``batch`` new prompts and put them in the rows of ``state`` (donated) that
+    ``ints`` ends with (rows past the state's batch are dropped: padding); the state's ``return_at_done``
+    becomes the one packed with them. → (state, its packed view)."""
+    target, drafter = _merge(graphdefs, params)
+    prompt, lens, max_new, stops, seed, sp, cost, return_at = unpack_inputs(ints, floats, spec, batch, prompt_len,
+                                                                            num_stops)
+    new = prefill(target, drafter, prompt, lens, max_new, stops, spec, capacity, seed, sp, cost)
+    state = state.replace_rows(new, ints[ints.shape[0] - batch:])
+    state = shard_state(dataclasses.replace(state, return_at_done=return_at), spec.plan)
     return state, DecodeView.pack(state)
 
 

@@ -76,6 +76,24 @@ class DecodeState:
     sampling: SamplingParams | None = None
     survival_sum: Float[Array, "B G"] | None = None  # DSpark: Σ over cycles of each draft's predicted survival
     schedule: ScheduleState | None = None
+    return_at_done: Int[Array, ""] | None = None  # the loop returns once this many rows are done (None: all);
+    #                                               continuous batching then hands their rows to new prompts
+
+    def replace_rows(self, new: "DecodeState", rows: Int[Array, "R"]) -> "DecodeState":
+        """This state with rows ``rows`` replaced by the rows of ``new`` (a state of R rows made by the same
+        program settings; indices past the batch are dropped). Batch-wide fields stay: the stop ids, the cost
+        table, the tier histogram (the same in every row: it keeps counting the pool's steps)."""
+        put = lambda old, x: old.at[rows].set(x, mode="drop")  # noqa: E731
+        per_row = lambda old, x: None if old is None else jax.tree.map(put, old, x)  # noqa: E731
+        fields = ("tokens", "num_new", "max_new", "anchor", "anchor_pos", "done", "acc_lens", "num_cycles",
+                  "target_cache", "draft_cache", "rng", "sampling", "survival_sum")
+        out = dataclasses.replace(self, **{f: per_row(getattr(self, f), getattr(new, f)) for f in fields})
+        if self.schedule is not None:
+            old, fresh = self.schedule, new.schedule
+            out = dataclasses.replace(out, schedule=dataclasses.replace(
+                old, counts=per_row(old.counts, fresh.counts), untrimmed=put(old.untrimmed, fresh.untrimmed),
+                verify_tokens=put(old.verify_tokens, fresh.verify_tokens)))
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

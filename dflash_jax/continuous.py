@@ -1,0 +1,202 @@
+"""Continuous batching: more prompts than rows.
+
+A pool of ``batch_size`` rows decodes with one compiled decode program. The loop returns to the host once
+``refill_size`` rows are done (the state's ``return_at_done``); the host takes their answers, and one refill
+program (:func:`dflash_jax.decode.loop.refill_fn`) prefills the next prompts straight into those rows; decoding
+resumes. A static batch waits for its slowest row — a speculative batch runs as many cycles as its worst-drafted
+row needs while the others sit finished —; here a finished row gets new work.
+
+Rows never interact, so every prompt gets the tokens a batch of its own would give: greedy output is identical to
+:func:`dflash_jax.generate`'s; sampled rows draw from keys of their own (other keys than a one-batch call's, the
+same distribution).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax import generation
+from dflash_jax.decode import loop
+from dflash_jax.decode.sampling import SamplingParams
+from dflash_jax.decode.state import DecodeView
+from dflash_jax.loading import Drafter, Target
+
+# refill_size's default: this fraction of the pool (at least one row). Smaller refills leave fewer finished rows
+# idle; each costs a return to the host and a prefill call (benchmarks/RESULTS.md, continuous batching).
+REFILL_FRACTION = 1 / 16
+
+_REFILLS: dict[tuple, object] = {}  # compiled refill programs, by the pool's program key + (rows, prompt bucket)
+
+
+@dataclasses.dataclass
+class _Answer:
+    """One prompt's row of the packed view when it finished, and how long it waited for it."""
+
+    row: list[np.ndarray]  # DecodeView.columns of its slot
+    latency_s: float  # from its prefill's dispatch to the host reading it back
+
+
+def run(target: Target, drafter: Drafter | None, ids: list[list[int]], *, batch_size: int,
+        refill_size: int | None = None, max_new_tokens, block_size: int, stop_token_ids=None,
+        attention_impl: str = "auto", temperature=None, top_k=None, top_p=None, seed: int = 0,
+        draft_sampling: bool = False, verify_mode: str = "auto", cost_table=None,
+        on_finish: Callable[[int, list[int]], None] | None = None) -> generation.GenerationOutput:
+    """Decode token-id prompts ``ids`` through a pool of ``batch_size`` rows, refilled ``refill_size`` rows at a
+    time (default ``batch_size`` × :data:`REFILL_FRACTION`). ``on_finish(i, tokens)`` is called as prompt ``i``
+    finishes. The output is in prompt order, as :func:`dflash_jax.speculative_generate` returns it; its stats add
+    ``segments`` (returns to the host), ``refills`` (refill calls), ``cycles`` (the pool's), and
+    ``request_latency_s`` per prompt."""
+    from dflash_jax import sharding as shd
+
+    n = len(ids)
+    lens, max_new = generation._checked_lengths(target.config, ids, max_new_tokens)
+    sp = generation.sampling_params(n, temperature, top_k, top_p)
+    dp = shd.mesh_size(target.mesh, "dp")
+    generation.check_batch_size(batch_size)
+    b = -(-min(batch_size, n) // dp) * dp
+    r = refill_size if refill_size is not None else max(1, round(b * REFILL_FRACTION))
+    if not isinstance(r, (int, np.integer)) or isinstance(r, bool) or not 1 <= r <= b:
+        raise ValueError(f"refill_size must be an integer in [1, batch_size={b}], got {refill_size!r}")
+    r = -(-r // dp) * dp
+    new_cap = generation.bucket(int(max_new.max()))
+    pool = generation.PoolShape(new_cap, generation.cache_length(generation.bucket(int(lens.max())), new_cap,
+                                                                 block_size), sp)
+    settings = dict(block_size=block_size, stop_token_ids=stop_token_ids, attention_impl=attention_impl,
+                    draft_sampling=draft_sampling, verify_mode=verify_mode, cost_table=cost_table)
+    first = np.arange(min(b, n))
+    rest = n - len(first)
+    job = generation.prepare(target, drafter, [ids[i] for i in first], max_new_tokens=max_new[first],
+                             **_rows_sampling(sp, first), seed=seed, pad_batch_to=b, pool=pool,
+                             return_at_done=min(r, rest) if rest else None, **settings)
+    pool_run = _Pool(job, b, r, sp, max_new, seed)
+    t0 = time.perf_counter()
+    pool_run.start(first, t0)
+    answers: dict[int, _Answer] = {}
+    nxt = len(first)
+    while True:
+        view = pool_run.decode()
+        for i, answer in pool_run.harvest(view, time.perf_counter()).items():
+            answers[i] = answer
+            if on_finish is not None:
+                on_finish(i, answer.row[0][: int(answer.row[6][0])].tolist())
+        if nxt == n and len(answers) == n:
+            break
+        free = np.flatnonzero(pool_run.slots < 0)
+        take = min(len(free), n - nxt)
+        left = n - nxt - take
+        return_at = min(r, left) if left else b
+        for k in range(0, take, r):  # refill calls of r rows each; the last one's return_at_done holds
+            chunk = np.arange(nxt + k, nxt + min(k + r, take))
+            pool_run.refill(ids, chunk, free[k: k + len(chunk)], return_at, time.perf_counter())
+        nxt += take
+    wall = time.perf_counter() - t0
+    return _output(job, ids, answers, view, pool_run, wall)
+
+
+def _rows_sampling(sp: SamplingParams, rows: np.ndarray) -> dict:
+    return dict(temperature=sp.temperature[rows], top_k=sp.top_k[rows], top_p=sp.top_p[rows])
+
+
+class _Pool:
+    """The pool's device state and which prompt each row holds (-1: free)."""
+
+    def __init__(self, job: generation.Job, b: int, r: int, sp: SamplingParams, max_new: np.ndarray, seed: int):
+        self.job, self.b, self.r, self.sp, self.max_new, self.seed = job, b, r, sp, max_new, seed
+        self.slots = np.full(b, -1)
+        self.admitted = np.zeros(b)
+        self.cycles_seen = np.zeros(b, np.int64)
+        self.state = None
+        self.segments = self.refills = self.cycles = 0
+        self.compile_s = job.compile_s
+
+    def start(self, first: np.ndarray, now: float) -> None:
+        self.state, _ = self.job.programs.prefill(*self.job.pre_args)
+        self.slots[: len(first)] = first
+        self.admitted[:] = now
+
+    def decode(self) -> DecodeView:
+        self.state, packed = self.job.programs.decode(self.job.params, self.state, generation.ALL_CYCLES)
+        view = generation.fetch_view(self.job, packed)
+        self.segments += 1
+        self.cycles += int((view.num_cycles - self.cycles_seen).max())  # a row active all along saw every cycle
+        self.cycles_seen = view.num_cycles.astype(np.int64)
+        return view
+
+    def harvest(self, view: DecodeView, now: float) -> dict[int, _Answer]:
+        """The answers of rows that finished since the last harvest; their rows become free."""
+        out = {}
+        columns = [getattr(view, f.name) for f in dataclasses.fields(view)]
+        for slot in np.flatnonzero(view.done & (self.slots >= 0)):
+            out[int(self.slots[slot])] = _Answer([c[slot: slot + 1] for c in columns], now - self.admitted[slot])
+            self.slots[slot] = -1
+        return out
+
+    def refill(self, ids: list[list[int]], prompts: np.ndarray, rows: np.ndarray, return_at: int, now: float):
+        """Prefill ``prompts`` (indices into ``ids``, at most r) into free ``rows``; padding rows are dropped."""
+        job, r = self.job, self.r
+        chunk = [ids[i] for i in prompts]
+        lens = np.asarray([len(p) for p in chunk])
+        host = generation._host_batch(chunk, lens, self.max_new[prompts], job.stops, r, job.spec.block_size,
+                                      generation.PoolShape(job.host.new_cap, job.host.capacity, self.sp))
+        sp = None
+        if job.spec.sampling:
+            pad = lambda x: np.concatenate([x[prompts], np.repeat(x[prompts[-1:]], r - len(prompts))])  # noqa: E731
+            sp = SamplingParams(pad(self.sp.temperature), pad(self.sp.top_k), pad(self.sp.top_p))
+        self.refills += 1
+        seed = (self.seed + 0x9E3779B1 * self.refills) % 2**32  # each refill's rows draw from keys of their own
+        ints, floats = generation.pack_inputs(host.prompt, host.lens, host.max_new, job.host.stops, seed, sp,
+                                              job.step_cost, return_at)
+        ints = np.concatenate([ints, rows, np.full(r - len(rows), self.b)]).astype(np.int32)
+        program = self._refill_program(host.prompt.shape[1], ints, floats)
+        args = (ints, floats)
+        if job.spec.plan:
+            args = jax.device_put(args, job.spec.plan.replicated())
+        self.state, _ = program(job.params, self.state, *args)
+        self.slots[rows] = prompts
+        self.admitted[rows] = now
+        self.cycles_seen[rows] = 0
+
+    def _refill_program(self, prompt_len: int, ints: np.ndarray, floats: np.ndarray | None):
+        job = self.job
+        key = job.key + ("refill", self.r, prompt_len)
+        program = _REFILLS.get(key)
+        if program is None:
+            t0 = time.perf_counter()
+            static = dict(capacity=job.host.capacity, batch=self.r, prompt_len=prompt_len,
+                          num_stops=len(job.host.stops))
+            graphdefs = (job.target.split().static, job.drafter.split().static if job.drafter else None)
+            fn = jax.jit(functools.partial(loop.refill_fn, spec=job.spec, **static), static_argnums=0,
+                         donate_argnums=2)
+            with jax.set_mesh(job.spec.plan.mesh) if job.spec.plan else contextlib.nullcontext():
+                lowered = fn.lower(graphdefs, job.params, job.programs.prefill.out_info[0],
+                                   *(jax.ShapeDtypeStruct(x.shape, x.dtype) if x is not None else None
+                                     for x in (ints, floats)))
+                compiled = lowered.compile(generation.COMPILER_OPTIONS)
+            program = _REFILLS[key] = compiled
+            generation.count_compiles(1)
+            self.compile_s += time.perf_counter() - t0
+        return program
+
+
+def _output(job: generation.Job, ids: list[list[int]], answers: dict[int, _Answer], last: DecodeView,
+            pool: _Pool, wall: float) -> generation.GenerationOutput:
+    """Every prompt's answer in prompt order, with the pool's statistics."""
+    n = len(ids)
+    rows = [answers[i].row for i in range(n)]
+    columns = [np.concatenate([row[k] for row in rows]) for k in range(len(rows[0]))]
+    view = DecodeView(*columns)
+    view = dataclasses.replace(view, tier_steps=np.broadcast_to(last.tier_steps[:1], (n,) + last.tier_steps.shape[1:]))
+    out = generation.collect(dataclasses.replace(job, ids=ids, compile_s=pool.compile_s), view)
+    latency = [answers[i].latency_s for i in range(n)]
+    out.stats.update(wall_s=wall, tokens_per_s=out.stats["new_tokens"] / max(wall, 1e-9), cycles=pool.cycles,
+                     segments=pool.segments, refills=pool.refills, batch_size=pool.b, refill_size=pool.r,
+                     request_latency_s=latency)
+    return out
