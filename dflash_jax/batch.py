@@ -218,9 +218,12 @@ def run_batch(
     speedup_estimate: bool = False,
     attention_impl: str = "auto",
     verify_mode: str = "auto",
+    continuous_batching: bool = False,
 ) -> dict:
     """Generate for every prompt of ``input_path`` into ``output_path``; returns the summary dict.
-    ``verify_mode``: see :func:`dflash_jax.speculative_generate`.
+    ``verify_mode``: see :func:`dflash_jax.speculative_generate`. ``continuous_batching``: one pool of
+    ``batch_size`` rows whose finished rows take the next prompts (:mod:`dflash_jax.continuous`), records written
+    as prompts finish, instead of consecutive batches.
 
     ``speedup_estimate``: afterwards, decode one batch of this run again both speculatively and
     autoregressively (synchronously timed) and report the ratio of their decode tokens/s in the summary.
@@ -245,15 +248,21 @@ def run_batch(
     kw = dict(max_new_tokens=max_new_tokens, block_size=block_size if drafter is not None else 1,
               temperature=temperature, top_k=top_k, top_p=top_p, draft_sampling=False,
               attention_impl=attention_impl, verify_mode=verify_mode)
-    # Every program of the run is compiled before the first batch is dispatched: a compile between two
-    # batches would leave the device idle (on a GPU one decode program takes seconds to compile).
     t_start = time.perf_counter()
-    compile_s = _compile_ahead(target, drafter, batches, kw, batch_size, seed, progress)
     acc_hist = np.zeros(max(block_size or 1, 1) + 1, np.int64)  # cycles per acceptance length
-    launched, totals = _decode_and_write(target, drafter, batches, output, kw, batch_size, seed, acc_hist,
-                                         t_start, progress)
-    summary = _summary(input_path, output, launched, totals, acc_hist, t_start, compile_s, len(done), len(bad),
-                       len(batches), batch_size, kw["block_size"])
+    if continuous_batching and todo:
+        pool, totals = _decode_continuous(target, drafter, todo, output, kw, batch_size, seed, acc_hist, progress)
+        summary = _summary(input_path, output, [], totals, acc_hist, t_start, pool.pop("compile_s"), len(done),
+                           len(bad), 0, batch_size, kw["block_size"])
+        summary["continuous"] = pool
+    else:
+        # Every program of the run is compiled before the first batch is dispatched: a compile between two
+        # batches would leave the device idle (on a GPU one decode program takes seconds to compile).
+        compile_s = _compile_ahead(target, drafter, batches, kw, batch_size, seed, progress)
+        launched, totals = _decode_and_write(target, drafter, batches, output, kw, batch_size, seed, acc_hist,
+                                             t_start, progress)
+        summary = _summary(input_path, output, launched, totals, acc_hist, t_start, compile_s, len(done),
+                           len(bad), len(batches), batch_size, kw["block_size"])
     if speedup_estimate and drafter is not None and batches:
         full = [b for b in batches if len(b) == batch_size] or batches
         summary["speedup_estimate"] = _speedup_estimate(target, drafter, full[len(full) // 2], kw, seed)
@@ -356,16 +365,60 @@ def _decode_and_write(target: Target, drafter: Drafter | None, batches: list[lis
     return launched, totals
 
 
+def _decode_continuous(target: Target, drafter: Drafter | None, rows: list[Row], output: Path, kw: dict,
+                       batch_size: int, seed: int, acc_hist: np.ndarray, progress: bool) -> tuple[dict, dict]:
+    """Every row through one pool (:func:`dflash_jax.continuous.run`); the records of the prompts finished at
+    each return to the host are appended and fsync'd then ("batch": that return's number). → (the pool's
+    statistics, totals)."""
+    from dflash_jax import continuous
+
+    totals = {"prompts": 0, "tokens": 0}
+    bar = tqdm(total=len(rows), disable=not progress, desc="generate", unit="prompt", dynamic_ncols=True)
+    stops = set(target.stop_token_ids)
+    t0 = time.perf_counter()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with output.open("a", encoding="utf-8") as out:
+        segment = [0]
+
+        def write(finished: list[tuple[int, list[int], list[int]]]) -> None:
+            lines = []
+            for i, toks, acc in finished:
+                text = target.tokenizer.decode(toks) if target.tokenizer else None
+                fin = "stop" if toks and toks[-1] in stops else "length"
+                lines.append(_record(rows[i], toks, text, acc, fin, segment[0], acc_hist))
+                totals["tokens"] += len(toks)
+            out.write("".join(lines))
+            out.flush()
+            os.fsync(out.fileno())
+            segment[0] += 1
+            totals["prompts"] += len(finished)
+            bar.update(len(finished))
+            bar.set_postfix(tok_s=f"{totals['tokens'] / (time.perf_counter() - t0):,.0f}",
+                            tau=f"{_tau(acc_hist) or 0:.2f}")
+
+        try:
+            res = continuous.run(target, drafter, [r.ids for r in rows], batch_size=batch_size, seed=seed,
+                                 on_finish=write, **kw)
+        finally:
+            bar.close()
+    pool = {k: res.stats[k] for k in ("segments", "refills", "refill_size", "cycles", "compile_s")}
+    return pool, totals
+
+
 def _records(b: "_Batch", res: generation.GenerationOutput, index: int, acc_hist: np.ndarray) -> list[str]:
     """One JSON line per row of a finished batch; its acceptance lengths are added to ``acc_hist``."""
-    lines = []
-    for r, toks, text, acc, fin in zip(b.rows, res.token_ids, res.texts, res.acceptance_lengths, res.finish_reasons):
-        acc_hist += np.bincount(acc, minlength=len(acc_hist))[: len(acc_hist)] if acc else 0
-        lines.append(json.dumps({
-            "id": r.id, "text": text, "token_ids": toks, "num_tokens": len(toks), "finish_reason": fin,
-            "acceptance": {"cycles": len(acc), "tau": float(np.mean(acc)) if acc else None},
-            "batch": index}) + "\n")
-    return lines
+    return [_record(r, toks, text, acc, fin, index, acc_hist)
+            for r, toks, text, acc, fin in zip(b.rows, res.token_ids, res.texts, res.acceptance_lengths,
+                                               res.finish_reasons)]
+
+
+def _record(row: Row, toks: list[int], text: str | None, acc: list[int], finish: str, index: int,
+            acc_hist: np.ndarray) -> str:
+    """One JSON line; the row's acceptance lengths are added to ``acc_hist``."""
+    acc_hist += np.bincount(acc, minlength=len(acc_hist))[: len(acc_hist)] if acc else 0
+    return json.dumps({
+        "id": row.id, "text": text, "token_ids": toks, "num_tokens": len(toks), "finish_reason": finish,
+        "acceptance": {"cycles": len(acc), "tau": float(np.mean(acc)) if acc else None}, "batch": index}) + "\n"
 
 
 def _tau(acc_hist: np.ndarray) -> float | None:

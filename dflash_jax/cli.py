@@ -128,7 +128,7 @@ def _generate(args: argparse.Namespace) -> int:
                         top_k=args.top_k, top_p=args.top_p, seed=args.seed, limit=args.limit, resume=args.resume,
                         skip_bad=args.skip_bad, progress=not args.no_progress,
                         speedup_estimate=not args.no_speedup_estimate, attention_impl=args.attention_impl,
-                        verify_mode=args.verify_mode)
+                        verify_mode=args.verify_mode, continuous_batching=args.continuous)
     print(json.dumps({k: v for k, v in summary.items() if k != "acceptance_histogram"}, indent=1))
     return 0
 
@@ -254,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--output", required=True, help="JSONL records, appended per finished batch")
     gen.add_argument("--max-new-tokens", type=int, default=256)
     gen.add_argument("--batch-size", type=int, default=32)
+    gen.add_argument("--continuous", action="store_true",
+                     help="continuous batching: --batch-size rows, each taking the next prompt when it finishes "
+                          "(records written as prompts finish) instead of consecutive batches")
     gen.add_argument("--block-size", type=int)
     _sampling_options(gen)
     gen.add_argument("--limit", type=int, help="only the first N prompts of the input")

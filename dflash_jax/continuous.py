@@ -31,7 +31,7 @@ from dflash_jax.loading import Drafter, Target
 
 # refill_size's default: this fraction of the pool (at least one row). Smaller refills leave fewer finished rows
 # idle; each costs a return to the host and a prefill call (benchmarks/RESULTS.md, continuous batching).
-REFILL_FRACTION = 1 / 16
+REFILL_FRACTION = 1 / 8
 
 _REFILLS: dict[tuple, object] = {}  # compiled refill programs, by the pool's program key + (rows, prompt bucket)
 
@@ -40,18 +40,27 @@ _REFILLS: dict[tuple, object] = {}  # compiled refill programs, by the pool's pr
 class _Answer:
     """One prompt's row of the packed view when it finished, and how long it waited for it."""
 
-    row: list[np.ndarray]  # DecodeView.columns of its slot
+    row: list[np.ndarray]  # DecodeView's fields (its slot's row of each)
     latency_s: float  # from its prefill's dispatch to the host reading it back
+
+    def tokens(self) -> list[int]:
+        view = DecodeView(*self.row)
+        return view.tokens[0, : view.num_new[0]].tolist()
+
+    def acceptance(self) -> list[int]:
+        view = DecodeView(*self.row)
+        return view.acc_lens[0, : view.num_cycles[0]].tolist()
 
 
 def run(target: Target, drafter: Drafter | None, ids: list[list[int]], *, batch_size: int,
         refill_size: int | None = None, max_new_tokens, block_size: int, stop_token_ids=None,
         attention_impl: str = "auto", temperature=None, top_k=None, top_p=None, seed: int = 0,
         draft_sampling: bool = False, verify_mode: str = "auto", cost_table=None,
-        on_finish: Callable[[int, list[int]], None] | None = None) -> generation.GenerationOutput:
+        on_finish: Callable[[list[tuple[int, list[int], list[int]]]], None] | None = None
+        ) -> generation.GenerationOutput:
     """Decode token-id prompts ``ids`` through a pool of ``batch_size`` rows, refilled ``refill_size`` rows at a
-    time (default ``batch_size`` × :data:`REFILL_FRACTION`). ``on_finish(i, tokens)`` is called as prompt ``i``
-    finishes. The output is in prompt order, as :func:`dflash_jax.speculative_generate` returns it; its stats add
+    time (default ``batch_size`` × :data:`REFILL_FRACTION`). ``on_finish`` is called at each return to the host
+    with the prompts finished since the last: (index, new tokens, acceptance lengths). The output is in prompt order, as :func:`dflash_jax.speculative_generate` returns it; its stats add
     ``segments`` (returns to the host), ``refills`` (refill calls), ``cycles`` (the pool's), and
     ``request_latency_s`` per prompt."""
     from dflash_jax import sharding as shd
@@ -83,10 +92,10 @@ def run(target: Target, drafter: Drafter | None, ids: list[list[int]], *, batch_
     nxt = len(first)
     while True:
         view = pool_run.decode()
-        for i, answer in pool_run.harvest(view, time.perf_counter()).items():
-            answers[i] = answer
-            if on_finish is not None:
-                on_finish(i, answer.row[0][: int(answer.row[6][0])].tolist())
+        finished = pool_run.harvest(view, time.perf_counter())
+        answers.update(finished)
+        if on_finish is not None and finished:
+            on_finish([(i, a.tokens(), a.acceptance()) for i, a in finished.items()])
         if nxt == n and len(answers) == n:
             break
         free = np.flatnonzero(pool_run.slots < 0)
