@@ -30,12 +30,13 @@ from dflash_jax.loading import _ASSETS  # noqa: E402
 PROMPTS = Path(__file__).resolve().parent / "data" / "schedule_prompts.json"
 
 
-def run(target, drafter, prompts, mode: str, b: int, r: int, max_new: int) -> dict:
+def run(target, drafter, prompts, mode: str, b: int, r: int, max_new: int, before_timed=lambda: None) -> dict:
     kw = dict(batch_size=b, refill_size=r, max_new_tokens=max_new,
               block_size=1 if mode == "ar" else drafter.config.verify_width,
               verify_mode="static" if mode == "ar" else mode)
     d = None if mode == "ar" else drafter
     continuous.run(target, d, prompts, **kw)  # compile
+    before_timed()
     t0 = time.perf_counter()
     out = continuous.run(target, d, prompts, **kw)
     wall = time.perf_counter() - t0
@@ -61,10 +62,9 @@ def breakdown(target, drafter, prompts, mode: str, b: int, r: int, max_new: int)
         return wrapper
 
     pool_cls.decode, pool_cls.refill = timed("decode", plain_decode), timed("refill", plain_refill)
-    try:
-        res = run(target, drafter, prompts, mode, b, r, max_new)
-        spent = {k: 0.0 for k in spent}  # keep the timed run only
-        res = run(target, drafter, prompts, mode, b, r, max_new)
+    try:  # the timed run only (the first run compiles)
+        res = run(target, drafter, prompts, mode, b, r, max_new, before_timed=lambda: spent.update(decode=0.0,
+                                                                                                   refill=0.0))
     finally:
         pool_cls.decode, pool_cls.refill = plain_decode, plain_refill
     res.update({f"{k}_s": v for k, v in spent.items()})
