@@ -164,16 +164,15 @@ class _Pool:
         ints, floats = generation.pack_inputs(host.prompt, host.lens, host.max_new, job.host.stops, seed, sp,
                                               job.step_cost, return_at)
         ints = np.concatenate([ints, rows, np.full(r - len(rows), self.b)]).astype(np.int32)
-        program = self._refill_program(host.prompt.shape[1], ints, floats)
         args = (ints, floats)
-        if job.spec.plan:
+        if job.spec.plan:  # placed replicated, as the prefill's inputs (prepare)
             args = jax.device_put(args, job.spec.plan.replicated())
-        self.state, _ = program(job.params, self.state, *args)
+        self.state, _ = self._refill_program(host.prompt.shape[1], args)(job.params, self.state, *args)
         self.slots[rows] = prompts
         self.admitted[rows] = now
         self.cycles_seen[rows] = 0
 
-    def _refill_program(self, prompt_len: int, ints: np.ndarray, floats: np.ndarray | None):
+    def _refill_program(self, prompt_len: int, args: tuple):
         job = self.job
         key = job.key + ("refill", self.r, prompt_len)
         program = _REFILLS.get(key)
@@ -185,9 +184,7 @@ class _Pool:
             fn = jax.jit(functools.partial(loop.refill_fn, spec=job.spec, **static), static_argnums=0,
                          donate_argnums=2)
             with jax.set_mesh(job.spec.plan.mesh) if job.spec.plan else contextlib.nullcontext():
-                lowered = fn.lower(graphdefs, job.params, job.programs.prefill.out_info[0],
-                                   *(jax.ShapeDtypeStruct(x.shape, x.dtype) if x is not None else None
-                                     for x in (ints, floats)))
+                lowered = fn.lower(graphdefs, job.params, job.programs.prefill.out_info[0], *args)
                 compiled = lowered.compile(generation.COMPILER_OPTIONS)
             program = _REFILLS[key] = compiled
             generation.count_compiles(1)

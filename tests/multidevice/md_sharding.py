@@ -57,6 +57,15 @@ def test_reduced_draft_vocabulary_under_a_mesh(reference):
     assert out.token_ids == reference["ar"]
 
 
+def test_continuous_batching_under_a_mesh(reference):
+    """A pool of 2 rows over dp=2 (a refill of one prompt rounded up to dp, its padding row dropped), tp=4."""
+    t, d = pair(make_mesh(tp=4, dp=2))
+    kw = dict(max_new_tokens=16, stop_token_ids=[], batch_size=2)
+    out = speculative_generate(t, d, PROMPTS, **kw)
+    assert out.token_ids == reference["spec"] and out.stats["refills"] >= 2
+    assert generate(t, PROMPTS, **kw).token_ids == reference["ar"]
+
+
 def count_collectives(hlo: str) -> dict[str, int]:
     return {k: len(re.findall(rf"= \S+ {k}(?:-start)?\(", hlo))
             for k in ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")}
