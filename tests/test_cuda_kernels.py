@@ -251,3 +251,19 @@ def test_float32_dots_follow_the_default_matmul_precision():
         assert not cuda._make_tiling(dtype=jnp.float32, **kw).ieee_f32
     with jax.default_matmul_precision("float32"):
         assert cuda._make_tiling(dtype=jnp.float32, **kw).ieee_f32
+
+
+@pytest.mark.skipif(not ON_GPU, reason="cuDNN's fused attention: GPUs only (on a CPU prefill runs the reference)")
+@pytest.mark.parametrize("b,t,n,k,h,window", [(3, 512, 9, 3, 64, None), (1, 1024, 32, 8, 128, None),
+                                              (2, 256, 8, 2, 64, 128)])
+def test_prefill_attention_matches_reference(b, t, n, k, h, window):
+    """cuDNN's causal attention over the prompt (bfloat16) against the float32-softmax reference."""
+    rng = np.random.default_rng(t + n)
+    q, kk, v = (_normal(rng, (b, t, heads, h), jnp.bfloat16) for heads in (n, k, k))
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    got = jax.jit(lambda *a: ref.prefill_attention(*a, impl="cuda", window=window))(q, kk, v, positions)
+    want = jax.jit(lambda *a: ref.cache_attention(*a, impl="xla", window=window))(q, kk, v, positions)
+    assert "cudnn" in jax.jit(lambda *a: ref.prefill_attention(*a, impl="cuda", window=window)).lower(
+        q, kk, v, positions).as_text().lower()
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=TOL[jnp.bfloat16],
+                               rtol=TOL[jnp.bfloat16])

@@ -86,7 +86,7 @@ class GatedAttention(nnx.Module):
         k = apply_partial_rope(self.k_norm(self.k_proj(x).reshape(b, t, self.k, self.h)), cos, sin)
         v = self.v_proj(x).reshape(b, t, self.k, self.h)
         if prefill:  # as target.Attention: the prompt's own keys, then stored
-            out = attention.cache_attention(q, k, v, positions, impl="xla")
+            out = attention.prefill_attention(q, k, v, positions, impl=impl)
             if k_cache is not None:
                 k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, 0, 0))
                 v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, 0, 0))

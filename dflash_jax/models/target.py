@@ -114,8 +114,8 @@ class Attention(nnx.Module):
             k_cache, v_cache = k[0], v[0]  # the new entries, for PendingKV
         elif prefill:
             # Empty cache: attend over the prompt's own keys (slot j = position j), then store them. Prefill is
-            # compute-bound and long: the reference, not the decode kernels.
-            out = attention.cache_attention(q, k, v, positions, impl="xla", **extra)
+            # compute-bound and long: not the decode kernels (cuDNN's fused attention on GPUs, else the reference).
+            out = attention.prefill_attention(q, k, v, positions, impl=impl, **extra)
             if k_cache is not None:  # None: a cache-free forward (training features)
                 k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, 0, 0))
                 v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, 0, 0))
