@@ -20,7 +20,6 @@ import time
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import generation
@@ -60,9 +59,9 @@ def run(target: Target, drafter: Drafter | None, ids: list[list[int]], *, batch_
         ) -> generation.GenerationOutput:
     """Decode token-id prompts ``ids`` through a pool of ``batch_size`` rows, refilled ``refill_size`` rows at a
     time (default ``batch_size`` × :data:`REFILL_FRACTION`). ``on_finish`` is called at each return to the host
-    with the prompts finished since the last: (index, new tokens, acceptance lengths). The output is in prompt order, as :func:`dflash_jax.speculative_generate` returns it; its stats add
-    ``segments`` (returns to the host), ``refills`` (refill calls), ``cycles`` (the pool's), and
-    ``request_latency_s`` per prompt."""
+    with the prompts finished since the last: (index, new tokens, acceptance lengths). The output is in prompt
+    order, as :func:`dflash_jax.speculative_generate` returns it; its stats add ``segments`` (returns to the
+    host), ``refills`` (refill calls), ``cycles`` (the pool's), and ``request_latency_s`` per prompt."""
     from dflash_jax import sharding as shd
 
     n = len(ids)
@@ -198,8 +197,8 @@ def _output(job: generation.Job, ids: list[list[int]], answers: dict[int, _Answe
     n = len(ids)
     rows = [answers[i].row for i in range(n)]
     columns = [np.concatenate([row[k] for row in rows]) for k in range(len(rows[0]))]
-    view = DecodeView(*columns)
-    view = dataclasses.replace(view, tier_steps=np.broadcast_to(last.tier_steps[:1], (n,) + last.tier_steps.shape[1:]))
+    # The tier histogram counts the pool's steps (the same in every row, kept across refills): the last view's.
+    view = dataclasses.replace(DecodeView(*columns), tier_steps=np.repeat(last.tier_steps[:1], n, axis=0))
     out = generation.collect(dataclasses.replace(job, ids=ids, compile_s=pool.compile_s), view)
     latency = [answers[i].latency_s for i in range(n)]
     out.stats.update(wall_s=wall, tokens_per_s=out.stats["new_tokens"] / max(wall, 1e-9), cycles=pool.cycles,

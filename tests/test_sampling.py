@@ -13,7 +13,7 @@ from flax import nnx
 from scipy import stats
 
 from conftest import tiny_target
-from dflash_jax import generate, generation, random_drafter, speculative_generate
+from dflash_jax import continuous, generate, generation, random_drafter, speculative_generate
 from dflash_jax.decode import sampling
 from dflash_jax.decode.sampling import SamplingParams, filtered_probs
 from dflash_jax.loading import restrict_draft_vocab
@@ -116,12 +116,13 @@ def test_sampled_drafts_over_a_reduced_draft_vocabulary(pair, logits):
 
 
 def test_continuous_batching_samples_the_target_distribution(pair, logits):
-    """N draws through a pool of N/4 rows refilled N/16 at a time: refilled rows draw from keys of their own."""
+    """N draws through a pool of N/4 rows (refilled the default fraction at a time): refilled rows draw from keys
+    of their own."""
     target, drafter = pair
     probs = exact_distribution(logits, 1.0, 0, 1.0)
     samples, out = draw(lambda *a, **k: speculative_generate(target, drafter, *a, **k), with_output=True,
                         temperature=1.0, seed=6, draft_sampling=True, batch_size=N // 4)
-    assert out.stats["refills"] >= 12 and out.stats["refill_size"] == N // 64
+    assert out.stats["refills"] >= 6 and out.stats["refill_size"] == round(N // 4 * continuous.REFILL_FRACTION)
     assert chi2_pvalue(samples, probs) > 1e-3
 
 
