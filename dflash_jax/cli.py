@@ -18,6 +18,7 @@ DEMO_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
     "List three tips for staying focused while studying.",
 ]
+DEMO_TIMED_RUNS = 2  # timed runs of each decoding mode (interleaved; the fastest of each is shown)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -36,10 +37,14 @@ def _demo(args: argparse.Namespace) -> int:
                                     verify_mode=args.verify_mode, **kw)
 
     # Each program's first run is not timed: it compiles, and on a CPU its first execution also sets up the
-    # kernels (~1 s more for the speculative program, benchmarks/RESULTS.md); the table shows a second run.
+    # kernels (~1 s more for the speculative program, benchmarks/RESULTS.md). Then DEMO_TIMED_RUNS runs of each,
+    # interleaved, and the table shows each mode's fastest: a small VM's speed drifts by 15–30 % between minutes.
     print("Compiling and warming up both programs (first runs, not timed) …", flush=True)
     first_spec, first_ar = run_speculative(), generate(target, prompts, **kw)
-    spec, ar = run_speculative(), generate(target, prompts, **kw)
+    print(f"Timing {DEMO_TIMED_RUNS} runs of each, interleaved …", flush=True)
+    runs = [(run_speculative(), generate(target, prompts, **kw)) for _ in range(DEMO_TIMED_RUNS)]
+    spec = max((r[0] for r in runs), key=lambda o: o.stats["tokens_per_s"])
+    ar = max((r[1] for r in runs), key=lambda o: o.stats["tokens_per_s"])
     for i, p in enumerate(prompts):
         print(f"\n### Prompt {i + 1}: {p}")
         print(textwrap.indent(spec.texts[i].strip() or "(empty)", "  "))
@@ -52,8 +57,8 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"| DFlash speculative | {s['new_tokens']} | {spec.tau:.2f} | {s['prefill_s'] + s['decode_s']:.3f} | "
           f"{s['tokens_per_s']:.1f} |")
     speedup = s['tokens_per_s'] / a['tokens_per_s']
-    print(f"speedup {speedup:.2f}x  (second runs; compile time excluded: {first_spec.stats['compile_s']:.1f}s + "
-          f"{first_ar.stats['compile_s']:.1f}s)")
+    print(f"speedup {speedup:.2f}x  (the fastest of {DEMO_TIMED_RUNS} interleaved runs each, after a first run; "
+          f"compile time excluded: {first_spec.stats['compile_s']:.1f}s + {first_ar.stats['compile_s']:.1f}s)")
     if speedup < 1.0:  # a newcomer's first run is often on a CPU: say why, from the machine's measured costs
         import jax
 
