@@ -525,7 +525,8 @@ def decode(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeStat
 
     def running(carry):
         s, i = carry
-        return (jnp.sum(s.done, dtype=jnp.int32) < s.return_at_done) & (i < max_cycles)
+        until = s.done.shape[0] if s.return_at_done is None else s.return_at_done
+        return (jnp.sum(s.done, dtype=jnp.int32) < until) & (i < max_cycles)
 
     state, _ = jax.lax.while_loop(running, body, (state, jnp.zeros((), jnp.int32)))
     return state
