@@ -85,6 +85,7 @@ def run(target: Target, drafter: Drafter | None, ids: list[list[int]], *, batch_
                              **_rows_sampling(sp, first), seed=seed, pad_batch_to=b, pool=pool,
                              return_at_done=min(r, rest) if rest else None, **settings)
     pool_run = _Pool(job, b, r, sp, max_new, seed)
+    pool_run.compile_refills(ids, np.arange(len(first), n))  # none compiles mid-run, leaving the device idle
     t0 = time.perf_counter()
     pool_run.start(first, t0)
     answers: dict[int, _Answer] = {}
@@ -149,6 +150,22 @@ class _Pool:
 
     def refill(self, ids: list[list[int]], prompts: np.ndarray, rows: np.ndarray, return_at: int, now: float):
         """Prefill ``prompts`` (indices into ``ids``, at most r) into free ``rows``; padding rows are dropped."""
+        self.refills += 1
+        prompt_len, args = self._refill_inputs(ids, prompts, rows, return_at)
+        self.state, _ = self._refill_program(prompt_len, args)(self.job.params, self.state, *args)
+        self.slots[rows] = prompts
+        self.admitted[rows] = now
+        self.cycles_seen[rows] = 0
+
+    def compile_refills(self, ids: list[list[int]], queued: np.ndarray) -> None:
+        """The refill program of every prompt bucket among ``queued`` (indices into ``ids``)."""
+        by_bucket = {generation.bucket(len(ids[i])): i for i in queued}
+        for i in by_bucket.values():
+            prompt_len, args = self._refill_inputs(ids, np.asarray([i]), np.asarray([0]), self.b)
+            self._refill_program(prompt_len, args)
+
+    def _refill_inputs(self, ids: list[list[int]], prompts: np.ndarray, rows: np.ndarray, return_at: int):
+        """(prompt bucket, the refill program's inputs (ints, floats), placed as the prefill's)."""
         job, r = self.job, self.r
         chunk = [ids[i] for i in prompts]
         lens = np.asarray([len(p) for p in chunk])
@@ -158,7 +175,6 @@ class _Pool:
         if job.spec.sampling:
             pad = lambda x: np.concatenate([x[prompts], np.repeat(x[prompts[-1:]], r - len(prompts))])  # noqa: E731
             sp = SamplingParams(pad(self.sp.temperature), pad(self.sp.top_k), pad(self.sp.top_p))
-        self.refills += 1
         seed = (self.seed + 0x9E3779B1 * self.refills) % 2**32  # each refill's rows draw from keys of their own
         ints, floats = generation.pack_inputs(host.prompt, host.lens, host.max_new, job.host.stops, seed, sp,
                                               job.step_cost, return_at)
@@ -166,10 +182,7 @@ class _Pool:
         args = (ints, floats)
         if job.spec.plan:  # placed replicated, as the prefill's inputs (prepare)
             args = jax.device_put(args, job.spec.plan.replicated())
-        self.state, _ = self._refill_program(host.prompt.shape[1], args)(job.params, self.state, *args)
-        self.slots[rows] = prompts
-        self.admitted[rows] = now
-        self.cycles_seen[rows] = 0
+        return host.prompt.shape[1], args
 
     def _refill_program(self, prompt_len: int, args: tuple):
         job = self.job

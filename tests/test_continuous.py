@@ -8,7 +8,7 @@ import collections
 import pytest
 
 from conftest import content_oracle_drafter, random_prompts, tiny_target
-from dflash_jax import continuous, generate, generation, speculative_generate
+from dflash_jax import continuous, generate, generation, random_drafter, speculative_generate
 from dflash_jax.costs import CostTable
 
 # Two prompt buckets (16, 32): refills compile one program per bucket.
@@ -74,12 +74,36 @@ def test_every_verify_mode_in_a_pool_is_lossless(runs, reference):
     assert compact.stats["verify_tokens"] < runs["static"].stats["verify_tokens"]
 
 
+def test_a_dspark_pool_is_lossless_and_reports_calibration(target, stop, reference):
+    """A DSpark drafter (windows from its confidences, known after drafting) in a compact pool: the target's
+    tokens; the predicted survival is summed per prompt across refills."""
+    dspark = random_drafter(target, kind="dspark", block_size=7, num_layers=1, markov_rank=16, seed=3)
+    out = speculative_generate(target, dspark, PROMPTS, MAX_NEW, stop_token_ids=[stop], verify_mode="compact",
+                               cost_table=TABLE, batch_size=4)
+    assert out.token_ids == reference.token_ids and out.stats["refills"] >= 2
+    assert len(out.stats["predicted_survival"]) == 7 and 1 <= out.stats["predicted_tau"] <= 8
+
+
 def test_refills_reuse_their_programs(target, oracle, stop, runs):
     before = generation.compile_count()
     again = speculative_generate(target, oracle, PROMPTS[::-1], MAX_NEW, stop_token_ids=[stop],
                                  verify_mode="compact", cost_table=TABLE, batch_size=3)
     assert generation.compile_count() == before
     assert again.token_ids == runs["compact"].token_ids[::-1]
+
+
+def test_every_refill_program_is_compiled_before_decoding(target, stop, reference, monkeypatch):
+    """A compile between two segments would leave the device idle: the refill programs of every prompt bucket
+    in the queue (16 and 32 here) are compiled before the first segment."""
+    seen = []
+    plain = continuous._Pool.decode
+    monkeypatch.setattr(continuous._Pool, "decode", lambda self: seen.append(generation.compile_count()) or
+                        plain(self))
+    before = generation.compile_count()
+    out = continuous.run(target, None, PROMPTS, batch_size=2, refill_size=1, max_new_tokens=MAX_NEW, block_size=1,
+                         stop_token_ids=[stop])  # a pool shape of its own: its programs compile here
+    assert out.token_ids == reference.token_ids
+    assert seen[0] - before >= 4 and set(seen) == {generation.compile_count()}
 
 
 def test_a_pool_as_large_as_the_prompts_is_one_batch(target, stop, reference):
