@@ -290,6 +290,9 @@ def test_speculative_decoding_is_lossless(models, greedy, monkeypatch):
     dspark = random_drafter(target, kind="dspark", block_size=3, num_layers=1, markov_rank=8)
     out = speculative_generate(target, dspark, PROMPTS, max_new_tokens=NEW, stop_token_ids=[])
     assert out.token_ids == greedy.token_ids and len(out.stats["predicted_survival"]) == 3
+    # Continuous batching: refilled rows get the new prompts' conv and recurrent states too.
+    pool = speculative_generate(target, dspark, PROMPTS, max_new_tokens=NEW, stop_token_ids=[], batch_size=2)
+    assert pool.token_ids == greedy.token_ids and pool.stats["refills"] == 2
     one_shot, chunked = runs[2], runs[16]
     assert isinstance(chunked, HybridCache) and len(chunked.conv) == 2 and not chunked.pending
     for x, y in zip(one_shot.conv + one_shot.recurrent, chunked.conv + chunked.recurrent):
