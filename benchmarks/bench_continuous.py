@@ -2,11 +2,14 @@
 
 For each pool size and refill size, every evaluation prompt (HumanEval + MT-Bench, ``bench_schedule.py``'s file)
 through one pool, autoregressive and speculative (``--modes``), after an untimed run (programs compiled): tokens/s,
-the pool's cycles, returns to the host, refill calls. ``--breakdown`` repeats each run with a sync after every
+the pool's cycles, returns to the host, refill calls; ``--static-batches`` adds each mode over the same prompts in
+consecutive static batches of the pool's size (the baseline, in the same process). ``--breakdown`` repeats each run with a sync after every
 refill and decode segment and reports the seconds in each (the syncs add their own latency: a profile, not a
 throughput figure).
 
     python benchmarks/bench_continuous.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --batches 64 --refill-sizes 4,8,16
+    python benchmarks/bench_continuous.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --batches 64 --refill-sizes 8 \
+        --static-batches --modes ar,static
 """
 
 from __future__ import annotations
@@ -45,6 +48,27 @@ def run(target, drafter, prompts, mode: str, b: int, r: int, max_new: int, befor
                 segments=s["segments"], refills=s["refills"], tau=out.tau)
 
 
+def static_batches(target, drafter, prompts, mode: str, b: int, max_new: int) -> dict:
+    """The same prompts in consecutive batches of b (the last one partial), one call each: the pool's baseline."""
+    from dflash_jax import generate, speculative_generate
+
+    def call(batch):
+        if mode == "ar":
+            return generate(target, batch, max_new_tokens=max_new)
+        return speculative_generate(target, drafter, batch, max_new_tokens=max_new, verify_mode=mode)
+
+    batches = [prompts[i: i + b] for i in range(0, len(prompts), b)]
+    for batch in batches:  # compile every shape
+        call(batch)
+    t0 = time.perf_counter()
+    outs = [call(batch) for batch in batches]
+    wall = time.perf_counter() - t0
+    tokens = sum(o.stats["new_tokens"] for o in outs)
+    cycles = sum(o.stats["cycles"] for o in outs)
+    return dict(tokens_per_s=tokens / wall, wall_s=wall, tokens=tokens, cycles=cycles,
+                tau=float(np.mean([a for o in outs for row in o.acceptance_lengths for a in row])))
+
+
 def breakdown(target, drafter, prompts, mode: str, b: int, r: int, max_new: int) -> dict:
     """The same run with a sync after every program: seconds in decode segments and in refills."""
     spent = {"decode": 0.0, "refill": 0.0}
@@ -76,7 +100,6 @@ def breakdown(target, drafter, prompts, mode: str, b: int, r: int, max_new: int)
 def profile_refill(target, drafter, prompts, b: int, r: int, max_new: int, repeats: int = 10) -> dict:
     """A refill alone: ``repeats`` refills of the same r prompts into rows 0…r-1 of a pool of b rows, each
     synced (wall ms each), then the device's kernel time per refill (JAX profiler, top kernels)."""
-    import numpy as np
     from common import device_profile
     from dflash_jax import generation
 
@@ -120,6 +143,8 @@ def main() -> int:
     ap.add_argument("--modes", default="ar,static")
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--limit", type=int, help="the first N prompts only")
+    ap.add_argument("--static-batches", action="store_true",
+                    help="also each mode over the same prompts in consecutive static batches of the pool's size")
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--profile-refill", action="store_true", help="time and profile refills alone (first batch and "
                                                                    "refill size)")
@@ -140,6 +165,11 @@ def main() -> int:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         return 0
     for b in map(int, args.batches.split(",")):
+        for mode in args.modes.split(",") if args.static_batches else ():
+            res = static_batches(target, drafter, prompts, mode, b, args.max_new)
+            res.update(batch=b, refill_size=None, mode=f"{mode} (static batches)")
+            result["runs"].append(res)
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}), flush=True)
         for r in map(int, args.refill_sizes.split(",")):
             for mode in args.modes.split(","):
                 res = (breakdown if args.breakdown else run)(target, drafter, prompts, mode, b, r, args.max_new)
