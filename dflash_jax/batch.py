@@ -254,6 +254,8 @@ def run_batch(
         pool, totals = _decode_continuous(target, drafter, todo, output, kw, batch_size, seed, acc_hist, progress)
         summary = _summary(input_path, output, [], totals, acc_hist, t_start, pool.pop("compile_s"), len(done),
                            len(bad), 0, batch_size, kw["block_size"])
+        for key in ("batches", "device_idle_fraction", "batch_timeline_s"):  # static batches' figures
+            del summary[key]
         summary["continuous"] = pool
     else:
         # Every program of the run is compiled before the first batch is dispatched: a compile between two
