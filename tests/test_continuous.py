@@ -56,6 +56,21 @@ def test_autoregressive_pool_is_token_identical(target, stop, reference, batch_s
     assert max(map(len, out.token_ids)) - 1 <= s["cycles"] < sum(map(len, out.token_ids))
 
 
+def test_edge_cases_of_the_pool(target):
+    """One row; every row done at its prefill (max_new 1); rows whose first token is a stop token."""
+    prompts = PROMPTS[:6]
+    free = generate(target, prompts, 12, stop_token_ids=[])
+    firsts = sorted({row[0] for row in free.token_ids})[:2]
+    for kw in (dict(max_new_tokens=12, stop_token_ids=[], batch_size=1),
+               dict(max_new_tokens=1, stop_token_ids=[], batch_size=3),
+               dict(max_new_tokens=12, stop_token_ids=firsts, batch_size=2)):
+        one_batch = generate(target, prompts, **{k: v for k, v in kw.items() if k != "batch_size"})
+        pool = generate(target, prompts, **kw)
+        assert pool.token_ids == one_batch.token_ids and pool.finish_reasons == one_batch.finish_reasons, kw
+        assert pool.stats["refills"] >= 1
+    assert any(len(t) == 1 and t[0] in firsts for t in pool.token_ids)  # stopped at the first token
+
+
 @pytest.fixture(scope="module")
 def runs(target, oracle, stop):
     return {mode: speculative_generate(target, oracle, PROMPTS, MAX_NEW, stop_token_ids=[stop], verify_mode=mode,
