@@ -94,10 +94,6 @@ def run(target: Target, drafter: Drafter | None, ids: list[list[int]], *, batch_
         view = pool_run.decode()
         finished = pool_run.harvest(view, time.perf_counter())
         answers.update(finished)
-        if on_finish is not None and finished:
-            on_finish([(i, a.tokens(), a.acceptance()) for i, a in finished.items()])
-        if nxt == n and len(answers) == n:
-            break
         free = np.flatnonzero(pool_run.slots < 0)
         take = min(len(free), n - nxt)
         left = n - nxt - take
@@ -106,6 +102,10 @@ def run(target: Target, drafter: Drafter | None, ids: list[list[int]], *, batch_
             chunk = np.arange(nxt + k, nxt + min(k + r, take))
             pool_run.refill(ids, chunk, free[k: k + len(chunk)], return_at, time.perf_counter())
         nxt += take
+        if on_finish is not None and finished:  # while the device runs the refills' prefills
+            on_finish([(i, a.tokens(), a.acceptance()) for i, a in finished.items()])
+        if len(answers) == n:
+            break
     wall = time.perf_counter() - t0
     return _output(job, ids, answers, view, pool_run, wall)
 
