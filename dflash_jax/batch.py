@@ -252,10 +252,8 @@ def run_batch(
     acc_hist = np.zeros(max(block_size or 1, 1) + 1, np.int64)  # cycles per acceptance length
     if continuous_batching and todo:
         pool, totals = _decode_continuous(target, drafter, todo, output, kw, batch_size, seed, acc_hist, progress)
-        summary = _summary(input_path, output, [], totals, acc_hist, t_start, pool.pop("compile_s"), len(done),
+        summary = _summary(input_path, output, None, totals, acc_hist, t_start, pool.pop("compile_s"), len(done),
                            len(bad), 0, batch_size, kw["block_size"])
-        for key in ("batches", "device_idle_fraction", "batch_timeline_s"):  # static batches' figures
-            del summary[key]
         summary["continuous"] = pool
     else:
         # Every program of the run is compiled before the first batch is dispatched: a compile between two
@@ -376,7 +374,6 @@ def _decode_continuous(target: Target, drafter: Drafter | None, rows: list[Row],
 
     totals = {"prompts": 0, "tokens": 0}
     bar = tqdm(total=len(rows), disable=not progress, desc="generate", unit="prompt", dynamic_ncols=True)
-    stops = set(target.stop_token_ids)
     t0 = time.perf_counter()
     output.parent.mkdir(parents=True, exist_ok=True)
     with output.open("a", encoding="utf-8") as out:
@@ -386,7 +383,7 @@ def _decode_continuous(target: Target, drafter: Drafter | None, rows: list[Row],
             lines = []
             for i, toks, acc in finished:
                 text = target.tokenizer.decode(toks) if target.tokenizer else None
-                fin = "stop" if toks and toks[-1] in stops else "length"
+                fin = generation.finish_reasons([toks], target.stop_token_ids)[0]
                 lines.append(_record(rows[i], toks, text, acc, fin, segment[0], acc_hist))
                 totals["tokens"] += len(toks)
             out.write("".join(lines))
@@ -429,20 +426,25 @@ def _tau(acc_hist: np.ndarray) -> float | None:
     return float((np.arange(len(acc_hist)) * acc_hist).sum() / n) if n else None
 
 
-def _summary(input_path, output: Path, launched: list["_Batch"], totals: dict, acc_hist: np.ndarray,
+def _summary(input_path, output: Path, launched: list["_Batch"] | None, totals: dict, acc_hist: np.ndarray,
              t_start: float, compile_s: float, skipped: int, bad: int, batches: int, batch_size: int,
              block_size: int) -> dict:
+    """``launched``: the static batches (None for a continuous pool, which has none of their figures)."""
     wall = time.perf_counter() - t_start
-    idle = sum(max(0.0, nxt.launched - prev.ready) for prev, nxt in zip(launched, launched[1:]))
-    span = (launched[-1].ready - launched[0].launched) if launched else 0.0
-    return {
+    out = {
         "input": str(input_path), "output": str(output), "prompts": totals["prompts"],
         "skipped_done": skipped, "bad_rows": bad, "new_tokens": totals["tokens"],
         "wall_s": wall, "tokens_per_s": totals["tokens"] / max(wall, 1e-9),
         "prompts_per_s": totals["prompts"] / max(wall, 1e-9),
-        "tau": _tau(acc_hist), "acceptance_histogram": acc_hist.tolist(), "batches": batches,
-        "batch_size": batch_size, "block_size": block_size,
-        "device_idle_fraction": idle / span if span > 0 else 0.0,
+        "tau": _tau(acc_hist), "acceptance_histogram": acc_hist.tolist(),
+        "batch_size": batch_size, "block_size": block_size, "compile_s": compile_s,
+    }
+    if launched is None:
+        return out
+    idle = sum(max(0.0, nxt.launched - prev.ready) for prev, nxt in zip(launched, launched[1:]))
+    span = (launched[-1].ready - launched[0].launched) if launched else 0.0
+    return out | {
+        "batches": batches, "device_idle_fraction": idle / span if span > 0 else 0.0,
         # per batch: [dispatch start, device done] in seconds from the run's start (compile included)
         "batch_timeline_s": [[round(b.launched - t_start, 4), round(b.ready - t_start, 4)] for b in launched],
         "compile_s": compile_s + sum(b.job.compile_s for b in launched),  # the latter ~0: cache hits

@@ -487,28 +487,33 @@ def verify_stats(spec: LoopSpec, view: DecodeView, n: int, acc_lens: list[list[i
     return out
 
 
-def make_job(target: Target, drafter: Drafter | None, prompts, *, chat: bool, **kw) -> Job:
-    """Validate every argument (before tokenizing), tokenize, prepare."""
+def _checked_ids(target: Target, prompts, *, chat: bool, **kw) -> list[list[int]]:
+    """Validate every argument (before tokenizing), then tokenize."""
     n = len(prompts) if isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)) else 0
     sampling_params(max(n, 1), kw.get("temperature"), kw.get("top_k"), kw.get("top_p"))
     check_max_new_tokens(kw["max_new_tokens"])
-    return prepare(target, drafter, _tokenize(target, prompts, chat), **kw)
+    return _tokenize(target, prompts, chat)
+
+
+def make_job(target: Target, drafter: Drafter | None, prompts, *, chat: bool, **kw) -> Job:
+    """Validate every argument (before tokenizing), tokenize, prepare."""
+    return prepare(target, drafter, _checked_ids(target, prompts, chat=chat, **kw), **kw)
 
 
 def _run(target: Target, drafter: Drafter | None, prompts, *, chat: bool, batch_size: int | None = None,
          **kw) -> GenerationOutput:
     """Prepare, then run prefill and decode with a sync between them (for the timing stats); with more prompts
     than ``batch_size``, continuous batching (:mod:`dflash_jax.continuous`)."""
-    n = len(prompts) if isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)) else 0
     if batch_size is not None:
         check_batch_size(batch_size)
-    if batch_size is not None and n > batch_size:
-        sampling_params(n, kw.get("temperature"), kw.get("top_k"), kw.get("top_p"))
-        check_max_new_tokens(kw["max_new_tokens"])
-        from dflash_jax import continuous
+        ids = _checked_ids(target, prompts, chat=chat, **kw)
+        if len(ids) > batch_size:
+            from dflash_jax import continuous
 
-        return continuous.run(target, drafter, _tokenize(target, prompts, chat), batch_size=batch_size, **kw)
-    job = make_job(target, drafter, prompts, chat=chat, **kw)
+            return continuous.run(target, drafter, ids, batch_size=batch_size, **kw)
+        job = prepare(target, drafter, ids, **kw)
+    else:
+        job = make_job(target, drafter, prompts, chat=chat, **kw)
     t1 = time.perf_counter()
     state, packed = job.programs.prefill(*job.pre_args)
     packed.block_until_ready()
