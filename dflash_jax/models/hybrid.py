@@ -118,7 +118,7 @@ class HybridDecoderLayer(nnx.Module):
         h = self.input_layernorm(x)
         record = None
         if self.linear:
-            a, conv, rec, record = self.linear_attn(h, *slot, lengths=lengths, defer=defer)
+            a, conv, rec, record = self.linear_attn(h, *slot, lengths=lengths, defer=defer, impl=impl)
             slot = (conv, rec)
         else:
             a, kc, vc = self.self_attn(h, positions, cos, sin, *slot, prefill=prefill, impl=impl)

@@ -19,10 +19,16 @@ Three ways to run the recurrence (all float32, as transformers does):
 * :func:`delta_rule_block` + :func:`state_after`: the tokens as one chunk (verify blocks, decode steps, short
   prompts), returning what is needed to form the state after *any* prefix in one einsum: once a verify's
   accepted length is known, rejected drafts leave no trace and the block's recurrence is not run twice.
+
+On GPUs with ``impl="cuda"`` the short blocks (up to :data:`dflash_jax.cuda.delta_rule.MAX_T` tokens) run as one
+Pallas kernel instead (:mod:`dflash_jax.cuda.delta_rule`: the recurrence token by token, the l2norm and the key
+heads' repeat folded in); :func:`state_after` and :func:`settle` take its record (k per key head) as it is.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 
 import jax
@@ -35,6 +41,15 @@ from dflash_jax.config import HybridConfig, ModelConfig
 from dflash_jax.models.layers import Dense
 
 CHUNK = 64  # prefill chunk of the delta rule (transformers' and FLA's default)
+# impl="cuda" runs the short-block GPU kernel on GPU backends only; tests set this to run it in Pallas interpret
+# mode on any backend (slow).
+KERNEL_INTERPRET = False
+log = logging.getLogger("dflash_jax")
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    log.info(message)
 
 
 def l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -130,13 +145,62 @@ def delta_rule_block(q: Float[Array, "B T H Dk"], k: Float[Array, "B T H Dk"], v
 def state_after(state: Float[Array, "B H Dk Dv"], k: Float[Array, "B T H Dk"], cum: Float[Array, "B T H"],
                 v_new: Float[Array, "B T H Dv"], n: Int[Array, "B"]) -> Float[Array, "B H Dk Dv"]:
     """The state after the first ``n[b]`` tokens of a :func:`delta_rule_block` block (0 ≤ n ≤ T):
-    ``exp(cum_{n−1})·S + Σ_{i<n} exp(cum_{n−1} − cum_i)·k_i v_newᵢᵀ`` (``v_new_i`` depends only on tokens ≤ i)."""
-    t = cum.shape[1]
+    ``exp(cum_{n−1})·S + Σ_{i<n} exp(cum_{n−1} − cum_i)·k_i v_newᵢᵀ`` (``v_new_i`` depends only on tokens ≤ i).
+
+    ``k``: per value head ``[B, T, H, Dk]`` (:func:`delta_rule_block`'s), or per key head ``[B, T, Hk, Dk]`` (the
+    GPU kernel's, :mod:`dflash_jax.cuda.delta_rule`: value head i reads key head i // (H / Hk))."""
+    b, t, h = cum.shape
     cum0 = jnp.concatenate([jnp.zeros_like(cum[:, :1]), cum], axis=1)  # [B, T+1, H]: cum before token 0 is 0
     c_n = jnp.take_along_axis(cum0, n[:, None, None], axis=1)  # [B, 1, H]
     keep = (jnp.arange(t)[None, :] < n[:, None])[..., None]
     weights = jnp.exp(jnp.where(keep, c_n - cum, -jnp.inf))  # exponents ≤ 0 where kept (g ≤ 0)
-    return state * jnp.exp(c_n[:, 0])[..., None, None] + jnp.einsum("bthk,bth,bthv->bhkv", k, weights, v_new)
+    decayed = state * jnp.exp(c_n[:, 0])[..., None, None]
+    hk = k.shape[2]
+    if hk == h:
+        return decayed + jnp.einsum("bthk,bth,bthv->bhkv", k, weights, v_new)
+    r, dv = h // hk, v_new.shape[-1]  # value head g·r + i reads key head g
+    upd = jnp.einsum("btgk,btgr,btgrv->bgrkv", k, weights.reshape(b, t, hk, r), v_new.reshape(b, t, hk, r, dv))
+    return decayed + upd.reshape(state.shape)
+
+
+def kernel_block(impl: str, qkv: Float[Array, "B T Hk C"], g: Float[Array, "B T H"], beta: Float[Array, "B T H"],
+                 state: Float[Array, "B H Dk Dv"], lengths: Int[Array, "B"] | None, *, key_dim: int, advance: bool):
+    """A short block through the GPU kernel (:func:`dflash_jax.cuda.delta_rule.packed_delta_rule_block`: ``qkv``
+    the conv output per key head, q and k not yet normalised), or None when the jnp path must run: ``impl`` is
+    not ``"cuda"``, the backend is not a GPU (unless :data:`KERNEL_INTERPRET`), or the kernel does not take these
+    shapes (logged once per reason). Returns ``(out, (k, cum, v_new))`` (k per key head), or with ``advance``
+    ``(out, state after lengths[b] tokens)``. Under a ``(dp, tp)`` mesh each device runs it on its own rows and
+    heads (``shard_map``; rows and value heads are independent, and a device's value heads read its key heads)."""
+    if impl != "cuda":
+        return None
+    interpret = jax.default_backend() != "gpu"
+    if interpret and not KERNEL_INTERPRET:
+        return None
+    from jax.sharding import PartitionSpec as P
+
+    from dflash_jax.cuda import delta_rule as kernel
+
+    args = (qkv, g, beta, state) + (() if lengths is None else (lengths.astype(jnp.int32),))
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = {} if mesh.empty or mesh.size == 1 else dict(zip(mesh.axis_names, mesh.axis_sizes))
+    rows = "dp" if "dp" in sizes and qkv.shape[0] % sizes["dp"] == 0 else None
+    heads = "tp" if "tp" in sizes and qkv.shape[2] % sizes["tp"] == 0 else None
+    specs = (P(rows, None, heads, None), P(rows, None, heads), P(rows, None, heads), P(rows, heads, None, None),
+             P(rows))[:len(args)]
+    split = lambda d, axis: d // sizes[axis] if axis else d  # noqa: E731
+    local = tuple(jax.ShapeDtypeStruct(tuple(split(d, axis) for d, axis in zip(a.shape, tuple(spec) + (None,) * 4)),
+                                       a.dtype) for a, spec in zip(args, specs))
+    why = (f"mesh axes {tuple(sizes)} (it shards over 'dp' and 'tp' only)" if set(sizes) - {"dp", "tp"} else
+           kernel.packed_unsupported_reason(*local, key_dim=key_dim, interpret=interpret))
+    if why is not None:
+        _log_once(f"Gated DeltaNet: the XLA delta rule instead of the GPU kernel ({why})")
+        return None
+    fn = functools.partial(kernel.packed_delta_rule_block, key_dim=key_dim, advance=advance, interpret=interpret)
+    if not sizes:
+        return fn(*args)
+    values = P(rows, None, heads, None)
+    out_specs = (values, P(rows, heads, None, None)) if advance else (values, (values, P(rows, None, heads), values))
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out_specs, check_vma=False)(*args)
 
 
 def conv_history(window: Float[Array, "B R+T C"], n: Int[Array, "B"] | None, r: int) -> Float[Array, "B R C"]:
@@ -222,13 +286,14 @@ class GatedDeltaNet(nnx.Module):
                 jnp.zeros((batch, self.hv, self.dk, self.dv), jnp.float32))
 
     def __call__(self, x: Float[Array, "B T D"], conv: jax.Array | None, rec: jax.Array | None, *,
-                 lengths: Int[Array, "B"] | None = None, defer: bool = False):
+                 lengths: Int[Array, "B"] | None = None, defer: bool = False, impl: str = "xla"):
         """Mix ``x`` (already input-normed) given the states before it.
 
         Returns ``(out, conv, rec, record)``: the states after the first ``lengths[b]`` tokens (``None``: all T;
         later tokens are identity updates, so right padding leaves no trace), or with ``defer`` the states
         unchanged plus ``record`` = ``(window, k, cum, v_new)``, from which :func:`settle` forms the states
-        after any prefix once the caller knows how many tokens to keep.
+        after any prefix once the caller knows how many tokens to keep. ``impl="cuda"``: short blocks through the
+        GPU kernel where it applies (:func:`kernel_block`; its record holds k per key head).
         """
         b, t, _ = x.shape
         if conv is None:
@@ -236,17 +301,34 @@ class GatedDeltaNet(nnx.Module):
         mixed = self.in_proj_qkv(x)  # [B, T, C], channels grouped by key head
         window = jnp.concatenate([conv.astype(mixed.dtype), mixed], axis=1)  # [B, R+T, C]
         qkv = jax.nn.silu(self.conv1d(window, t)).reshape(b, t, self.hk, -1)  # [B, T, Hk, 2Dk + r·Dv]
+        beta = jax.nn.sigmoid(self.in_proj_b(x)).astype(jnp.float32)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        short = defer or t <= CHUNK  # one chunk: verify blocks, decode steps, short prompts
+        fused = kernel_block(impl, qkv, g, beta, rec, None if defer else lengths, key_dim=self.dk,
+                             advance=not defer) if short else None
+        if fused is None:
+            out, rec, record = self._delta_rule(qkv, g, beta, rec, window, lengths, defer=defer, short=short)
+        else:  # the GPU kernel, reading q, k, v from qkv as they lie
+            out, res = fused
+            record, rec = ((window, *res), rec) if defer else (None, res)
+        if not defer:
+            conv = conv_history(window, lengths, self.width - 1)
+        z = self.in_proj_z(x).reshape(b, t, self.hv, self.dv)
+        out = self.norm(out.astype(x.dtype), z).reshape(b, t, self.hv * self.dv)
+        return self.out_proj(out), conv, rec, record
+
+    def _delta_rule(self, qkv, g, beta, rec, window, lengths, *, defer: bool, short: bool):
+        """The jnp delta rule: ``(out, rec, record)`` (one chunk when ``short``, else over chunks)."""
+        b, t = qkv.shape[:2]
         q = qkv[..., :self.dk]
         k = qkv[..., self.dk:2 * self.dk]
         v = qkv[..., 2 * self.dk:].reshape(b, t, self.hv, self.dv).astype(jnp.float32)
         rep = self.hv // self.hk  # value head i reads key head i // rep (transformers' repeat_interleave)
         q = jnp.repeat(l2norm(q.astype(jnp.float32)), rep, axis=2) * (self.dk ** -0.5)
         k = jnp.repeat(l2norm(k.astype(jnp.float32)), rep, axis=2)
-        beta = jax.nn.sigmoid(self.in_proj_b(x)).astype(jnp.float32)
-        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
-            self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
         record = None
-        if defer or t <= CHUNK:  # one chunk: verify blocks, decode steps, short prompts
+        if short:
             out, (k_, cum, v_new) = delta_rule_block(q, k, v, g, beta, rec)
             if defer:
                 record = (window, k_, cum, v_new)
@@ -258,11 +340,7 @@ class GatedDeltaNet(nnx.Module):
                 live = (jnp.arange(t)[None, :] < lengths[:, None])[..., None]  # [B, T, 1]
                 g, beta = jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0)
             out, rec = delta_rule_chunked(q, k, v, g, beta, rec, chunk=CHUNK)  # CHUNK read at trace time
-        if not defer:
-            conv = conv_history(window, lengths, self.width - 1)
-        z = self.in_proj_z(x).reshape(b, t, self.hv, self.dv)
-        out = self.norm(out.astype(x.dtype), z).reshape(b, t, self.hv * self.dv)
-        return self.out_proj(out), conv, rec, record
+        return out, rec, record
 
 
 def settle(conv: jax.Array, rec: jax.Array, record: tuple, n: Int[Array, "B"]) -> tuple[jax.Array, jax.Array]:
