@@ -365,8 +365,13 @@ def main() -> int:
     ap.add_argument("--profile", metavar="DIR", help="also profile one AR b1 call and one speculative call (JAX "
                     "profiler traces under DIR): device time per step by kernel, in the JSON and printed, with the AR "
                     "program's optimized HLO (DIR/<model>_ar_b1/*.hlo.txt) and each top XLA kernel's instruction")
+    ap.add_argument("--delta-rule", choices=["kernel", "xla"], default="kernel",
+                    help="hybrid short blocks: the GPU gated-delta-rule kernel (the library's default) or the XLA path")
     ap.add_argument("--commit")
     args = ap.parse_args()
+    if args.delta_rule == "xla":
+        from dflash_jax.models import linear_attention
+        linear_attention.kernel_block = lambda *a, **k: None  # noqa: E731 — every block takes the jnp path
     args.batches = [int(b) for b in args.batches.split(",")]
     if 1 not in args.batches:
         args.batches.insert(0, 1)  # the floor goal and the cycle ratio are at batch 1
@@ -385,7 +390,7 @@ def main() -> int:
     dev = jax.devices()[0]
     info = dict(device=str(dev.device_kind), platform=dev.platform, jax=jax.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M:%S"), host=platform.node(), small=args.small,
-                xla_flags=os.environ.get("XLA_FLAGS", ""), dtype="bfloat16",
+                xla_flags=os.environ.get("XLA_FLAGS", ""), dtype="bfloat16", delta_rule=args.delta_rule,
                 commit=args.commit or git_commit(),
                 setting=dict(batches=args.batches, prompt_len=args.prompt_len, max_new=args.max_new,
                              repeats=args.repeats, block_size=args.block_size, drafter_layers=args.drafter_layers,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -34,6 +33,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_jax.models import moe  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import per_call_seconds  # noqa: E402
 
 IMPLS = ("kernel", "sorted", "pair", "ragged_dot", "gathered", "dense")
 # Tuning alternatives for --sweep, per GPU kernel (the defaults: sorted 64-wide blocks; pair 32-wide F blocks,
@@ -75,17 +77,7 @@ def time_impl(fn, x, w, idx, gate, up, down, iters: int, reps: int, warm_s: floa
             return x + (fn(x, w, idx, gate, up, down) * 1e-3).astype(x.dtype)  # the next call needs this one
         return jax.lax.fori_loop(0, iters, body, x)
 
-    args = (x, w, idx, gate, up, down)
-    jax.block_until_ready(chain(*args))
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < warm_s:  # GPU clocks ramp up after host-side work
-        jax.block_until_ready(chain(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(chain(*args))
-        times.append((time.perf_counter() - t) / iters)
-    return statistics.median(times)
+    return per_call_seconds(chain, (x, w, idx, gate, up, down), iters, reps, warm_s)
 
 
 def make_case(n: int, e: int, d: int, f: int, k: int, dtype, seed: int):

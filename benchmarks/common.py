@@ -50,6 +50,19 @@ def warm_up(f, *args, seconds: float = 0.5) -> None:
         jax.block_until_ready(f(*args))
 
 
+def per_call_seconds(chain, args: tuple, iters: int, reps: int, warm_s: float) -> float:
+    """Seconds per call of a program ``chain(*args)`` that makes ``iters`` dependent calls: median over ``reps``
+    runs after compiling and warming up."""
+    jax.block_until_ready(chain(*args))
+    warm_up(chain, *args, seconds=warm_s)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(chain(*args))
+        times.append((time.perf_counter() - t) / iters)
+    return statistics.median(times)
+
+
 def _median_seconds(f, x, reps: int) -> float:
     warm_up(f, x)
     times = []
