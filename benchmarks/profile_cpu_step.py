@@ -60,7 +60,9 @@ def compact_step(target, drafter, ids, batch: int):
     return job, step
 
 
-def profile(job, step, tier: int, steps: int) -> dict:
+def step_loop(job, step, tier: int):
+    """(``fn(params, state, tier, n)``: ``n`` steps in one ``while_loop``, state donated; the state after a first
+    call of two steps — the program compiled and run once)."""
     state, _ = job.programs.prefill(*job.pre_args)
 
     def run(params, state, tier, n):
@@ -68,7 +70,11 @@ def profile(job, step, tier: int, steps: int) -> dict:
                                   (state, jnp.zeros((), jnp.int32)))[0]
 
     fn = jax.jit(run, donate_argnums=1).lower(job.params, state, np.int32(0), np.int32(1)).compile()
-    state = jax.block_until_ready(fn(job.params, state, np.int32(tier), np.int32(2)))
+    return fn, jax.block_until_ready(fn(job.params, state, np.int32(tier), np.int32(2)))
+
+
+def profile(job, step, tier: int, steps: int) -> dict:
+    fn, state = step_loop(job, step, tier)
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)
         t0 = time.perf_counter()

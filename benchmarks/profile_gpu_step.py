@@ -1,0 +1,148 @@
+"""Where a GPU decode step's time goes: the plain autoregressive loop's step, the compact program's autoregressive
+branch (the scheduler's step without drafting), each of its drafted tiers, and the static verify's cycle, on the
+embedded pair at each batch of ``--batches`` with ``--context`` tokens in every row's cache.
+
+Each step runs ``--steps`` times in one ``lax.while_loop`` call (as decoding runs it): the wall time per step from
+an unprofiled call, then the same call under the JAX profiler for the device's kernel time and kernel count per
+step and the top kernels (:func:`common.device_profile`). On a launch-bound step, wall − kernel time is the GPU
+waiting between kernels.
+
+    python benchmarks/profile_gpu_step.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --batches 64,128 \\
+        --out benchmarks/results/<date>_gpu_step_profile_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import device_profile  # noqa: E402
+from profile_cpu_step import compact_step, plain_step, step_loop  # noqa: E402
+
+from dflash_jax import generation, load_drafter, load_target  # noqa: E402
+from dflash_jax.decode import loop  # noqa: E402
+from dflash_jax.loading import _ASSETS  # noqa: E402
+
+
+def static_step(target, drafter, ids):
+    job = generation.prepare(target, drafter, ids, max_new_tokens=64, block_size=16, stop_token_ids=[],
+                             verify_mode="static")
+    graphs = (job.target.split().static, job.drafter.split().static)
+
+    def step(params, s, tier):
+        t, d = loop._merge(graphs, params)
+        out = loop.cycle(t, d, s, job.spec, d.config.mask_token_id)
+        return dataclasses.replace(out, num_new=s.num_new, anchor_pos=s.anchor_pos, done=s.done)
+    return job, step
+
+
+def compact_variant(target, drafter, ids, batch: int, *, ar_step: bool, one_tier: bool):
+    """The compact step without the AR offer (no ``lax.cond`` around drafting), and with ``one_tier`` only the
+    whole-block tier (a one-branch switch: no conditional at all) — to tell the conditionals' cost from the
+    packed verify's."""
+    job, step = compact_step(target, drafter, ids, batch)
+    spec = dataclasses.replace(job.spec, ar_step=ar_step,
+                               tiers=job.spec.tiers[-1:] if one_tier else job.spec.tiers)
+    graphs = (job.target.split().static, job.drafter.split().static)
+
+    def variant(params, s, tier):
+        t, d = loop._merge(graphs, params)
+        window = jnp.full((batch,), (jnp.asarray(spec.tiers + (batch,), jnp.int32) // batch - 1)[tier], jnp.int32)
+        out = loop.compact_step(t, d, s, spec, d.config.mask_token_id, window, tier)
+        return dataclasses.replace(out, num_new=s.num_new, anchor_pos=s.anchor_pos, done=s.done)
+    return job, variant, len(spec.tiers)
+
+
+def timed_loop(job, step, tier: int, steps: int, repeats: int, trace_dir: str) -> dict:
+    """Wall ms per step (median of ``repeats`` unprofiled calls) and the profiled call's kernels per step."""
+    fn, state = step_loop(job, step, tier)
+    walls = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(fn(job.params, state, np.int32(tier), np.int32(steps)))
+        walls.append((time.perf_counter() - t0) / steps * 1e3)
+    holder = {}
+
+    def profiled():
+        holder["s"] = jax.block_until_ready(fn(job.params, state, np.int32(tier), np.int32(steps)))
+    prof = device_profile(profiled, trace_dir, per=steps, top=30)
+    lanes = [p for p in prof.values() if p["total_us"] > 0]
+    busy = max(lanes, key=lambda p: p["total_us"]) if lanes else dict(total_us=0.0, calls=0.0, top=[])
+    return dict(wall_ms=float(np.median(walls)), walls_ms=walls, kernel_ms=busy["total_us"] / 1e3,
+                kernels=busy["calls"], top=busy["top"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", help="the SmolLM2 GGUF (default: the embedded one)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--drafter", default="smollm2-135m-dflash")
+    ap.add_argument("--batches", default="64,128")
+    ap.add_argument("--context", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cases", default="ar,compact-ar,compact-tiers,static")
+    ap.add_argument("--tiers", help="compact-tiers: only these tier indices (e.g. 0,-1; default: every tier)")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    target = load_target(args.gguf or "smollm2-135m", dtype=args.dtype)
+    drafter = load_drafter(_ASSETS / args.drafter, target)
+    wanted = set(args.cases.split(","))
+    result = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=jax.devices()[0].device_kind, dtype=args.dtype,
+                  xla_flags=os.environ.get("XLA_FLAGS", ""),
+                  context=args.context, steps=args.steps, drafter=args.drafter,
+                  commit=os.environ.get("BENCH_COMMIT") or subprocess.run(
+                      ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+                  batches={})
+    for batch in (int(b) for b in args.batches.split(",")):
+        ids = np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, args.context)).tolist()
+        cases = {}
+        if "ar" in wanted:
+            cases["plain AR step"] = (*plain_step(target, ids), 0)
+        if wanted & {"compact-ar", "compact-tiers"}:
+            job, step = compact_step(target, drafter, ids, batch)
+            k = len(job.spec.tiers)
+            if "compact-ar" in wanted:
+                cases["compact: AR branch"] = (job, step, k)
+            if "compact-tiers" in wanted:
+                picked = [int(i) % k for i in args.tiers.split(",")] if args.tiers else range(k)
+                for i in picked:
+                    size = job.spec.tiers[i]
+                    cases[f"compact: tier {size} ({size // batch} per row)"] = (job, step, i)
+        if "compact-noar" in wanted:
+            job, step, k = compact_variant(target, drafter, ids, batch, ar_step=False, one_tier=False)
+            for i in ([int(i) % k for i in args.tiers.split(",")] if args.tiers else range(k)):
+                cases[f"compact, no AR offer: tier {job.spec.tiers[i]}"] = (job, step, i)
+        if "compact-one-tier" in wanted:
+            job, step, k = compact_variant(target, drafter, ids, batch, ar_step=False, one_tier=True)
+            cases[f"compact, whole-block tier only (no conditional): {job.spec.tiers[-1]}"] = (job, step, 0)
+        if "static" in wanted:
+            cases["static cycle"] = (*static_step(target, drafter, ids), 0)
+        out = result["batches"][batch] = {}
+        for name, (job, step, tier) in cases.items():
+            with tempfile.TemporaryDirectory() as trace_dir:
+                r = out[name] = timed_loop(job, step, tier, args.steps, args.repeats, trace_dir)
+            print(f"== b{batch} {name}: wall {r['wall_ms']:.3f} ms a step, kernels {r['kernel_ms']:.3f} ms in "
+                  f"{r['kernels']:.0f} launches", flush=True)
+            for kern in r["top"][:12]:
+                print(f"    {kern['us']:8.1f} µs  ×{kern['calls']:6.1f}  {kern['name']}", flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
