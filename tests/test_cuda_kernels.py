@@ -208,6 +208,57 @@ def test_ragged_verify_static_windows_equal_cache_attention():
     _check(out.reshape(b, l, n, h), want, jnp.float32)
 
 
+# ---------------------------------------------------------------------- packed windows, own K/V apart
+
+# (B, Lmax, N, K, H, S, dtype, window, tuning)
+PACKED_CASES = [
+    (3, 8, 8, 2, 64, 96, jnp.float32, None, dict(num_splits=1, block_k=32)),
+    (4, 16, 8, 2, 64, 160, jnp.bfloat16, 40, dict(num_splits=3, block_k=32)),  # splits + sliding window
+]
+if ON_GPU:
+    PACKED_CASES += [(64, 16, 9, 3, 64, 512, jnp.bfloat16, None, {}),  # SmolLM2's heads, default tuning
+                     (8, 16, 32, 8, 128, 4096, jnp.bfloat16, None, {})]
+
+
+@pytest.mark.parametrize("case", PACKED_CASES, ids=lambda c: "B{}-L{}-N{}-K{}-H{}-S{}-{}-win{}".format(
+    *c[:6], jnp.dtype(c[6]).name, c[7]))
+def test_packed_block_attention_matches_reference(case):
+    """Compact mode's packed verify: each window attends to its row's cache before its first position and
+    causally to its own K/V, read and written packed; as the reference (which unpacks to [B, L]). The cache
+    from each window's start on, and q/K/V in the padding rows, are NaN: never read; padding rows come out 0."""
+    b, lmax, n, k, h, s, dtype, window, tuning = case
+    rng = np.random.default_rng(b * 11 + s)
+    wins = rng.integers(0, lmax + 1, b)
+    wins[0], wins[-1] = 0, lmax  # an empty and a full window
+    starts = rng.integers(0, s - lmax + 1, b)
+    starts[-1] = 0  # a window with no cache before it
+    layout = ref.PackedLayout.build(jnp.asarray(wins, jnp.int32), jnp.asarray(starts, jnp.int32),
+                                    int(wins.sum()) + 3, lmax)
+    valid = np.asarray(layout.valid)[:, None, None]
+    q, bk, bv = (_normal(rng, (layout.valid.shape[0], m, h), dtype, 1.5) for m in (n, k, k))
+    kc, vc = _normal(rng, (b, s, k, h), dtype), _normal(rng, (b, s, k, h), dtype)
+    with jax.default_matmul_precision("highest"):
+        want = fast_jit(ref.packed_verify_attention, window=window)(q, bk, bv, kc, vc, layout)
+    nan_pad = lambda x: jnp.asarray(np.where(valid, np.asarray(x, np.float32), np.nan).astype(x.dtype))  # noqa: E731
+    out = fast_jit(cuda.packed_block_attention, max_q_len=lmax, window=window, interpret=INTERPRET, **tuning)(
+        nan_pad(q), _poison(kc, starts), _poison(vc, starts), nan_pad(bk), nan_pad(bv), layout.cu_q_lens,
+        jnp.asarray(starts, jnp.int32))
+    live = int(wins.sum())
+    _check(out[:live], want[:live], dtype)
+    assert not np.asarray(out[live:], np.float32).any()
+
+
+def test_packed_block_attention_lowers_to_triton():
+    """Through Pallas' Triton rules for a GPU at the embedded pair's compact tiers (64 rows × 1 / 16 tokens)."""
+    sds = jax.ShapeDtypeStruct
+    for b, t in ((64, 64), (64, 1024)):
+        args = (sds((t, 9, 64), jnp.bfloat16),) + (sds((b, 512, 3, 64), jnp.bfloat16),) * 2 + (
+            sds((t, 3, 64), jnp.bfloat16),) * 2 + (sds((b + 1,), jnp.int32), sds((b,), jnp.int32))
+        text = jax.jit(lambda *a: cuda.packed_block_attention(*a, max_q_len=16)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "__gpu$xla.gpu.triton" in text and "dflash_packed_block_attention" in text
+
+
 # ----------------------------------------------------------------------------------- unsupported
 
 

@@ -1,6 +1,6 @@
 """GPU attention kernels for the decode loop: Pallas lowered to Triton (NVIDIA GPUs, sm80+; tuned on an H200).
 
-Both operations read a large KV cache with a handful of queries per KV head, so they are memory-bound: the
+All three operations read a large KV cache with a handful of queries per KV head, so they are memory-bound: the
 goal is to read each live K/V row once and nothing past a row's length. Letters: B batch rows (requests),
 L block / window length, T packed query rows, N query heads, K KV heads, G = N // K queries per KV head,
 H head dim, S cache slots.
@@ -12,6 +12,10 @@ H head dim, S cache slots.
   ``cu_q_lens[r] : cu_q_lens[r+1]`` (ℓ_r ≤ ``max_q_len`` rows, possibly 0) and attends causally to cache row
   ``r`` up to ``kv_lens[r]``, as :func:`dflash_jax.attention.ragged_verify_attention`; optionally with
   gpt-oss's attention sinks (``sinks [N]``) and sliding window (``window``).
+* :func:`packed_block_attention` — compact mode's packed verify windows whose own K/V are not in the cache
+  (its tiers only read the cache): the ragged op's packed query rows with the draft op's "own keys as one more
+  block" (causal), request ``r``'s window starting at position ``starts[r]`` and attending to its cache rows
+  below it — read and written packed, so nothing is unpacked to ``[B, L]`` and back around the kernel.
 
 Design (flash decoding):
 
@@ -86,8 +90,10 @@ from jax.experimental.pallas import triton as plgpu
 __all__ = [
     "draft_attention",
     "ragged_verify_attention",
+    "packed_block_attention",
     "draft_attention_unsupported_reason",
     "ragged_verify_unsupported_reason",
+    "packed_block_unsupported_reason",
 ]
 
 NEG_INF = -1e30  # the references' mask value
@@ -341,24 +347,61 @@ def _draft_kernel(q_ref, ck_ref, cv_ref, bk_ref, bv_ref, qpos_ref, clen_ref, *ou
         lo = jnp.maximum(jnp.min(jnp.where(l_live, qpos, jnp.iinfo(jnp.int32).max)) - window + 1, 0)
     carry = _context_loop(_init_carry(t), q, ck_ref, cv_ref, b, kh, split, lo, hi, row_pos, t, causal=False,
                           window=window)
-
-    # The block's own keys (at q_positions): one more KV block, owned by the last live split.
     lb = _next_pow2(max(L, 16))
-    bcols = jnp.arange(lb)
-    b_live = bcols < L
-    kb = plgpu.load(bk_ref.at[pl.ds(q0, lb), kh, :], mask=b_live[:, None], other=0.0)
-    vb = plgpu.load(bv_ref.at[pl.ds(q0, lb), kh, :], mask=b_live[:, None], other=0.0)
+    b_live = jnp.arange(lb) < L
     kpos = plgpu.load(qpos_ref.at[pl.ds(q0, lb)], mask=b_live, other=0)
+    carry = _own_keys(carry, q, bk_ref, bv_ref, q0, b_live, kpos, row_pos, split == _live_splits(t, hi) - 1, kh, t,
+                      causal=causal, window=window)
+    _finish(carry, out_refs, t, split, q0, L, kh)
+
+
+def _own_keys(carry, q, bk_ref, bv_ref, k0, live, kpos, row_pos, owner, kh, t: _Tiling, *, causal: bool,
+              window: int | None):
+    """The queries' own K/V (rows k0 … k0+len(live) of bk/bv, ``live`` of them, at positions ``kpos``) as one
+    more KV block, attended by the split ``owner`` only (the last live one: the cache's rows come first)."""
+    kb = plgpu.load(bk_ref.at[pl.ds(k0, live.shape[0]), kh, :], mask=live[:, None], other=0.0)
+    vb = plgpu.load(bv_ref.at[pl.ds(k0, live.shape[0]), kh, :], mask=live[:, None], other=0.0)
     s = _dot(q, kb, t, trans_b=True) * t.scale
-    mask = b_live[None, :] & (split == _live_splits(t, hi) - 1)
+    mask = live[None, :] & owner
     if causal:
         mask = mask & (kpos[None, :] <= row_pos[:, None])
     if window is not None:
         mask = mask & (row_pos[:, None] - kpos[None, :] < window)
         if not causal:
             mask = mask & (kpos[None, :] - row_pos[:, None] < window)
-    carry = _online_update(carry, s, mask, vb, t)
-    _finish(carry, out_refs, t, split, q0, L, kh)
+    return _online_update(carry, s, mask, vb, t)
+
+
+def _packed_block_kernel(q_ref, ck_ref, cv_ref, bk_ref, bv_ref, cu_ref, start_ref, *out_refs, t: _Tiling,
+                         num_req: int, s_len: int, window: int | None):
+    # q_ref [T, N, H] and bk/bv [T, K, H]: the windows packed end to end (request r's rows cu[r] … cu[r+1]);
+    # ck/cv [B, S, K, H] read below start[r] (the window's first position) only. Grid (B+1, K, splits): request
+    # B writes the padding rows' zeros. Program ids outside the pl.when bodies (interpret mode).
+    r, kh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+
+    @pl.when(r < num_req)
+    def _attend():
+        q0 = cu_ref[r]
+        q_len = jnp.clip(cu_ref[r + 1] - q0, 0, t.lp)
+        start = jnp.clip(start_ref[r], 0, s_len)
+        hi = jnp.where(q_len > 0, start, 0)  # an empty window reads nothing
+        lo = jnp.int32(0) if window is None else jnp.maximum(start - window + 1, 0)
+        q = _load_q(q_ref, t, q0, q_len, kh)
+        qpos = start + jnp.arange(t.lp)
+        row_pos = _rows(t, qpos)
+        carry = _context_loop(_init_carry(t), q, ck_ref, cv_ref, r, kh, split, lo, hi, row_pos, t, causal=False,
+                              window=window)
+        lb = _next_pow2(max(t.lp, 16))
+        kpos = start + jnp.arange(lb)
+        carry = _own_keys(carry, q, bk_ref, bv_ref, q0, jnp.arange(lb) < q_len, kpos, row_pos,
+                          split == _live_splits(t, hi) - 1, kh, t, causal=True, window=window)
+        _finish(carry, out_refs, t, split, q0, q_len, kh)
+
+    if t.num_splits == 1:  # else the merge writes the padding rows
+
+        @pl.when(r == num_req)
+        def _pad():
+            _zero_rows(out_refs[0], t, cu_ref[num_req], q_ref.shape[0], kh)
 
 
 def _verify_kernel(q_ref, kc_ref, vc_ref, cu_ref, kvl_ref, *refs, t: _Tiling, num_req: int, s_len: int,
@@ -518,6 +561,61 @@ def draft_attention(
     if not single:
         res = _merge_splits(*res, t, q.dtype, None, interpret)
     return res.reshape(b, l, n, h)
+
+
+def packed_block_unsupported_reason(q, k_cache, v_cache, blk_k, blk_v, *, max_q_len: int, window: int | None = None,
+                                    interpret: bool = False, **_: object) -> str | None:
+    """Why :func:`packed_block_attention` cannot run these shapes here (None when it can)."""
+    if q.ndim != 3 or blk_k.ndim != 3 or blk_k.shape[0] != q.shape[0] or blk_v.shape != blk_k.shape:
+        return "expected q [T, N, H] and the windows' own K/V [T, K, H]"
+    if k_cache.ndim != 4 or blk_k.shape[1:] != k_cache.shape[2:]:
+        return "the windows' K/V do not match the cache's heads"
+    return ragged_verify_unsupported_reason(q, k_cache, v_cache, max_q_len=max_q_len, window=window,
+                                            interpret=interpret) or (
+        None if jnp.dtype(blk_k.dtype) == jnp.dtype(q.dtype) else "q and K/V dtypes differ")
+
+
+@functools.partial(jax.jit, static_argnames=("max_q_len", "window", "block_k", "num_splits", "min_chunk",
+                                             "num_warps", "num_stages", "interpret"))
+def packed_block_attention(
+    q: jax.Array,  # [T, N, H]
+    k_cache: jax.Array,  # [B, S, K, H]
+    v_cache: jax.Array,  # [B, S, K, H]
+    blk_k: jax.Array,  # [T, K, H]
+    blk_v: jax.Array,  # [T, K, H]
+    cu_q_lens: jax.Array,  # [B+1] int32
+    starts: jax.Array,  # [B] int32
+    *,
+    max_q_len: int,
+    window: int | None = None,
+    block_k: int | None = None,
+    num_splits: int | None = None,
+    min_chunk: int = DEFAULT_MIN_CHUNK,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:  # [T, N, H]
+    """Packed verify windows whose own K/V are not in the cache (compact mode's tiers, which only read the
+    cache): request ``r``'s rows ``cu_q_lens[r] : cu_q_lens[r+1]`` (at most ``max_q_len``) sit at positions
+    ``starts[r] + i`` and attend to its cache rows ``< starts[r]`` and causally to their own ``blk_k`` /
+    ``blk_v`` rows — :func:`draft_attention`'s causal case read and written in the packed layout, so no
+    unpacking to ``[B, L]`` and back. Padding rows past ``cu_q_lens[B]`` get zeros. Same semantics as
+    ``dflash_jax.attention.packed_verify_attention`` without sinks. Tuning arguments as :func:`draft_attention`."""
+    t_rows, n, h = q.shape
+    b, s, k, _ = k_cache.shape
+    t = _make_tiling(rows=max_q_len, n=n, k=k, h=h, s=s, programs=b * k, dtype=q.dtype, block_k=block_k,
+                     num_splits=num_splits, min_chunk=min_chunk, num_warps=num_warps, num_stages=num_stages)
+    cu = cu_q_lens.astype(jnp.int32)
+    single = t.num_splits == 1
+    out_shape = jax.ShapeDtypeStruct((t_rows, n, h), q.dtype) if single else _partials_shape(t, t_rows, n, h)
+    kernel = functools.partial(_packed_block_kernel, t=t, num_req=b, s_len=s, window=window)
+    res = pl.pallas_call(kernel, out_shape=out_shape, grid=(b + 1 if single else b, k, t.num_splits),
+                         interpret=interpret, compiler_params=_compiler_params(t),
+                         name="dflash_packed_block_attention")(
+        q, k_cache, v_cache, blk_k, blk_v, cu, starts.astype(jnp.int32))
+    if not single:
+        res = _merge_splits(*res, t, q.dtype, cu, interpret)
+    return res
 
 
 @functools.partial(jax.jit, static_argnames=("max_q_len", "window", "block_k", "num_splits", "min_chunk",
