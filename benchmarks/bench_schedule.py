@@ -37,6 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_jax import continuous, costs, draft_vocab, generate, load_drafter, load_target, speculative_generate  # noqa: E402,E501
+from dflash_jax import attention  # noqa: E402
 from dflash_jax.loading import _ASSETS, restrict_draft_vocab  # noqa: E402
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "schedule_prompts.json"
@@ -268,8 +269,13 @@ def main() -> int:
                     help="sweep: every prompt through one pool of the batch's rows (continuous batching) instead "
                          "of consecutive static batches")
     ap.add_argument("--refill-size", type=int, help="--continuous: rows refilled at a time (default: the library's)")
+    ap.add_argument("--packed-kernel", choices=["on", "off"], default="on",
+                    help="off: compact's packed verify unpacks to [B, L] for the block kernel (GPUs; the path before "
+                         "cuda.packed_block_attention)")
     ap.add_argument("--out", type=Path, default=Path("schedule.json"))
     args = ap.parse_args()
+    if args.packed_kernel == "off":
+        attention._packed_kernel_call = lambda *a, **k: None  # noqa: E731
     if args.make_prompts:
         make_prompts(args.make_prompts)
         return 0
@@ -282,6 +288,7 @@ def main() -> int:
     drafter = next(iter(drafters.values()))
     rows = json.loads(args.prompts.read_text())
     result = dict(date=time.strftime("%Y-%m-%d"), device=jax.devices()[0].device_kind, dtype=args.dtype,
+                  packed_kernel=args.packed_kernel,
                   platform=platform.platform(), max_new=args.max_new, drafter=drafter_dir.name,
                   commit=os.environ.get("BENCH_COMMIT") or subprocess.run(
                       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip())

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import device_profile  # noqa: E402
 from profile_cpu_step import compact_step, plain_step, step_loop  # noqa: E402
 
-from dflash_jax import generation, load_drafter, load_target  # noqa: E402
+from dflash_jax import attention, generation, load_drafter, load_target  # noqa: E402
 from dflash_jax.decode import loop  # noqa: E402
 from dflash_jax.loading import _ASSETS  # noqa: E402
 
@@ -96,13 +96,18 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cases", default="ar,compact-ar,compact-tiers,static")
     ap.add_argument("--tiers", help="compact-tiers: only these tier indices (e.g. 0,-1; default: every tier)")
+    ap.add_argument("--packed-kernel", choices=["on", "off"], default="on",
+                    help="off: compact's packed verify unpacks to [B, L] for the block kernel (the path before "
+                         "cuda.packed_block_attention)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.packed_kernel == "off":
+        attention._packed_kernel_call = lambda *a, **k: None  # noqa: E731
     target = load_target(args.gguf or "smollm2-135m", dtype=args.dtype)
     drafter = load_drafter(_ASSETS / args.drafter, target)
     wanted = set(args.cases.split(","))
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=jax.devices()[0].device_kind, dtype=args.dtype,
-                  xla_flags=os.environ.get("XLA_FLAGS", ""),
+                  xla_flags=os.environ.get("XLA_FLAGS", ""), packed_kernel=args.packed_kernel,
                   context=args.context, steps=args.steps, drafter=args.drafter,
                   commit=os.environ.get("BENCH_COMMIT") or subprocess.run(
                       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),

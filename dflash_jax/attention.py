@@ -422,7 +422,7 @@ class PackedLayout:
         return jnp.where(inside.reshape(inside.shape + (1,) * (y.ndim - 1)), out, jnp.zeros((), y.dtype))
 
 
-def _packed_block_kernel(q, k, v, k_cache, v_cache, layout: PackedLayout, start, window) -> jax.Array | None:
+def _packed_kernel_call(q, k, v, k_cache, v_cache, layout: PackedLayout, start, window) -> jax.Array | None:
     """The GPU kernel that reads and writes the packed rows itself (:func:`dflash_jax.cuda.packed_block_attention`),
     or None: under a mesh (compact mode does not run under one yet; the block kernels' path would shard) or
     where the kernel cannot take the shapes (logged once). Compiled alone first on a GPU (a failed compile falls
@@ -472,7 +472,7 @@ def packed_verify_attention(
     win = layout.cu_q_lens[1:] - layout.cu_q_lens[:-1]
     start = layout.kv_lens - win  # each row's anchor position: the cache holds what lies before it
     if impl == "cuda" and sinks is None:
-        out = _packed_block_kernel(q, k, v, k_cache, v_cache, layout, start, window)
+        out = _packed_kernel_call(q, k, v, k_cache, v_cache, layout, start, window)
         if out is not None:
             return out
     positions = start[:, None] + jnp.arange(layout.block, dtype=jnp.int32)[None, :]
