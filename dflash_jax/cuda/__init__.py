@@ -372,6 +372,22 @@ def _own_keys(carry, q, bk_ref, bv_ref, k0, live, kpos, row_pos, owner, kh, t: _
     return _online_update(carry, s, mask, vb, t)
 
 
+def _request_rows(cu_ref, r, t: _Tiling):
+    """(first packed row, number of rows ≤ Lp) of request ``r``'s window."""
+    q0 = cu_ref[r]
+    return q0, jnp.clip(cu_ref[r + 1] - q0, 0, t.lp)
+
+
+def _padding_program(out_refs, cu_ref, r, kh, t: _Tiling, num_req: int, total: int) -> None:
+    """Grid row ``num_req`` writes the zeros of the padding rows [cu[B], total) — in the single pass only (the
+    split merge writes them otherwise)."""
+    if t.num_splits == 1:
+
+        @pl.when(r == num_req)
+        def _pad():
+            _zero_rows(out_refs[0], t, cu_ref[num_req], total, kh)
+
+
 def _packed_block_kernel(q_ref, ck_ref, cv_ref, bk_ref, bv_ref, cu_ref, start_ref, *out_refs, t: _Tiling,
                          num_req: int, s_len: int, window: int | None):
     # q_ref [T, N, H] and bk/bv [T, K, H]: the windows packed end to end (request r's rows cu[r] … cu[r+1]);
@@ -381,8 +397,7 @@ def _packed_block_kernel(q_ref, ck_ref, cv_ref, bk_ref, bv_ref, cu_ref, start_re
 
     @pl.when(r < num_req)
     def _attend():
-        q0 = cu_ref[r]
-        q_len = jnp.clip(cu_ref[r + 1] - q0, 0, t.lp)
+        q0, q_len = _request_rows(cu_ref, r, t)
         start = jnp.clip(start_ref[r], 0, s_len)
         hi = jnp.where(q_len > 0, start, 0)  # an empty window reads nothing
         lo = jnp.int32(0) if window is None else jnp.maximum(start - window + 1, 0)
@@ -397,11 +412,7 @@ def _packed_block_kernel(q_ref, ck_ref, cv_ref, bk_ref, bv_ref, cu_ref, start_re
                           split == _live_splits(t, hi) - 1, kh, t, causal=True, window=window)
         _finish(carry, out_refs, t, split, q0, q_len, kh)
 
-    if t.num_splits == 1:  # else the merge writes the padding rows
-
-        @pl.when(r == num_req)
-        def _pad():
-            _zero_rows(out_refs[0], t, cu_ref[num_req], q_ref.shape[0], kh)
+    _padding_program(out_refs, cu_ref, r, kh, t, num_req, q_ref.shape[0])
 
 
 def _verify_kernel(q_ref, kc_ref, vc_ref, cu_ref, kvl_ref, *refs, t: _Tiling, num_req: int, s_len: int,
@@ -414,8 +425,7 @@ def _verify_kernel(q_ref, kc_ref, vc_ref, cu_ref, kvl_ref, *refs, t: _Tiling, nu
 
     @pl.when(r < num_req)
     def _attend():
-        q0 = cu_ref[r]
-        q_len = jnp.clip(cu_ref[r + 1] - q0, 0, t.lp)
+        q0, q_len = _request_rows(cu_ref, r, t)
         kv_len = jnp.clip(kvl_ref[r], 0, s_len)
         hi = jnp.where(q_len > 0, kv_len, 0)  # an empty window reads nothing
         lo = jnp.int32(0)
@@ -434,11 +444,7 @@ def _verify_kernel(q_ref, kc_ref, vc_ref, cu_ref, kvl_ref, *refs, t: _Tiling, nu
                               window=window)
         _finish(carry, out_refs, t, split, q0, q_len, kh)
 
-    if t.num_splits == 1:  # else the merge writes the padding rows
-
-        @pl.when(r == num_req)
-        def _pad():
-            _zero_rows(out_refs[0], t, cu_ref[num_req], q_ref.shape[0], kh)
+    _padding_program(out_refs, cu_ref, r, kh, t, num_req, q_ref.shape[0])
 
 
 def _partials_shape(t: _Tiling, t_rows: int, n: int, h: int):
