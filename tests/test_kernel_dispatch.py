@@ -60,6 +60,20 @@ def test_kernels_in_the_decode_loop_are_lossless(pair, reference, impl):
     assert len({a for row in out.acceptance_lengths for a in row}) >= 3
 
 
+def test_compact_verify_through_the_packed_kernel(pair, reference, monkeypatch):
+    """Compact mode with the GPU kernels: every tier's packed windows (and the AR branch's) go through
+    ``cuda.packed_block_attention`` — counted — and the tokens stay the reference's, with an oracle drafter
+    whose acceptance lengths (so windows and tiers) vary."""
+    target, _ = pair
+    calls = []
+    kernel = attention._packed_kernel_call
+    monkeypatch.setattr(attention, "_packed_kernel_call", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    oracle = oracle_drafter(target, PROMPTS, reference["ar"].token_ids, block_size=4, corrupt=0.3)
+    out = speculative_generate(target, oracle, PROMPTS, attention_impl="cuda", verify_mode="compact", **KW)
+    assert out.token_ids == reference["ar"].token_ids
+    assert len({shape[0] for shape in calls}) >= 2  # traced once per layer in each compiled tier
+
+
 def test_auto_keeps_float32_on_the_reference_on_gpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert attention.resolve_impl("auto", jnp.bfloat16) == "cuda"
