@@ -395,3 +395,30 @@ def test_moe_kernels_run_per_shard_under_a_mesh(tp, dp, tokens, bias, monkeypatc
         out = np.asarray(call(moe.experts_auto)(*placed), np.float32)
     assert seen == [((tokens // dp, d), (e, d, f // tp))]  # traced once, on one device's rows and hidden slice
     np.testing.assert_allclose(out, want, atol=3e-2 * max(1.0, np.abs(want).max()), rtol=3e-2)
+
+
+@pytest.mark.parametrize("advance", [False, True], ids=["record", "advance"])
+def test_delta_rule_kernel_runs_per_shard(advance, monkeypatch):
+    """The short-block gated delta rule kernel (interpret mode here) under tp=2 × dp=2: each device runs it on its
+    rows and its key heads' value heads (shard_map), with what one device computes."""
+    import jax.numpy as jnp
+
+    from dflash_jax.models import linear_attention as la
+
+    monkeypatch.setattr(la, "KERNEL_INTERPRET", True)
+    b, t, hk, hv, dk, dv = 4, 3, 2, 4, 8, 8
+    rng = np.random.default_rng(1)
+    qkv = jnp.asarray(rng.normal(size=(b, t, hk, 2 * dk + hv // hk * dv)), jnp.float32)
+    g = jnp.asarray(-rng.uniform(0.05, 1.0, size=(b, t, hv)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0.1, 0.9, size=(b, t, hv)), jnp.float32)
+    state = jnp.asarray(rng.normal(size=(b, hv, dk, dv)), jnp.float32)
+    lengths = jnp.asarray([3, 1, 0, 2], jnp.int32) if advance else None
+    run = lambda *a: la.kernel_block("cuda", *a, lengths, key_dim=dk, advance=advance)  # noqa: E731
+    want = jax.jit(run)(qkv, g, beta, state)
+    mesh = make_mesh(tp=2, dp=2)
+    with jax.set_mesh(mesh):
+        program = str(jax.make_jaxpr(run)(qkv, g, beta, state))
+        out = jax.jit(run)(qkv, g, beta, state)
+    assert "shard_map" in program and "pallas_call" in program
+    for o, w in zip(jax.tree.leaves(out), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(o), np.asarray(w), atol=1e-5, rtol=1e-5)
