@@ -48,29 +48,34 @@ def write_rows(cache: Float[Array, "B S K H"], new: Float[Array, "B T K H"], sta
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PendingKV:
-    """A packed verify's new K/V per layer (``[T, K, H]``) and each slot's place in the cache (row, position;
-    padding slots point past any cache and are dropped). A compiled tier (a branch of a ``lax.switch``) only
-    reads the caches and returns these; :meth:`write` stores them after the conditional, in place."""
+    """A packed verify's new K/V, every layer's stacked (``[NL, T, K, H]``), and each slot's place in the cache
+    (row, position; padding slots point past any cache and are dropped). A compiled tier (a branch of a
+    ``lax.switch``) only reads the caches and returns these; :meth:`write` stores them after the conditional,
+    in place. Stacked, a branch pads and returns two arrays rather than two per layer (on a GPU each is a kernel
+    launch and a copy out of the conditional, every step)."""
 
     rows: Int[Array, "T"]
     positions: Int[Array, "T"]
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: Float[Array, "NL T K H"]
+    v: Float[Array, "NL T K H"]
 
     @staticmethod
     def of(layout: attention.PackedLayout, k: tuple, v: tuple) -> "PendingKV":
-        return PendingKV(layout.rows, jnp.where(layout.valid, layout.positions, _NOWHERE), k, v)
+        """``k``, ``v``: per layer ``[T, K, H]``."""
+        return PendingKV(layout.rows, jnp.where(layout.valid, layout.positions, _NOWHERE), jnp.stack(k),
+                         jnp.stack(v))
 
     def padded(self, size: int) -> "PendingKV":
         """The same writes in ``size`` slots (the largest tier's, so every branch returns one shape)."""
         n = size - self.rows.shape[0]
-        slots = lambda x: jnp.pad(x, [(0, n)] + [(0, 0)] * (x.ndim - 1))  # noqa: E731
-        return PendingKV(slots(self.rows), jnp.pad(self.positions, (0, n), constant_values=_NOWHERE),
-                         tuple(map(slots, self.k)), tuple(map(slots, self.v)))
+        slots = lambda x: jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+        return PendingKV(jnp.pad(self.rows, (0, n)), jnp.pad(self.positions, (0, n), constant_values=_NOWHERE),
+                         slots(self.k), slots(self.v))
 
     def write(self, cache: KVCache) -> KVCache:
         put = lambda c, new: c.at[self.rows, self.positions].set(new.astype(c.dtype), mode="drop")  # noqa: E731
-        return KVCache(tuple(map(put, cache.k, self.k)), tuple(map(put, cache.v, self.v)))
+        return KVCache(tuple(put(c, self.k[i]) for i, c in enumerate(cache.k)),
+                       tuple(put(c, self.v[i]) for i, c in enumerate(cache.v)))
 
 
 _NOWHERE = 2 ** 30  # a position past any cache: its write is dropped
