@@ -383,14 +383,8 @@ def _check_verify_mode(mode: str, target: Target, drafter: Drafter | None, block
     schedule.check_verify_mode(mode)
     if drafter is None or block_size == 1 or mode == "static":
         return "static"
-    from dflash_jax.models.hybrid import HybridTargetModel
-
     if mode == "auto":
-        return "static" if isinstance(target.model, HybridTargetModel) or dp > 1 else "auto"
-
-    if mode == "compact" and isinstance(target.model, HybridTargetModel):
-        raise ValueError("verify_mode='compact' does not support hybrid (linear-attention) targets: their "
-                         "recurrent layers need whole blocks; use 'static' or 'cap-accept'")
+        return "static" if dp > 1 else "auto"
     if mode == "compact" and dp > 1:
         raise ValueError(f"verify_mode='compact' packs the windows of all rows into one buffer, which a dp={dp} "
                          f"mesh would split across devices; use 'static' or 'cap-accept' with dp > 1")

@@ -225,7 +225,7 @@ def pytest_sessionfinish(session):
 FILE_SECONDS = {"test_train.py": 172, "test_sharding.py": 96, "test_batch.py": 84, "test_schedule.py": 69,
                 "test_sampling.py": 56, "test_target_vs_transformers.py": 48, "test_lossless.py": 45,
                 "test_dspark.py": 35, "test_kernel_dispatch.py": 34, "test_moe_kernels.py": 24,
-                "test_pallas_tpu.py": 22, "test_hybrid.py": 19, "test_delta_rule_kernel.py": 19,
+                "test_pallas_tpu.py": 22, "test_hybrid.py": 45, "test_delta_rule_kernel.py": 19,
                 "test_smollm2.py": 70, "test_real_pair.py": 129, "test_notebook.py": 49}
 SMOLLM2_UNIT = ("test_smollm2.py", "test_real_pair.py", "test_notebook.py")
 

@@ -14,11 +14,14 @@ tensor; Qwen3.5-MoE as a wrapper around transformers' fused expert layout; Qwen3
 * greedy ``generate`` equals transformers' greedy ``generate`` (MoE);
 * speculative decoding with oracle drafters equals autoregressive decoding for block sizes 2 and 16, mixed prompt
   lengths in one batch, and chunked prefill, and so does a (random) DSpark drafter; the chunked prefill's linear
-  states equal the one-shot prefill's.
+  states equal the one-shot prefill's;
+* so does compact mode (packed verify windows, steps without drafting; the GPU kernels in interpret mode), which
+  commits what cap-accept commits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -35,6 +38,8 @@ from safetensors.torch import save_file
 from conftest import oracle_drafter, random_prompts
 from dflash_jax import compile_count, generate, generation, load_target, random_drafter, speculative_generate
 from dflash_jax.config import model_config_from_hf
+from dflash_jax.costs import CostTable
+from dflash_jax.cuda import delta_rule as dr
 from dflash_jax.models import layers, linear_attention as la
 from dflash_jax.models.hybrid import HybridCache, HybridTargetModel
 
@@ -297,3 +302,34 @@ def test_speculative_decoding_is_lossless(models, greedy, monkeypatch):
     assert isinstance(chunked, HybridCache) and len(chunked.conv) == 2 and not chunked.pending
     for x, y in zip(one_shot.conv + one_shot.recurrent, chunked.conv + chunked.recurrent):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+
+
+# Step cost per tokens-per-row at batch 4 (verifying gets dearer, so windows vary), and with an AR step timed.
+TABLE = CostTable("cpu", "test", "float32", "tiny", 8, 32, {4: {1: 1.0, 2: 1.25, 4: 1.8, 8: 3.2}})
+WITH_AR = dataclasses.replace(TABLE, ar_ms={4: 0.7})
+
+
+def test_compact_verify_is_lossless(models, greedy, monkeypatch):
+    """Compact mode packs each row's window: the linear layers run their windows as blocks and settle after the
+    accepted prefix, as whole-block verifies do. Compact and cap-accept commit the same; steps without drafting
+    (WITH_AR, a drafter right half the time) leave the states right too; and so do the GPU kernels (the packed
+    attention and the delta rule's record mode, in interpret mode here)."""
+    target = models["moe"][2]
+    kw = dict(max_new_tokens=NEW, stop_token_ids=[])
+    oracle = oracle_drafter(target, PROMPTS, greedy.token_ids, block_size=8, corrupt=0.2, seed=1)
+    compact, cap = (speculative_generate(target, oracle, PROMPTS, verify_mode=m, cost_table=TABLE, **kw)
+                    for m in ("compact", "cap-accept"))
+    assert compact.token_ids == cap.token_ids == greedy.token_ids
+    assert compact.stats["verify_mode"] == "compact" and len(compact.stats["tier_steps"]) >= 2
+    assert compact.acceptance_lengths == cap.acceptance_lengths
+    assert compact.stats["tier_steps"] == cap.stats["tier_steps"]
+    poor = oracle_drafter(target, PROMPTS, greedy.token_ids, block_size=8, corrupt=0.5, seed=2)
+    out = speculative_generate(target, poor, PROMPTS, verify_mode="compact", cost_table=WITH_AR, **kw)
+    assert out.token_ids == greedy.token_ids and out.stats["ar_steps"] > 0 and out.stats["tier_steps"], out.stats
+    calls = []
+    real = dr.packed_delta_rule_block
+    monkeypatch.setattr(dr, "packed_delta_rule_block", lambda *a, **k: calls.append(k["advance"]) or real(*a, **k))
+    monkeypatch.setattr(la, "KERNEL_INTERPRET", True)
+    out = speculative_generate(target, oracle, PROMPTS, verify_mode="compact", cost_table=TABLE,
+                               attention_impl="cuda", **kw)
+    assert out.token_ids == greedy.token_ids and False in calls  # the verify windows went through the kernel

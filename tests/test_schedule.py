@@ -132,7 +132,7 @@ def test_packed_layout_round_trip_and_writes():
     # K/V writes land at (row, position); padding slots (and those padded on to a larger tier) are dropped.
     cache = jnp.zeros((3, 12, 1, 1))
     new = jnp.arange(1, 9, dtype=jnp.float32).reshape(8, 1, 1)
-    written = PendingKV.of(layout, (new,), (-new,)).padded(12).write(KVCache((cache,), (cache,)))
+    written = PendingKV.of(layout, (new,), (-new,)).padded(12, 4).write(KVCache((cache,), (cache,)))
     out = np.asarray(written.k[0])[..., 0, 0]
     assert out[0, 5:7].tolist() == [1, 2] and out[2, 3:7].tolist() == [3, 4, 5, 6]
     assert out.sum() == sum(range(1, 7))  # nothing else written (slots 7, 8 were padding)

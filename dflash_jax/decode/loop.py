@@ -407,16 +407,19 @@ def _packed_step(target, drafter, state: DecodeState, spec: LoopSpec, window, ti
         state = dataclasses.replace(state, schedule=dataclasses.replace(sch, counts=counts))
     logits, choice = (scored, None) if spec.sampling else (None, scored)
     state, accepted, last, _ = _accept(state, block, logits, choice, spec, q, window)
-    return _commit_verified(drafter, state, block, positions, pending.write(state.target_cache), feats, accepted,
-                            last, None, window)
+    tcache = pending.write(state.target_cache)
+    if isinstance(target, HybridTargetModel):  # linear states after the anchor and the accepted drafts
+        tcache = target.settle(tcache, accepted + 1)
+    return _commit_verified(drafter, state, block, positions, tcache, feats, accepted, last, None, window)
 
 
 def _packed_forward(target, state: DecodeState, spec: LoopSpec, lens: Int[Array, "B"], block: Int[Array, "B L"],
                     size: int, width: int):
     """The target over each row's first ``lens`` block tokens packed into ``size`` slots (``width``: the longest
     window a row can have there — the attention's block): (scores [B, L] — logits, or the argmax when greedy —,
-    captured features [B, L, F] or None, both zero past each window; the new K/V as a :class:`PendingKV` padded
-    to the largest tier, so that every branch returns one shape)."""
+    captured features [B, L, F] or None, both zero past each window; the new K/V — and a hybrid target's
+    linear-layer records — as a :class:`PendingKV` padded to the largest tier and the whole block, so that every
+    branch returns one shape)."""
     l = spec.block_size
     layout = attention.PackedLayout.build(lens, state.anchor_pos, size, width)
     hidden, feats, pending = target(layout.pack(block)[None], layout.positions[None], state.target_cache,
@@ -425,7 +428,7 @@ def _packed_forward(target, state: DecodeState, spec: LoopSpec, lens: Int[Array,
     scored = layout.unpack(logits if spec.sampling else jnp.argmax(logits, axis=-1).astype(jnp.int32))
     widen = lambda x: jnp.pad(x, [(0, 0), (0, l - width)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
     return (widen(scored), widen(layout.unpack(feats[0])) if feats is not None else None,
-            pending.padded(spec.tiers[-1]))
+            pending.padded(spec.tiers[-1], l))
 
 
 def _accept(state: DecodeState, block, logits, choice, spec: LoopSpec, q, window):

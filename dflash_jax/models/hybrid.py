@@ -28,7 +28,7 @@ from dflash_jax.config import ModelConfig
 from dflash_jax.models import linear_attention as la
 from dflash_jax.models.layers import MLP, Dense, Embed, Rope, apply_rope
 from dflash_jax.models.moe import SparseMoE
-from dflash_jax.models.target import KVCache, TargetModel, write_rows
+from dflash_jax.models.target import KVCache, PendingKV, TargetModel, write_rows
 
 log = logging.getLogger("dflash_jax")
 
@@ -78,14 +78,18 @@ class GatedAttention(nnx.Module):
         self.k_norm = ZeroCenteredRMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype)
         self.n, self.k, self.h = n, k, h
 
-    def __call__(self, x, positions, cos, sin, k_cache, v_cache, *, prefill: bool, impl: str):
+    def __call__(self, x, positions, cos, sin, k_cache, v_cache, *, prefill: bool, impl: str,
+                 packed: attention.PackedLayout | None = None):
         b, t, _ = x.shape
         qg = self.q_proj(x).reshape(b, t, self.n, 2 * self.h)
         q, gate = qg[..., :self.h], qg[..., self.h:].reshape(b, t, self.n * self.h)
         q = apply_partial_rope(self.q_norm(q), cos, sin)
         k = apply_partial_rope(self.k_norm(self.k_proj(x).reshape(b, t, self.k, self.h)), cos, sin)
         v = self.v_proj(x).reshape(b, t, self.k, self.h)
-        if prefill:  # as target.Attention: the prompt's own keys, then stored
+        if packed is not None:  # as target.Attention: the cache is only read; the new K/V are returned
+            out = attention.packed_verify_attention(q[0], k[0], v[0], k_cache, v_cache, packed, impl=impl)[None]
+            k_cache, v_cache = k[0], v[0]
+        elif prefill:  # as target.Attention: the prompt's own keys, then stored
             out = attention.prefill_attention(q, k, v, positions, impl=impl)
             if k_cache is not None:
                 k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, 0, 0))
@@ -113,15 +117,17 @@ class HybridDecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(d, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, cos, sin, slot: tuple, *, prefill: bool, impl: str, lengths, defer: bool):
-        """``slot``: (k_cache, v_cache) or (conv, recurrent); returns (x, slot, record or None)."""
+    def __call__(self, x, positions, cos, sin, slot: tuple, *, prefill: bool, impl: str, lengths, defer: bool,
+                 packed: attention.PackedLayout | None = None):
+        """``slot``: (k_cache, v_cache) or (conv, recurrent); returns (x, slot, record or None) — with ``packed``,
+        an attention layer's slot holds its new K/V instead."""
         h = self.input_layernorm(x)
         record = None
         if self.linear:
-            a, conv, rec, record = self.linear_attn(h, *slot, lengths=lengths, defer=defer, impl=impl)
+            a, conv, rec, record = self.linear_attn(h, *slot, lengths=lengths, defer=defer, impl=impl, packed=packed)
             slot = (conv, rec)
         else:
-            a, kc, vc = self.self_attn(h, positions, cos, sin, *slot, prefill=prefill, impl=impl)
+            a, kc, vc = self.self_attn(h, positions, cos, sin, *slot, prefill=prefill, impl=impl, packed=packed)
             slot = (kc, vc)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), slot, record
@@ -167,14 +173,17 @@ class HybridTargetModel(TargetModel):
         impl: str = "xla",
         lengths: Int[Array, "B"] | None = None,
         defer: bool = False,
-    ) -> tuple[Float[Array, "B T D"], Float[Array, "B T F"] | None, HybridCache | None]:
+        packed: attention.PackedLayout | None = None,
+    ) -> tuple[Float[Array, "B T D"], Float[Array, "B T F"] | None, HybridCache | PendingKV | None]:
         """As :meth:`TargetModel.__call__`. The linear layers' states advance over the first ``lengths[b]`` tokens
         of each row (``None``: all of them); with ``defer`` they stay put and the returned cache carries the
-        records that :meth:`settle` needs (a verify block, whose accepted length is not known yet)."""
+        records that :meth:`settle` needs (a verify block, whose accepted length is not known yet). ``packed``
+        (compact mode's windows; deferred): nothing is written — the attention layers' new K/V and the linear
+        layers' records come back as a :class:`PendingKV`, whose ``write`` gives the cache to :meth:`settle`."""
         if cache is None and not prefill:
             raise ValueError("a cache is required unless prefill=True")
-        if defer and (cache is None or lengths is not None):
-            raise ValueError("defer needs a cache and no lengths")
+        if (defer or packed is not None) and (cache is None or lengths is not None):
+            raise ValueError("defer and packed need a cache and no lengths")
         cos, sin = self.rope(positions)
         x = self.embed(tokens)
         n = self.config.num_layers
@@ -189,7 +198,7 @@ class HybridTargetModel(TargetModel):
             store, j = (states if layer.linear else kv), slots[i]
             x, (store[0][j], store[1][j]), record = layer(
                 x, positions, cos, sin, (store[0][j], store[1][j]), prefill=prefill, impl=impl, lengths=lengths,
-                defer=defer)
+                defer=defer, packed=packed)
             if record is not None:
                 pending.append(record)
             if i in capture and i != n - 1:
@@ -200,6 +209,8 @@ class HybridTargetModel(TargetModel):
         feats = jnp.concatenate([captured[i] for i in capture], axis=-1) if capture else None
         if cache is None:
             return h, feats, None
+        if packed is not None:
+            return h, feats, PendingKV.of(packed, tuple(kv[0]), tuple(kv[1]), tuple(pending))
         return h, feats, HybridCache(tuple(kv[0]), tuple(kv[1]), tuple(states[0]), tuple(states[1]), tuple(pending))
 
     def settle(self, cache: HybridCache, n: Int[Array, "B"]) -> HybridCache:

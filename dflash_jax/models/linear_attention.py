@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from dflash_jax.attention import PackedLayout
 from dflash_jax.config import HybridConfig, ModelConfig
 from dflash_jax.models.layers import Dense
 
@@ -286,7 +287,8 @@ class GatedDeltaNet(nnx.Module):
                 jnp.zeros((batch, self.hv, self.dk, self.dv), jnp.float32))
 
     def __call__(self, x: Float[Array, "B T D"], conv: jax.Array | None, rec: jax.Array | None, *,
-                 lengths: Int[Array, "B"] | None = None, defer: bool = False, impl: str = "xla"):
+                 lengths: Int[Array, "B"] | None = None, defer: bool = False, impl: str = "xla",
+                 packed: PackedLayout | None = None):
         """Mix ``x`` (already input-normed) given the states before it.
 
         Returns ``(out, conv, rec, record)``: the states after the first ``lengths[b]`` tokens (``None``: all T;
@@ -294,16 +296,35 @@ class GatedDeltaNet(nnx.Module):
         unchanged plus ``record`` = ``(window, k, cum, v_new)``, from which :func:`settle` forms the states
         after any prefix once the caller knows how many tokens to keep. ``impl="cuda"``: short blocks through the
         GPU kernel where it applies (:func:`kernel_block`; its record holds k per key head).
+
+        ``packed`` (compact mode's verify windows packed end to end; implies ``defer``): ``x`` is ``[1, T, D]``.
+        The projections run over the T packed tokens; the conv and the recurrence over each row's window back in
+        its ``[B, L', …]`` block (L' = ``packed.block``; zeros past a window: later positions, which no prefix
+        that is kept reads); the record is that block's.
         """
-        b, t, _ = x.shape
-        if conv is None:
-            conv, rec = self.zero_states(b, x.dtype)
         mixed = self.in_proj_qkv(x)  # [B, T, C], channels grouped by key head
-        window = jnp.concatenate([conv.astype(mixed.dtype), mixed], axis=1)  # [B, R+T, C]
-        qkv = jax.nn.silu(self.conv1d(window, t)).reshape(b, t, self.hk, -1)  # [B, T, Hk, 2Dk + r·Dv]
         beta = jax.nn.sigmoid(self.in_proj_b(x)).astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             self.in_proj_a(x).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        if packed is not None:
+            mixed, beta, g = (packed.unpack(a[0]) for a in (mixed, beta, g))
+            defer = True
+        out, conv, rec, record = self._mix(mixed, beta, g, conv, rec, lengths=lengths, defer=defer, impl=impl)
+        if packed is not None:
+            out = packed.pack(out)[None]
+        b, t, _ = x.shape
+        z = self.in_proj_z(x).reshape(b, t, self.hv, self.dv)
+        out = self.norm(out.astype(x.dtype), z).reshape(b, t, self.hv * self.dv)
+        return self.out_proj(out), conv, rec, record
+
+    def _mix(self, mixed: Float[Array, "B T C"], beta: Float[Array, "B T H"], g: Float[Array, "B T H"], conv, rec,
+             *, lengths, defer: bool, impl: str):
+        """The conv and the delta rule over projected rows: ``(out [B, T, H, Dv] float32, conv, rec, record)``."""
+        b, t, _ = mixed.shape
+        if conv is None:
+            conv, rec = self.zero_states(b, mixed.dtype)
+        window = jnp.concatenate([conv.astype(mixed.dtype), mixed], axis=1)  # [B, R+T, C]
+        qkv = jax.nn.silu(self.conv1d(window, t)).reshape(b, t, self.hk, -1)  # [B, T, Hk, 2Dk + r·Dv]
         short = defer or t <= CHUNK  # one chunk: verify blocks, decode steps, short prompts
         fused = kernel_block(impl, qkv, g, beta, rec, None if defer else lengths, key_dim=self.dk,
                              advance=not defer) if short else None
@@ -314,9 +335,7 @@ class GatedDeltaNet(nnx.Module):
             record, rec = ((window, *res), rec) if defer else (None, res)
         if not defer:
             conv = conv_history(window, lengths, self.width - 1)
-        z = self.in_proj_z(x).reshape(b, t, self.hv, self.dv)
-        out = self.norm(out.astype(x.dtype), z).reshape(b, t, self.hv * self.dv)
-        return self.out_proj(out), conv, rec, record
+        return out, conv, rec, record
 
     def _delta_rule(self, qkv, g, beta, rec, window, lengths, *, defer: bool, short: bool):
         """The jnp delta rule: ``(out, rec, record)`` (one chunk when ``short``, else over chunks)."""
@@ -341,6 +360,12 @@ class GatedDeltaNet(nnx.Module):
                 g, beta = jnp.where(live, g, 0.0), jnp.where(live, beta, 0.0)
             out, rec = delta_rule_chunked(q, k, v, g, beta, rec, chunk=CHUNK)  # CHUNK read at trace time
         return out, rec, record
+
+
+def pad_record(record: tuple, block: int) -> tuple:
+    """A deferred block's record of T tokens as one of ``block`` ≥ T (zeros after: tokens no kept prefix reads),
+    so that compact mode's tiers, whose windows fit blocks of different widths, return one shape."""
+    return tuple(jnp.pad(a, [(0, 0), (0, block - record[1].shape[1])] + [(0, 0)] * (a.ndim - 2)) for a in record)
 
 
 def settle(conv: jax.Array, rec: jax.Array, record: tuple, n: Int[Array, "B"]) -> tuple[jax.Array, jax.Array]:

@@ -17,6 +17,7 @@ from jaxtyping import Array, Float, Int
 from dflash_jax import attention
 from dflash_jax.config import ModelConfig
 from dflash_jax.models import gpt_oss
+from dflash_jax.models.linear_attention import pad_record
 from dflash_jax.models.layers import MLP, Dense, Embed, RMSNorm, Rope, apply_rope
 from dflash_jax.models.moe import SparseMoE
 
@@ -52,30 +53,34 @@ class PendingKV:
     (row, position; padding slots point past any cache and are dropped). A compiled tier (a branch of a
     ``lax.switch``) only reads the caches and returns these; :meth:`write` stores them after the conditional,
     in place. Stacked, a branch pads and returns two arrays rather than two per layer (on a GPU each is a kernel
-    launch and a copy out of the conditional, every step)."""
+    launch and a copy out of the conditional, every step). A hybrid target's linear layers add their deferred
+    ``records`` (:mod:`dflash_jax.models.hybrid`), which :meth:`write` leaves in the cache for ``settle``."""
 
     rows: Int[Array, "T"]
     positions: Int[Array, "T"]
     k: Float[Array, "NL T K H"]
     v: Float[Array, "NL T K H"]
+    records: tuple = ()
 
     @staticmethod
-    def of(layout: attention.PackedLayout, k: tuple, v: tuple) -> "PendingKV":
-        """``k``, ``v``: per layer ``[T, K, H]``."""
+    def of(layout: attention.PackedLayout, k: tuple, v: tuple, records: tuple = ()) -> "PendingKV":
+        """``k``, ``v``: per layer ``[T, K, H]``; ``records``: per linear layer, over ``layout.block`` tokens."""
         return PendingKV(layout.rows, jnp.where(layout.valid, layout.positions, _NOWHERE), jnp.stack(k),
-                         jnp.stack(v))
+                         jnp.stack(v), records)
 
-    def padded(self, size: int) -> "PendingKV":
-        """The same writes in ``size`` slots (the largest tier's, so every branch returns one shape)."""
+    def padded(self, size: int, block: int) -> "PendingKV":
+        """The same writes in ``size`` slots and records over ``block`` tokens (the largest tier's, the whole
+        block: so every branch returns one shape)."""
         n = size - self.rows.shape[0]
         slots = lambda x: jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
         return PendingKV(jnp.pad(self.rows, (0, n)), jnp.pad(self.positions, (0, n), constant_values=_NOWHERE),
-                         slots(self.k), slots(self.v))
+                         slots(self.k), slots(self.v), tuple(pad_record(r, block) for r in self.records))
 
     def write(self, cache: KVCache) -> KVCache:
         put = lambda c, new: c.at[self.rows, self.positions].set(new.astype(c.dtype), mode="drop")  # noqa: E731
-        return KVCache(tuple(put(c, self.k[i]) for i, c in enumerate(cache.k)),
-                       tuple(put(c, self.v[i]) for i, c in enumerate(cache.v)))
+        written = dict(k=tuple(put(c, self.k[i]) for i, c in enumerate(cache.k)),
+                       v=tuple(put(c, self.v[i]) for i, c in enumerate(cache.v)))
+        return dataclasses.replace(cache, **written, **({"pending": self.records} if self.records else {}))
 
 
 _NOWHERE = 2 ** 30  # a position past any cache: its write is dropped
