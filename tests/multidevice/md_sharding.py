@@ -328,6 +328,22 @@ def test_hybrid_decoding_is_token_identical_to_one_device(moe, key_heads, tp, dp
             assert max(sizes) <= 3 * tokens * 32, sizes
 
 
+def test_hybrid_compact_verify_under_tp(monkeypatch):
+    """Compact mode on a hybrid target split tp = 2 (by key head): the packed windows back in their blocks for the
+    linear layers, the records out of the tier's branch and settled after it — still AR's tokens."""
+    from dflash_jax.costs import CostTable
+    from dflash_jax.models import layers
+
+    kw = dict(max_new_tokens=16, stop_token_ids=[])
+    want = generate(hybrid_target(False, 4), HYBRID_PROMPTS, **kw).token_ids
+    t = shard(hybrid_target(False, 4), make_mesh(tp=2, dp=1))
+    monkeypatch.setattr(layers, "_normal", lambda rngs, shape, scale, dtype: np.zeros(shape, dtype))
+    d = shard(oracle_drafter(t, HYBRID_PROMPTS, want, block_size=4, corrupt=0.25), t.mesh)
+    table = CostTable("cpu", "test", "float32", "tiny", 4, 32, {5: {1: 1.0, 2: 1.5, 4: 2.6}})
+    out = speculative_generate(t, d, HYBRID_PROMPTS, verify_mode="compact", cost_table=table, **kw)
+    assert out.token_ids == want and out.stats["verify_mode"] == "compact" and len(out.stats["tier_steps"]) >= 2
+
+
 @pytest.mark.parametrize("impl", ["cuda", "pallas"])
 def test_packed_verify_kernels_run_per_shard(impl, caplog):
     """Compact verify's packed windows (the cache only read, the windows' own K/V beside it) under a mesh: each
