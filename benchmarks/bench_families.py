@@ -222,6 +222,16 @@ def timed(fn, repeats: int) -> dict:
     return out
 
 
+def decode_call(target, drafter, prompts, **kw):
+    """The decode program alone, as a call to profile: the prefill runs here, before the trace. (Profiling whole
+    ``generate`` calls spread the prefill's kernels over the steps: in the 2026-12-04 MoE profile a transpose
+    and a GEMM of 0.76 calls a step were the prefill's 96 = 2 per layer.)"""
+    job = generation.prepare(target, drafter, prompts, **kw)  # the programs the timed calls compiled
+    state, _ = job.programs.prefill(*job.pre_args)
+    jax.block_until_ready(state)
+    return lambda: generation.fetch_view(job, job.programs.decode(job.params, state, generation.ALL_CYCLES)[1])
+
+
 def hlo_lines(profile: dict, out_dir: str) -> dict[str, str]:
     """The optimized HLO of the program just run (the AR call's prefill and decode, written to ``out_dir``) and,
     for each top kernel of ``profile`` that XLA made, its defining instruction (output shape and operands: what
@@ -290,8 +300,8 @@ def family_case(kind: str, hf: dict, args, bw: float, dtype) -> dict:
         print(f"[{kind}] AR b{b}: {t['ms']:.3f} ms/step ({t['cycles']} steps), floor {floor['floor_ms']:.3f} ms "
               f"→ {t['ms'] / floor['floor_ms']:.2f}× (compile {t['compile_s']:.1f} s)", flush=True)
         if args.profile and b == 1:
-            prof = device_profile(lambda: generate(target, prompts, **kw), f"{args.profile}/{kind}_ar_b1",
-                                  per=t["cycles"])
+            prof = device_profile(decode_call(target, None, prompts, block_size=1, **kw),
+                                  f"{args.profile}/{kind}_ar_b1", per=t["cycles"])
             res["ar_b1"]["profile_per_step"] = prof
             print_profile(prof, f"[{kind}] AR b1 per step")
             res["ar_b1"]["profile_hlo"] = hlo_lines(prof, f"{args.profile}/{kind}_ar_b1")
@@ -308,8 +318,8 @@ def family_case(kind: str, hf: dict, args, bw: float, dtype) -> dict:
     agree = float(np.mean([x == y for x, y in zip(ar1_ids, spec_ids)]))
     if args.profile:
         res["spec_b1_profile_per_cycle"] = prof = device_profile(
-            lambda: speculative_generate(target, drafter, prompts, block_size=args.block_size, verify_mode="static",
-                                         **kw), f"{args.profile}/{kind}_spec_b1", per=t["cycles"])
+            decode_call(target, drafter, prompts, block_size=args.block_size, verify_mode="static", **kw),
+            f"{args.profile}/{kind}_spec_b1", per=t["cycles"])
         print_profile(prof, f"[{kind}] spec b1 per cycle")
     res["spec_b1"] = dict(t, cycle_ms=t["ms"], cycle_floor=floor, cycle_floor_ms=floor["floor_ms"],
                           cycle_over_ar_b1=t["ms"] / ar1, identical_to_ar=spec_ids == ar1_ids,
@@ -371,8 +381,8 @@ def main() -> int:
                     help="draft over this many token ids (the drafter's LM head reads only their rows; 0: all)")
     ap.add_argument("--bandwidth-gib", type=float, help="size of the copy-bandwidth probe (default 4; --small 0.0625)")
     ap.add_argument("--out", default="bench_families.json")
-    ap.add_argument("--profile", metavar="DIR", help="also profile one AR b1 call and one speculative call (JAX "
-                    "profiler traces under DIR): device time per step by kernel, in the JSON and printed, with the AR "
+    ap.add_argument("--profile", metavar="DIR", help="also profile one AR b1 decode and one speculative decode "
+                    "(the decode programs alone; JAX profiler traces under DIR): device time per step by kernel, in the JSON and printed, with the AR "
                     "program's optimized HLO (DIR/<model>_ar_b1/*.hlo.txt) and each top XLA kernel's instruction")
     ap.add_argument("--delta-rule", choices=["kernel", "xla"], default="kernel",
                     help="hybrid short blocks: the GPU gated-delta-rule kernel (the library's default) or the XLA path")
