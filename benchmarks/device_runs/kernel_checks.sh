@@ -1,10 +1,12 @@
 # The GPU checks and A/B timings of kernels written but not yet run on a GPU, in one call after calls 1 and 2
 # (carry .xfer/p2): their tests, then each path with the new kernel and without it, same call.
-#   bash benchmarks/device_runs/kernel_checks.sh [batches]     (default 64; ~5 min; writes into $OUT)
+#   bash benchmarks/device_runs/kernel_checks.sh [batches]     (default 64; ~6 min; writes into $OUT)
 source benchmarks/device_runs/env.sh
 BATCHES=${1:-64}
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 timeout 150 python3 -m pytest -q -rf tests/test_cuda_kernels.py tests/test_kernel_dispatch.py -k "packed" 2>&1 | tail -4
+# compact verify of a hybrid target through the compiled kernels (packed attention, the delta rule's record mode)
+timeout 150 python3 -m pytest -q -rf tests/test_hybrid.py -k "compact" 2>&1 | tail -4
 for k in on off; do
   timeout 250 bash benchmarks/device_runs/bench.sh profile_gpu_step.py --batches $BATCHES --tiers 0,-1 \
     --cases ar,compact-ar,compact-tiers,static --packed-kernel $k --out $OUT/gpu_step_packed_$k.json \
