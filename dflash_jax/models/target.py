@@ -17,8 +17,8 @@ from jaxtyping import Array, Float, Int
 from dflash_jax import attention
 from dflash_jax.config import ModelConfig
 from dflash_jax.models import gpt_oss
-from dflash_jax.models.linear_attention import pad_record
 from dflash_jax.models.layers import MLP, Dense, Embed, RMSNorm, Rope, apply_rope
+from dflash_jax.models.linear_attention import pad_record
 from dflash_jax.models.moe import SparseMoE
 
 
