@@ -382,43 +382,81 @@ def ragged_verify_attention(
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedLayout:
-    """Each row's verify window (its first ℓ_r block tokens) packed end to end into T slots (a compiled tier;
-    slots past ``cu_q_lens[B]`` are padding). Slot t holds block token ``offsets[t]`` of row ``rows[t]``."""
+    """Each row's verify window (its first ℓ_r block tokens) packed end to end into T slots (a compiled tier).
+    Slot t holds block token ``offsets[t]`` of row ``rows[t]``; row r's window starts at slot ``starts[r]``.
 
-    cu_q_lens: Int[Array, "B+1"]
+    ``groups`` > 1 (compact mode under a dp mesh): rows and slots split into that many equal groups, in order —
+    group g's rows ``g·B/G …`` pack into its own slots ``g·T/G …`` (padding at the end of each group's slots), so
+    packing, unpacking and the cache writes stay on the device that holds the group's rows."""
+
+    starts: Int[Array, "B"]
+    lens: Int[Array, "B"]  # ℓ_r
     kv_lens: Int[Array, "B"]  # anchor position + ℓ_r: the row's cache length once its window is written
-    rows: Int[Array, "T"]  # padding: a valid row index (its values are never used)
+    rows: Int[Array, "T"]  # padding: a row of the slot's group (its values are never used)
     offsets: Int[Array, "T"]  # padding: 0
     valid: Bool[Array, "T"]
     block: int = dataclasses.field(metadata=dict(static=True))  # L: the longest possible window
+    groups: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     @staticmethod
-    def build(lens: Int[Array, "B"], anchor_pos: Int[Array, "B"], size: int, block: int) -> "PackedLayout":
-        """``lens``: ℓ_r ∈ [0, L] per row (0: the row verifies nothing); ``size``: T ≥ Σ ℓ_r."""
+    def build(lens: Int[Array, "B"], anchor_pos: Int[Array, "B"], size: int, block: int, groups: int = 1
+              ) -> "PackedLayout":
+        """``lens``: ℓ_r ∈ [0, L] per row (0: the row verifies nothing); ``size``: T, with each group's Σ ℓ_r ≤
+        T / ``groups``."""
         b = lens.shape[0]
-        cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lens.astype(jnp.int32))])
-        slot = jnp.arange(size, dtype=jnp.int32)
-        rows = jnp.clip(jnp.searchsorted(cu, slot, side="right") - 1, 0, b - 1).astype(jnp.int32)
-        valid = slot < cu[b]
-        offsets = jnp.where(valid, slot - cu[rows], 0)
-        return PackedLayout(cu, (anchor_pos + lens).astype(jnp.int32), rows, offsets, valid, block)
+        bg, tg = b // groups, size // groups
+        lens = lens.astype(jnp.int32)
+        cu = jnp.concatenate([jnp.zeros((groups, 1), jnp.int32), jnp.cumsum(lens.reshape(groups, bg), axis=1)],
+                             axis=1)  # [G, B/G + 1]: each group's window bounds in its own slots
+        slot = jnp.arange(tg, dtype=jnp.int32)
+        local = jax.vmap(lambda c: jnp.clip(jnp.searchsorted(c, slot, side="right") - 1, 0, bg - 1))(cu)
+        valid = slot[None, :] < cu[:, bg:]
+        offsets = jnp.where(valid, slot[None, :] - jnp.take_along_axis(cu, local, axis=1), 0)
+        group = jnp.arange(groups, dtype=jnp.int32)[:, None]
+        return PackedLayout((cu[:, :-1] + group * tg).reshape(b), lens, (anchor_pos + lens).astype(jnp.int32),
+                            (local + group * bg).reshape(size).astype(jnp.int32), offsets.reshape(size),
+                            valid.reshape(size), block, groups)
+
+    @property
+    def cu_q_lens(self) -> Int[Array, "B+1"]:
+        """The windows' slot bounds for the kernels (one group: the windows lie end to end)."""
+        if self.groups != 1:
+            raise ValueError("cu_q_lens describes one group of packed windows")
+        return jnp.concatenate([self.starts, self.starts[-1:] + self.lens[-1:]])
 
     @property
     def positions(self) -> Int[Array, "T"]:
         """Absolute position of each slot's token (padding: its row's anchor position)."""
-        win = self.cu_q_lens[self.rows + 1] - self.cu_q_lens[self.rows]
-        return self.kv_lens[self.rows] - win + self.offsets
+        return self.kv_lens[self.rows] - self.lens[self.rows] + self.offsets
+
+    def local_rows(self) -> Int[Array, "T"]:
+        """Each slot's row within its group."""
+        if self.groups == 1:
+            return self.rows
+        t, bg = self.rows.shape[0], self.starts.shape[0] // self.groups
+        return self.rows - (jnp.arange(t, dtype=jnp.int32) // (t // self.groups)) * bg
 
     def pack(self, x: Float[Array, "B L *f"]) -> Float[Array, "T *f"]:
-        return x[self.rows, self.offsets]
+        if self.groups == 1:
+            return x[self.rows, self.offsets]
+        g = self.groups
+        out = jax.vmap(lambda xg, r, o: xg[r, o])(x.reshape(g, -1, *x.shape[1:]), self.local_rows().reshape(g, -1),
+                                                  self.offsets.reshape(g, -1))
+        return out.reshape(-1, *out.shape[2:])
 
     def unpack(self, y: Float[Array, "T *f"]) -> Float[Array, "B L *f"]:
         """Back to ``[B, L, …]``; block slots past a row's window hold zeros."""
         t = y.shape[0]
         j = jnp.arange(self.block)[None, :]
-        idx = self.cu_q_lens[:-1, None] + j  # [B, L]
-        inside = j < (self.cu_q_lens[1:] - self.cu_q_lens[:-1])[:, None]
-        out = y[jnp.clip(idx, 0, t - 1)]
+        inside = j < self.lens[:, None]
+        if self.groups == 1:
+            out = y[jnp.clip(self.starts[:, None] + j, 0, t - 1)]
+        else:
+            tg, bg = t // self.groups, self.starts.shape[0] // self.groups
+            first = self.starts - (jnp.arange(self.starts.shape[0]) // bg) * tg  # in the group's own slots
+            out = jax.vmap(lambda yg, f: yg[jnp.clip(f[:, None] + j, 0, tg - 1)])(
+                y.reshape(self.groups, tg, *y.shape[1:]), first.reshape(self.groups, bg))
+            out = out.reshape(-1, *out.shape[2:])
         return jnp.where(inside.reshape(inside.shape + (1,) * (y.ndim - 1)), out, jnp.zeros((), y.dtype))
 
 
@@ -469,9 +507,8 @@ def packed_verify_attention(
     (padding slots get zeros). Otherwise the windows go back into their ``[B, L]`` block (zeros past a window:
     masked, as the block is causal) for :func:`draft_attention` — the block kernels (causal, sliding window)
     under ``impl``, the reference with ``sinks``; padding slots give their row's outputs and are never used."""
-    win = layout.cu_q_lens[1:] - layout.cu_q_lens[:-1]
-    start = layout.kv_lens - win  # each row's anchor position: the cache holds what lies before it
-    if impl == "cuda" and sinks is None:
+    start = layout.kv_lens - layout.lens  # each row's anchor position: the cache holds what lies before it
+    if impl == "cuda" and sinks is None and layout.groups == 1:
         out = _packed_kernel_call(q, k, v, k_cache, v_cache, layout, start, window)
         if out is not None:
             return out

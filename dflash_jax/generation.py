@@ -319,7 +319,7 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
     flags = pool.sampling if pool else sp  # which sampling steps the programs compile
     sampled = bool((flags.temperature > 0).any())
     verify_mode, tiers, step_cost, ar_step = resolve_verify_mode(
-        _check_verify_mode(verify_mode, target, drafter, block_size, dp), drafter, b, block_size, cost_table)
+        _check_verify_mode(verify_mode, drafter, block_size), drafter, b, block_size, cost_table)
     if b > n:  # on the host: eager device ops would compile anew for each partial batch's row count
         sp = SamplingParams(*(np.concatenate([x, np.repeat(x[-1:], b - n)]) for x in
                               (sp.temperature, sp.top_k, sp.top_p)))
@@ -377,17 +377,12 @@ def resolve_verify_mode(mode: str, drafter: Drafter | None, batch: int, block_si
     return mode, tiers, step_cost, False
 
 
-def _check_verify_mode(mode: str, target: Target, drafter: Drafter | None, block_size: int, dp: int) -> str:
+def _check_verify_mode(mode: str, drafter: Drafter | None, block_size: int) -> str:
     """The verify mode this batch runs ("static" for autoregressive decoding; "auto" still to be resolved
     against the cost table), or a clear error."""
     schedule.check_verify_mode(mode)
     if drafter is None or block_size == 1 or mode == "static":
         return "static"
-    if mode == "auto":
-        return "static" if dp > 1 else "auto"
-    if mode == "compact" and dp > 1:
-        raise ValueError(f"verify_mode='compact' packs the windows of all rows into one buffer, which a dp={dp} "
-                         f"mesh would split across devices; use 'static' or 'cap-accept' with dp > 1")
     return mode
 
 
@@ -565,8 +560,8 @@ def speculative_generate(
     (temperature 0 = greedy; ``None`` = off). ``seed`` makes sampled runs reproducible. ``draft_sampling``:
     draw drafts from the drafter's own distribution (accept with min(1, p/q)) instead of taking its argmax.
     ``verify_mode`` (README "Verify modes"): ``"auto"`` (default) is compact where the cost table says
-    trimming can pay at this batch size (:data:`AUTO_COMPACT_RATIO`), static elsewhere and for targets compact
-    does not support; ``"static"`` verifies the whole block every cycle;
+    trimming can pay at this batch size (:data:`AUTO_COMPACT_RATIO`), static elsewhere; ``"static"`` verifies
+    the whole block every cycle;
     ``"compact"`` lets the confidence scheduler pick each row's window per cycle and verifies only those
     windows, packed; ``"cap-accept"`` verifies the whole block but commits only the windows (what compact
     commits), recording what trimming gave up (``stats["utilization"]``). ``cost_table``: the scheduler's

@@ -347,7 +347,7 @@ def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState
             hidden, k_draft, rng = drafted
             b, g = hidden.shape[:2]
             layout = attention.PackedLayout.build(jnp.where(state.done, 0, window), jnp.zeros((b,), jnp.int32),
-                                                  size, g)
+                                                  size, g, spec.packed_groups)
             logits = drafter.draft_logits(layout.pack(hidden)[None], target)[0]  # [T, Vd]
             if k_draft is None:
                 drafts = layout.unpack(drafter.to_target_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32)))
@@ -421,7 +421,7 @@ def _packed_forward(target, state: DecodeState, spec: LoopSpec, lens: Int[Array,
     linear-layer records — as a :class:`PendingKV` padded to the largest tier and the whole block, so that every
     branch returns one shape)."""
     l = spec.block_size
-    layout = attention.PackedLayout.build(lens, state.anchor_pos, size, width)
+    layout = attention.PackedLayout.build(lens, state.anchor_pos, size, width, spec.packed_groups)
     hidden, feats, pending = target(layout.pack(block)[None], layout.positions[None], state.target_cache,
                                     capture=spec.capture, impl=spec.impl, packed=layout)
     logits = target.logits(hidden[0])  # [T, V]: the LM head only over the packed rows
@@ -504,7 +504,7 @@ def _schedule(state: DecodeState, rates: Float[Array, "B G"], spec: LoopSpec):
     sch = state.schedule
     k = len(spec.tiers)
     window, tier = schedule.admit(schedule.survival(rates), ~state.done, sch.step_cost[:k], tiers=spec.tiers,
-                                  ar_cost=sch.step_cost[k] if spec.ar_step else None)
+                                  ar_cost=sch.step_cost[k] if spec.ar_step else None, groups=spec.packed_groups)
     steps = sch.tier_steps + jax.nn.one_hot(tier, k + spec.ar_step, dtype=jnp.int32)[None, :]
     return dataclasses.replace(state, schedule=dataclasses.replace(sch, tier_steps=steps)), window, tier
 

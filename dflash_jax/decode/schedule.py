@@ -101,11 +101,24 @@ def tier_index(tokens: Int[Array, "*n"], tiers: tuple[int, ...]) -> Int[Array, "
 
 
 def admit(surv: Float[Array, "B G"], active: Bool[Array, "B"], step_cost: Float[Array, "K"], *,
-          tiers: tuple[int, ...], ar_cost: Float[Array, ""] | None = None
+          tiers: tuple[int, ...], ar_cost: Float[Array, ""] | None = None, groups: int = 1
           ) -> tuple[Int[Array, "B"], Int[Array, ""]]:
     """Windows (drafts to verify per row; 0 for inactive rows) and the tier index of the step. ``ar_cost``:
     the cost of a plain autoregressive step (no drafting, one token per active row); when it buys more
-    tokens per second than any window assignment, the windows are 0 and the tier index is K."""
+    tokens per second than any window assignment, the windows are 0 and the tier index is K.
+
+    ``groups`` > 1 (compact under a dp mesh, rows in equal groups that each pack into their share of the
+    tier's slots): each group is admitted alone, against tiers of 1/``groups`` the size (a device's share of
+    the step), and the step runs the largest tier a group with active rows chose — drafting unless every such
+    group chose the autoregressive step (a group that chose it then verifies its anchors only)."""
+    if groups > 1:
+        k = len(tiers)
+        windows, tier = jax.vmap(lambda s, a: admit(s, a, step_cost, tiers=tuple(t // groups for t in tiers),
+                                                    ar_cost=ar_cost))(
+            surv.reshape(groups, -1, surv.shape[1]), active.reshape(groups, -1))
+        drafted = (tier < k) & active.reshape(groups, -1).any(axis=1)
+        tier = jnp.where(drafted.any(), jnp.max(jnp.where(drafted, tier, 0)), k if ar_cost is not None else 0)
+        return windows.reshape(-1), tier.astype(jnp.int32)
     b, g = surv.shape
     n_active = active.sum().astype(jnp.int32)
     flat = jnp.where(active[:, None], surv, -1.0).reshape(-1)  # inactive rows sort last, never admitted

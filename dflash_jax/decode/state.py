@@ -11,7 +11,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.decode.schedule import AcceptanceCounts
-from dflash_jax.sharding import Plan
+from dflash_jax.sharding import Plan, mesh_size
 from dflash_jax.models.target import KVCache
 
 
@@ -36,6 +36,12 @@ class LoopSpec:
     @property
     def scheduled(self) -> bool:
         return self.verify_mode != "static" and self.block_size > 1
+
+    @property
+    def packed_groups(self) -> int:
+        """Compact: groups of rows packed apart, one per dp shard (each device packs, verifies and writes its own
+        rows' windows; :class:`dflash_jax.attention.PackedLayout`)."""
+        return mesh_size(self.plan.mesh, "dp") if self.plan is not None and self.verify_mode == "compact" else 1
 
 
 @jax.tree_util.register_dataclass

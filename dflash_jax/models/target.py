@@ -54,30 +54,45 @@ class PendingKV:
     ``lax.switch``) only reads the caches and returns these; :meth:`write` stores them after the conditional,
     in place. Stacked, a branch pads and returns two arrays rather than two per layer (on a GPU each is a kernel
     launch and a copy out of the conditional, every step). A hybrid target's linear layers add their deferred
-    ``records`` (:mod:`dflash_jax.models.hybrid`), which :meth:`write` leaves in the cache for ``settle``."""
+    ``records`` (:mod:`dflash_jax.models.hybrid`), which :meth:`write` leaves in the cache for ``settle``.
+    ``groups``: the layout's (each group's slots written into its own rows, on the device holding them)."""
 
     rows: Int[Array, "T"]
     positions: Int[Array, "T"]
     k: Float[Array, "NL T K H"]
     v: Float[Array, "NL T K H"]
     records: tuple = ()
+    groups: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     @staticmethod
     def of(layout: attention.PackedLayout, k: tuple, v: tuple, records: tuple = ()) -> "PendingKV":
         """``k``, ``v``: per layer ``[T, K, H]``; ``records``: per linear layer, over ``layout.block`` tokens."""
-        return PendingKV(layout.rows, jnp.where(layout.valid, layout.positions, _NOWHERE), jnp.stack(k),
-                         jnp.stack(v), records)
+        return PendingKV(layout.local_rows(), jnp.where(layout.valid, layout.positions, _NOWHERE), jnp.stack(k),
+                         jnp.stack(v), records, layout.groups)
 
     def padded(self, size: int, block: int) -> "PendingKV":
-        """The same writes in ``size`` slots and records over ``block`` tokens (the largest tier's, the whole
-        block: so every branch returns one shape)."""
-        n = size - self.rows.shape[0]
-        slots = lambda x: jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-        return PendingKV(jnp.pad(self.rows, (0, n)), jnp.pad(self.positions, (0, n), constant_values=_NOWHERE),
-                         slots(self.k), slots(self.v), tuple(pad_record(r, block) for r in self.records))
+        """The same writes in ``size`` slots (each group's at the end of its own) and records over ``block``
+        tokens (the largest tier's, the whole block: so every branch returns one shape)."""
+        g = self.groups
+        n = (size - self.rows.shape[0]) // g
+
+        def slots(x, axis, fill=0):  # x's slot axis split into groups, each padded by n
+            shape = x.shape[:axis] + (g, -1) + x.shape[axis + 1:]
+            pad = [(0, 0)] * (axis + 1) + [(0, n)] + [(0, 0)] * (x.ndim - axis - 1)
+            out = jnp.pad(x.reshape(shape), pad, constant_values=fill)
+            return out.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 1:])
+        return PendingKV(slots(self.rows, 0), slots(self.positions, 0, _NOWHERE), slots(self.k, 1), slots(self.v, 1),
+                         tuple(pad_record(r, block) for r in self.records), g)
 
     def write(self, cache: KVCache) -> KVCache:
-        put = lambda c, new: c.at[self.rows, self.positions].set(new.astype(c.dtype), mode="drop")  # noqa: E731
+        g = self.groups
+
+        def put(c, new):  # per group: its slots into its rows (rows are the group's own)
+            if g == 1:
+                return c.at[self.rows, self.positions].set(new.astype(c.dtype), mode="drop")
+            one = lambda cg, r, p, u: cg.at[r, p].set(u.astype(cg.dtype), mode="drop")  # noqa: E731
+            split = lambda x: x.reshape(g, -1, *x.shape[1:])  # noqa: E731
+            return jax.vmap(one)(split(c), split(self.rows), split(self.positions), split(new)).reshape(c.shape)
         written = dict(k=tuple(put(c, self.k[i]) for i, c in enumerate(cache.k)),
                        v=tuple(put(c, self.v[i]) for i, c in enumerate(cache.v)))
         return dataclasses.replace(cache, **written, **({"pending": self.records} if self.records else {}))

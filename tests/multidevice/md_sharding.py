@@ -328,6 +328,34 @@ def test_hybrid_decoding_is_token_identical_to_one_device(moe, key_heads, tp, dp
             assert max(sizes) <= 3 * tokens * 32, sizes
 
 
+@pytest.mark.parametrize("tp,dp", [(1, 2), (2, 2), (1, 4)])
+def test_compact_verify_under_dp(tp, dp, monkeypatch):
+    """Compact mode under dp: each device packs, verifies and writes its own rows' windows (PackedLayout groups,
+    the scheduler admitting each group alone and running the largest tier one chose) — AR's tokens, drafted and
+    autoregressive steps both taken, and nothing but a few per-row integers crossing devices under dp alone."""
+    from dflash_jax.costs import CostTable
+    from dflash_jax.models import layers
+
+    kw = dict(max_new_tokens=16, stop_token_ids=[])
+    want = generate(tiny_target("qwen3", seed=1, **SHAPE), PROMPTS, **kw).token_ids
+    t = shard(tiny_target("qwen3", seed=1, **SHAPE), make_mesh(tp=tp, dp=dp))
+    rows = PROMPTS + [[0]] * ((-len(PROMPTS)) % dp)
+    monkeypatch.setattr(layers, "_normal", lambda rngs, shape, scale, dtype: np.zeros(shape, dtype))
+    d = shard(oracle_drafter(t, rows, want + [[0] * 16] * (len(rows) - len(want)), block_size=4, corrupt=0.25),
+              t.mesh)
+    b = len(rows)
+    table = CostTable("cpu", "test", "float32", "tiny", 4, 32, {b: {1: 1.0, 2: 1.5, 4: 2.6}}, ar_ms={b: 0.8})
+    generation._PROGRAMS.clear()
+    out = speculative_generate(t, d, PROMPTS, verify_mode="compact", cost_table=table, **kw)
+    assert out.token_ids == want and out.stats["verify_mode"] == "compact"
+    assert out.stats["tier_steps"] and out.stats["ar_steps"], out.stats
+    if tp == 1:
+        (programs,) = generation._PROGRAMS.values()
+        counts, sizes = float_collectives(programs.decode.as_text())
+        assert counts["all-gather"] == counts["all-to-all"] == counts["collective-permute"] == 0, counts
+        assert max(sizes) <= 2 * b, sizes  # per-row bookkeeping, no activations, no cache
+
+
 def test_hybrid_compact_verify_under_tp(monkeypatch):
     """Compact mode on a hybrid target split tp = 2 (by key head): the packed windows back in their blocks for the
     linear layers, the records out of the tier's branch and settled after it — still AR's tokens."""
