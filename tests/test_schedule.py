@@ -89,6 +89,26 @@ def test_admission_extremes():
     assert w_ar.tolist() == admit(surv, both, cost)[0].tolist() and int(tier) < 3
 
 
+def test_grouped_admission_admits_each_group_alone():
+    """Compact under dp: each group of rows (a device's) is admitted against its share of every tier; the step
+    runs the largest tier a group with active rows chose, and drafts unless all of those chose the AR step."""
+    tiers = schedule.tiers_for(4, 4)  # (4, 8, 16): per group of 2 rows (2, 4, 8)
+    cost, ar = jnp.asarray([1.0, 1.2, 2.0]), jnp.float32(0.6)
+    grouped = fast_jit(lambda s, a, ar: schedule.admit(s, a, cost, tiers=tiers, ar_cost=ar, groups=2))
+    alone = fast_jit(lambda s, a, ar: schedule.admit(s, a, cost, tiers=(2, 4, 8), ar_cost=ar))
+    sure, hopeless = [[0.9, 0.8, 0.7], [0.9, 0.85, 0.8]], [[0.01, 0.001, 0.0001], [0.02, 0.001, 0.0001]]
+    surv = jnp.asarray(sure + hopeless, jnp.float32)
+    for active in ([True] * 4, [True, True, False, False], [False, False, True, True]):
+        active = jnp.asarray(active)
+        w, tier = grouped(surv, active, ar)
+        parts = [alone(surv[i:i + 2], active[i:i + 2], ar) for i in (0, 2)]
+        assert w.tolist() == parts[0][0].tolist() + parts[1][0].tolist()
+        chose = [int(t) for (_, t), a in zip(parts, (active[:2].any(), active[2:].any())) if a and int(t) < 3]
+        assert int(tier) == (max(chose) if chose else 3), (active, parts, tier)
+    w, tier = grouped(surv, jnp.asarray([True] * 4), ar)  # the sure rows draft, the hopeless take the AR step
+    assert w.tolist()[:2] != [0, 0] and w.tolist()[2:] == [0, 0] and int(tier) < 3
+
+
 def test_tiers_that_cannot_pay_for_their_conditional_are_pruned():
     tiers = (4, 8, 16, 32, 64)
     kept, cost = schedule.prune_tiers(tiers, np.asarray([2.55, 2.68, 2.62, 2.54, 2.60]))  # an H200 at batch 1
