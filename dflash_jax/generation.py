@@ -319,7 +319,7 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
     flags = pool.sampling if pool else sp  # which sampling steps the programs compile
     sampled = bool((flags.temperature > 0).any())
     verify_mode, tiers, step_cost, ar_step = resolve_verify_mode(
-        _check_verify_mode(verify_mode, drafter, block_size), drafter, b, block_size, cost_table)
+        _check_verify_mode(verify_mode, drafter, block_size), drafter, b, block_size, cost_table, dp)
     if b > n:  # on the host: eager device ops would compile anew for each partial batch's row count
         sp = SamplingParams(*(np.concatenate([x, np.repeat(x[-1:], b - n)]) for x in
                               (sp.temperature, sp.top_k, sp.top_p)))
@@ -350,18 +350,20 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
                step_cost)
 
 
-def resolve_verify_mode(mode: str, drafter: Drafter | None, batch: int, block_size: int, cost_table=None
-                        ) -> tuple[str, tuple[int, ...], np.ndarray | None, bool]:
+def resolve_verify_mode(mode: str, drafter: Drafter | None, batch: int, block_size: int, cost_table=None,
+                        dp: int = 1) -> tuple[str, tuple[int, ...], np.ndarray | None, bool]:
     """(verify mode, compiled tiers, step cost per tier [+ the AR step's], AR step offered) for a batch of
     ``batch`` rows, from the cost table: ``"auto"`` becomes compact where whole blocks cost ≥
     ``AUTO_COMPACT_RATIO`` × one token per row; compact keeps the tiers worth their conditional and offers a step
     without drafting when the table times one (DFlash drafters: windows known before drafting); compact left
-    with the whole block alone runs the static program. Host work only (nothing compiles)."""
+    with the whole block alone runs the static program. Under a ``dp`` mesh the costs are those of a device's
+    ``batch / dp`` rows (what each device runs). Host work only (nothing compiles)."""
     if mode == "static":
         return mode, (), None, False
     tiers = schedule.tiers_for(batch, block_size)
     table = costs.resolve(cost_table, jax.default_backend(), drafter.cost_tables)
-    step_cost = table.step_costs(batch, tiers).astype(np.float32)
+    rows = batch // dp
+    step_cost = table.step_costs(rows, tuple(t // dp for t in tiers)).astype(np.float32)
     if mode == "auto":
         mode = "compact" if step_cost[-1] >= AUTO_COMPACT_RATIO * step_cost[0] else "static"
         if mode == "static":
@@ -369,7 +371,7 @@ def resolve_verify_mode(mode: str, drafter: Drafter | None, batch: int, block_si
     if mode != "compact":  # cap-accept: every tier (its windows match compact's with the same table)
         return mode, tiers, step_cost, False
     tiers, step_cost = schedule.prune_tiers(tiers, step_cost)
-    ar_cost = table.ar_cost(batch) if getattr(drafter.model, "confidence_head", None) is None else None
+    ar_cost = table.ar_cost(rows) if getattr(drafter.model, "confidence_head", None) is None else None
     if ar_cost is not None:
         return mode, tiers, np.append(step_cost, np.float32(ar_cost)), True
     if len(tiers) == 1:  # nothing to trim: compact would verify whole blocks, i.e. run static's steps

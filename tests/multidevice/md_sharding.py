@@ -343,8 +343,9 @@ def test_compact_verify_under_dp(tp, dp, monkeypatch):
     monkeypatch.setattr(layers, "_normal", lambda rngs, shape, scale, dtype: np.zeros(shape, dtype))
     d = shard(oracle_drafter(t, rows, want + [[0] * 16] * (len(rows) - len(want)), block_size=4, corrupt=0.25),
               t.mesh)
-    b = len(rows)
-    table = CostTable("cpu", "test", "float32", "tiny", 4, 32, {b: {1: 1.0, 2: 1.5, 4: 2.6}}, ar_ms={b: 0.8})
+    b = len(rows)  # costs are looked up at a device's rows
+    table = CostTable("cpu", "test", "float32", "tiny", 4, 32, {b // dp: {1: 1.0, 2: 1.5, 4: 2.6}},
+                      ar_ms={b // dp: 0.8})
     generation._PROGRAMS.clear()
     out = speculative_generate(t, d, PROMPTS, verify_mode="compact", cost_table=table, **kw)
     assert out.token_ids == want and out.stats["verify_mode"] == "compact"
