@@ -328,8 +328,8 @@ def test_hybrid_decoding_is_token_identical_to_one_device(moe, key_heads, tp, dp
             assert max(sizes) <= 3 * tokens * 32, sizes
 
 
-@pytest.mark.parametrize("tp,dp", [(1, 2), (2, 2), (1, 4)])
-def test_compact_verify_under_dp(tp, dp, monkeypatch):
+@pytest.mark.parametrize("tp,dp", [(1, 2), (2, 2)])
+def test_compact_verify_under_dp(tp, dp, reference, monkeypatch):
     """Compact mode under dp: each device packs, verifies and writes its own rows' windows (PackedLayout groups,
     the scheduler admitting each group alone and running the largest tier one chose) — AR's tokens, drafted and
     autoregressive steps both taken, and nothing but a few per-row integers crossing devices under dp alone."""
@@ -337,7 +337,7 @@ def test_compact_verify_under_dp(tp, dp, monkeypatch):
     from dflash_jax.models import layers
 
     kw = dict(max_new_tokens=16, stop_token_ids=[])
-    want = generate(tiny_target("qwen3", seed=1, **SHAPE), PROMPTS, **kw).token_ids
+    want = reference["ar"]
     t = shard(tiny_target("qwen3", seed=1, **SHAPE), make_mesh(tp=tp, dp=dp))
     rows = PROMPTS + [[0]] * ((-len(PROMPTS)) % dp)
     monkeypatch.setattr(layers, "_normal", lambda rngs, shape, scale, dtype: np.zeros(shape, dtype))
