@@ -21,7 +21,6 @@ tensor; Qwen3.5-MoE as a wrapper around transformers' fused expert layout; Qwen3
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 
@@ -304,16 +303,15 @@ def test_speculative_decoding_is_lossless(models, greedy, monkeypatch):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
 
 
-# Step cost per tokens-per-row at batch 4 (verifying gets dearer, so windows vary), and with an AR step timed.
+# Step cost per tokens-per-row at batch 4: verifying gets dearer, so windows vary.
 TABLE = CostTable("cpu", "test", "float32", "tiny", 8, 32, {4: {1: 1.0, 2: 1.25, 4: 1.8, 8: 3.2}})
-WITH_AR = dataclasses.replace(TABLE, ar_ms={4: 0.7})
 
 
 def test_compact_verify_is_lossless(models, greedy, monkeypatch):
-    """Compact mode packs each row's window: the linear layers run their windows as blocks and settle after the
-    accepted prefix, as whole-block verifies do. Compact and cap-accept commit the same; steps without drafting
-    (WITH_AR, a drafter right half the time) leave the states right too; and so do the GPU kernels (the packed
-    attention and the delta rule's record mode, in interpret mode here)."""
+    """Compact mode packs each row's window: the linear layers run their windows as blocks (tiers narrower than
+    the block too: records padded to it) and settle after the accepted prefix, as whole-block verifies do.
+    Compact and cap-accept commit the same; so do the GPU kernels (the packed attention and the delta rule's
+    record mode, in interpret mode here). Steps without drafting: the 8-device suite's compact test."""
     target = models["moe"][2]
     kw = dict(max_new_tokens=NEW, stop_token_ids=[])
     oracle = oracle_drafter(target, PROMPTS, greedy.token_ids, block_size=8, corrupt=0.2, seed=1)
@@ -323,9 +321,6 @@ def test_compact_verify_is_lossless(models, greedy, monkeypatch):
     assert compact.stats["verify_mode"] == "compact" and len(compact.stats["tier_steps"]) >= 2
     assert compact.acceptance_lengths == cap.acceptance_lengths
     assert compact.stats["tier_steps"] == cap.stats["tier_steps"]
-    poor = oracle_drafter(target, PROMPTS, greedy.token_ids, block_size=8, corrupt=0.5, seed=2)
-    out = speculative_generate(target, poor, PROMPTS, verify_mode="compact", cost_table=WITH_AR, **kw)
-    assert out.token_ids == greedy.token_ids and out.stats["ar_steps"] > 0 and out.stats["tier_steps"], out.stats
     calls = []
     real = dr.packed_delta_rule_block
     monkeypatch.setattr(dr, "packed_delta_rule_block", lambda *a, **k: calls.append(k["advance"]) or real(*a, **k))

@@ -278,7 +278,8 @@ def test_hybrid_decoding_is_token_identical_to_one_device(moe, key_heads, tp, dp
     1 … L, so settle runs at each) equals autoregressive decoding on one device. The Gated DeltaNet layer is split
     by key head where tp divides them (dense: weights and states on their shards, per cycle only the
     all-reduces TP needs), replicated otherwise (MoE at tp = 4). The prompts (5 rows: padded to 6 under dp = 2)
-    prefill through the chunked delta rule (dense: chunks of 4) or in prefill chunks of 8 (MoE)."""
+    prefill through the chunked delta rule (dense: chunks of 4) or in prefill chunks of 8 (MoE). Dense: compact
+    verify too."""
     from dflash_jax.models import layers, linear_attention as la
 
     if moe:
@@ -326,10 +327,17 @@ def test_hybrid_decoding_is_token_identical_to_one_device(moe, key_heads, tp, dp
             assert counts == {"all-reduce": 2 * 2 + 1, "all-gather": 1, "all-to-all": 0, "collective-permute": 0,
                               "reduce-scatter": 0}, counts
             assert max(sizes) <= 3 * tokens * 32, sizes
+        # Compact verify on the same mesh: each device's rows' windows packed apart (dp), the linear layers'
+        # windows back in their blocks and their records settled after the tier's branch.
+        from dflash_jax.costs import CostTable
+
+        b = len(rows) // dp
+        table = CostTable("cpu", "test", "float32", "tiny", 4, 32, {b: {1: 1.0, 2: 1.5, 4: 2.6}})
+        out = speculative_generate(t, d, HYBRID_PROMPTS, verify_mode="compact", cost_table=table, **kw)
+        assert out.token_ids == want and out.stats["verify_mode"] == "compact" and len(out.stats["tier_steps"]) >= 2
 
 
-@pytest.mark.parametrize("tp,dp", [(1, 2), (2, 2)])
-def test_compact_verify_under_dp(tp, dp, reference, monkeypatch):
+def test_compact_verify_under_dp(reference, monkeypatch):
     """Compact mode under dp: each device packs, verifies and writes its own rows' windows (PackedLayout groups,
     the scheduler admitting each group alone and running the largest tier one chose) — AR's tokens, drafted and
     autoregressive steps both taken, and nothing but a few per-row integers crossing devices under dp alone."""
@@ -338,7 +346,8 @@ def test_compact_verify_under_dp(tp, dp, reference, monkeypatch):
 
     kw = dict(max_new_tokens=16, stop_token_ids=[])
     want = reference["ar"]
-    t = shard(tiny_target("qwen3", seed=1, **SHAPE), make_mesh(tp=tp, dp=dp))
+    dp = 2
+    t = shard(tiny_target("qwen3", seed=1, **SHAPE), make_mesh(tp=1, dp=dp))
     rows = PROMPTS + [[0]] * ((-len(PROMPTS)) % dp)
     monkeypatch.setattr(layers, "_normal", lambda rngs, shape, scale, dtype: np.zeros(shape, dtype))
     d = shard(oracle_drafter(t, rows, want + [[0] * 16] * (len(rows) - len(want)), block_size=4, corrupt=0.25),
@@ -350,27 +359,10 @@ def test_compact_verify_under_dp(tp, dp, reference, monkeypatch):
     out = speculative_generate(t, d, PROMPTS, verify_mode="compact", cost_table=table, **kw)
     assert out.token_ids == want and out.stats["verify_mode"] == "compact"
     assert out.stats["tier_steps"] and out.stats["ar_steps"], out.stats
-    if tp == 1:
-        (programs,) = generation._PROGRAMS.values()
-        counts, sizes = float_collectives(programs.decode.as_text())
-        assert counts["all-gather"] == counts["all-to-all"] == counts["collective-permute"] == 0, counts
-        assert max(sizes) <= 2 * b, sizes  # per-row bookkeeping, no activations, no cache
-
-
-def test_hybrid_compact_verify_under_tp(monkeypatch):
-    """Compact mode on a hybrid target split tp = 2 (by key head): the packed windows back in their blocks for the
-    linear layers, the records out of the tier's branch and settled after it — still AR's tokens."""
-    from dflash_jax.costs import CostTable
-    from dflash_jax.models import layers
-
-    kw = dict(max_new_tokens=16, stop_token_ids=[])
-    want = generate(hybrid_target(False, 4), HYBRID_PROMPTS, **kw).token_ids
-    t = shard(hybrid_target(False, 4), make_mesh(tp=2, dp=1))
-    monkeypatch.setattr(layers, "_normal", lambda rngs, shape, scale, dtype: np.zeros(shape, dtype))
-    d = shard(oracle_drafter(t, HYBRID_PROMPTS, want, block_size=4, corrupt=0.25), t.mesh)
-    table = CostTable("cpu", "test", "float32", "tiny", 4, 32, {5: {1: 1.0, 2: 1.5, 4: 2.6}})
-    out = speculative_generate(t, d, HYBRID_PROMPTS, verify_mode="compact", cost_table=table, **kw)
-    assert out.token_ids == want and out.stats["verify_mode"] == "compact" and len(out.stats["tier_steps"]) >= 2
+    (programs,) = generation._PROGRAMS.values()
+    counts, sizes = float_collectives(programs.decode.as_text())
+    assert counts["all-gather"] == counts["all-to-all"] == counts["collective-permute"] == 0, counts
+    assert max(sizes) <= 2 * b, sizes  # per-row bookkeeping, no activations, no cache
 
 
 @pytest.mark.parametrize("impl", ["cuda", "pallas"])
