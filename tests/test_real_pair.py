@@ -66,9 +66,9 @@ def test_default_is_compact_on_the_cpu_and_lossless(smollm2, smollm2_drafter, re
     # steps without drafting offered (decided on the host; nothing compiles).
     mode, tiers, cost, ar_step = generation.resolve_verify_mode("auto", drafter, 2, 16)
     assert mode == "compact" and ar_step and len(tiers) >= 2 and len(cost) == len(tiers) + 1
-    # Lossless on the real pair with a table that keeps three tiers, and the AR step (fewer branches to compile
-    # than the default's five; the tiers' code is the same).
-    small = CostTable("cpu", "test", "float32", "smollm2", 16, 64, {2: {4: 1.0, 16: 2.0}}, ar_ms={2: 0.6})
+    # Lossless on the real pair with a table that keeps two tiers (up to 8 tokens a row, or whole blocks) and the
+    # AR step (fewer branches to compile than the default's five; the tiers' code is the same).
+    small = CostTable("cpu", "test", "float32", "smollm2", 16, 64, {2: {8: 1.0, 16: 2.0}}, ar_ms={2: 0.6})
     out = speculative_generate(smollm2, drafter, PROMPTS[:2], max_new_tokens=MAX_NEW, cost_table=small)
     assert out.stats["verify_mode"] == "compact" and list(out.stats["tier_steps"]) != []
     assert out.token_ids == reference.token_ids[:2] and out.tau > 1.3
