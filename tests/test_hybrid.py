@@ -34,7 +34,7 @@ from flax import nnx
 from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file
 
-from conftest import oracle_drafter, random_prompts
+from conftest import fast_options, oracle_drafter, random_prompts
 from dflash_jax import compile_count, generate, generation, load_target, random_drafter, speculative_generate
 from dflash_jax.config import model_config_from_hf
 from dflash_jax.costs import CostTable
@@ -102,9 +102,8 @@ def models(tmp_path_factory):
 
 
 # Tiny models: compiling is nearly all the time, so compile at XLA's lowest CPU optimisation (as conftest does for
-# the decode programs of tiny-model tests).
-FAST = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-        "xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1}
+# the decode programs of tiny-model tests); None (XLA's defaults) on other backends, which lack the CPU options.
+FAST = fast_options()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -15,12 +15,16 @@ import pytest
 
 from conftest import fast_jit, oracle_drafter, random_prompts, tiny_target
 from dflash_jax import attention, generate, generation, random_drafter, speculative_generate
+from dflash_jax.costs import CostTable
 
 # head_dim 64 and GQA 2: a shape the kernels are built for, small enough for interpret mode.
 SHAPE = dict(num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=64, intermediate_size=128, num_layers=2,
              vocab_size=96)
 PROMPTS = random_prompts(3, [5, 11, 2], 96, seed=4)
 KW = dict(max_new_tokens=10, stop_token_ids=[])
+# Step cost by tokens per row at batch 3, dearer with every token: compact keeps its three tiers (3, 6, 12 tokens)
+# on any backend (a backend's shipped table may prune tiers of so small a model).
+TIERED = CostTable("cpu", "test", "float32", "tiny", 4, 32, {3: {1: 1.0, 2: 1.4, 4: 2.2}})
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -61,7 +65,7 @@ def test_kernels_in_the_decode_loop_are_lossless(pair, reference, impl):
 
 
 def test_compact_verify_through_the_packed_kernel(pair, reference, monkeypatch):
-    """Compact mode with the GPU kernels: every tier's packed windows (and the AR branch's) go through
+    """Compact mode with the GPU kernels: every tier's packed windows go through
     ``cuda.packed_block_attention`` — counted — and the tokens stay the reference's, with an oracle drafter
     whose acceptance lengths (so windows and tiers) vary."""
     target, _ = pair
@@ -69,7 +73,8 @@ def test_compact_verify_through_the_packed_kernel(pair, reference, monkeypatch):
     kernel = attention._packed_kernel_call
     monkeypatch.setattr(attention, "_packed_kernel_call", lambda *a: calls.append(a[0].shape) or kernel(*a))
     oracle = oracle_drafter(target, PROMPTS, reference["ar"].token_ids, block_size=4, corrupt=0.3)
-    out = speculative_generate(target, oracle, PROMPTS, attention_impl="cuda", verify_mode="compact", **KW)
+    out = speculative_generate(target, oracle, PROMPTS, attention_impl="cuda", verify_mode="compact",
+                               cost_table=TIERED, **KW)
     assert out.token_ids == reference["ar"].token_ids
     assert len({shape[0] for shape in calls}) >= 2  # traced once per layer in each compiled tier
 
