@@ -117,9 +117,8 @@ def compile_probe(key: tuple, local: Callable, shapes: tuple) -> str | None:
 
     The kernels' shape rules cannot foresee every compiler limit — the TPU kernels have never met a real
     TPU compiler here — and a kernel that fails to compile must not take the whole decode program down
-    with it: the op falls back to the reference instead, with the reason logged. The TPU kernels are probed,
-    and GPU kernels not yet compiled on the H200 we test on (``_run_kernel(probe=True)``); a probe costs a
-    compile per shape bucket.
+    with it: the op falls back to the reference instead, with the reason logged. The TPU kernels are probed
+    (a probe costs a compile per shape bucket); the GPU ones are compiled and tested on an H200.
     """
     key = key + tuple((s.shape, str(s.dtype)) for s in shapes)
     if key not in _PROBED:
@@ -143,14 +142,13 @@ def _rows(ndim: int) -> tuple:
 
 
 def _run_kernel(impl: str, op: str, key: tuple, local: Callable, reason_of: Callable,
-                args: tuple, layouts: tuple[tuple, ...], warn_once: bool = False, probe: bool = False
-                ) -> jax.Array | None:
+                args: tuple, layouts: tuple[tuple, ...], warn_once: bool = False) -> jax.Array | None:
     """``local(*args)`` through the kernel, per shard when traced under a mesh; None (after a log line) when
     the kernel cannot take these shapes (its own rules, or a failed compile) and the caller must use the
     reference. ``layouts``: per argument, the mesh axis of each dimension (``_HEADS``, ``_rows(n)`` …); the
     result is laid out like the first argument. ``warn_once``: the fallback's line once per process (an op
-    traced in every branch of a ``lax.switch``), not at every trace. ``probe``: compile the kernel alone first
-    (:func:`compile_probe`) on its own backend, as the TPU kernels always are.
+    traced in every branch of a ``lax.switch``), not at every trace. The TPU kernels are compiled alone first
+    (:func:`compile_probe`).
 
     Under a ``(dp, tp)`` mesh (see :mod:`dflash_jax.sharding`) attention is independent per row and per KV
     head, so each device runs the kernel on its own rows and heads (``shard_map``): nothing is gathered.
@@ -172,7 +170,7 @@ def _run_kernel(impl: str, op: str, key: tuple, local: Callable, reason_of: Call
                                                   for d, axis in zip(a.shape, layout)), a.dtype)
                        for a, layout in zip(args, layouts))
         why = reason_of(*shapes)
-        if why is None and (impl == "pallas" or probe) and _kernels(impl).native:  # GPU ones: compiled on an H200
+        if why is None and impl == "pallas" and _kernels(impl).native:
             why = compile_probe((impl, op) + key, local, shapes)
     if why is not None:
         message = f"attention_impl={impl!r}: {op} uses the XLA reference for this shape ({why})"
@@ -463,8 +461,7 @@ class PackedLayout:
 def _packed_kernel_call(q, k, v, k_cache, v_cache, layout: PackedLayout, start, window) -> jax.Array | None:
     """The GPU kernel that reads and writes the packed rows itself (:func:`dflash_jax.cuda.packed_block_attention`),
     or None: under a mesh (compact mode does not run under one yet; the block kernels' path would shard) or
-    where the kernel cannot take the shapes (logged once). Compiled alone first on a GPU (a failed compile falls
-    back): tested in interpret mode and lowered to Triton, but not yet compiled on a GPU."""
+    where the kernel cannot take the shapes (logged once)."""
     mesh = jax.sharding.get_abstract_mesh()
     if not (mesh.empty or mesh.size == 1):
         return None
@@ -482,7 +479,7 @@ def _packed_kernel_call(q, k, v, k_cache, v_cache, layout: PackedLayout, start, 
 
     return _run_kernel("cuda", "packed verify attention", (window, layout.block), local, reason,
                        (q, k, v, k_cache, v_cache, layout.cu_q_lens, start), ((None,) * 3,) * 3 + ((None,) * 4,) * 2
-                       + ((None,), (None,)), warn_once=True, probe=True)
+                       + ((None,), (None,)), warn_once=True)
 
 
 def packed_verify_attention(
