@@ -206,7 +206,8 @@ def measure(target, drafter, *, batches=(1, 4, 16, 32, 64, 128), block_size: int
         # Costs proportional to the tokens keep every tier (schedule.prune_tiers) and offer the AR step.
         proportional = CostTable("", "", "", "", block, 0, {1: {t // b: float(t) for t in tiers}}, ar_ms={1: 0.5})
         job = generation.prepare(target, drafter, ids, max_new_tokens=4 * block,
-                                 block_size=block, stop_token_ids=[], verify_mode="compact", cost_table=proportional)
+                                 block_size=block, stop_token_ids=[], verify_mode="compact", cost_table=proportional,
+                                 decode=False)  # the steps below are timed in a program of their own
         assert job.spec.tiers == tiers
         state, _ = job.programs.prefill(*job.pre_args)
         graphdefs = (job.target.split().static, job.drafter.split().static)

@@ -46,7 +46,7 @@ class GenerationOutput:
 @dataclasses.dataclass(frozen=True)
 class Programs:
     prefill: Any  # (params, ints, floats) → (state, packed view)
-    decode: Any  # (params, state, max_cycles) → (state, packed view); the state is donated
+    decode: Any  # (params, state, max_cycles) → (state, packed view); the state is donated (None: not compiled)
     view_widths: tuple[int, ...]  # the packed view's columns (DecodeView.unpack)
 
 
@@ -70,20 +70,22 @@ def count_compiles(k: int) -> None:
 
 
 def _programs(key: tuple, graphdefs: tuple, params: tuple, pre_args: tuple, spec: LoopSpec, static: dict,
-              mask_id: int) -> Programs:
+              mask_id: int, decode: bool = True) -> Programs:
     """The cached programs for ``key`` (small and cheap to hash: the model structures enter as the integers
-    of :class:`~dflash_jax.loading.SplitModel`), compiled on first use."""
+    of :class:`~dflash_jax.loading.SplitModel`), compiled on first use; the prefill alone without ``decode``."""
     programs = _PROGRAMS.get(key)
     if programs is None:
         # Trace under our (auto-axes) mesh, whatever mesh context the caller is in (e.g. an explicit one).
         with jax.set_mesh(spec.plan.mesh) if spec.plan else contextlib.nullcontext():
             pre = jax.jit(functools.partial(loop.prefill_fn, spec=spec, **static),
                           static_argnums=0).lower(graphdefs, *pre_args).compile(COMPILER_OPTIONS)
-            dec = jax.jit(functools.partial(loop.decode_fn, spec=spec, mask_token_id=mask_id), static_argnums=0,
-                          donate_argnums=2).lower(graphdefs, params, pre.out_info[0],
-                                                  jax.ShapeDtypeStruct((), jnp.int32)).compile(COMPILER_OPTIONS)
+            dec = None
+            if decode:
+                dec = jax.jit(functools.partial(loop.decode_fn, spec=spec, mask_token_id=mask_id), static_argnums=0,
+                              donate_argnums=2).lower(graphdefs, params, pre.out_info[0],
+                                                      jax.ShapeDtypeStruct((), jnp.int32)).compile(COMPILER_OPTIONS)
         programs = _PROGRAMS[key] = Programs(pre, dec, DecodeView.widths(pre.out_info[0]))
-        count_compiles(2)
+        count_compiles(1 + decode)
     return programs
 
 
@@ -295,11 +297,12 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
             stop_token_ids=None, attention_impl: str = "auto", temperature=None, top_k=None, top_p=None,
             seed: int = 0, draft_sampling: bool = False, pad_batch_to: int | None = None,
             verify_mode: str = "auto", cost_table=None, pool: PoolShape | None = None,
-            return_at_done: int | None = None) -> Job:
+            return_at_done: int | None = None, decode: bool = True) -> Job:
     """Validate and bucket one batch of token-id prompts. ``max_new_tokens``: one value or one per row.
 
     ``pad_batch_to`` adds finished dummy rows so that every batch of a run has the same compiled shape;
     ``pool`` and ``return_at_done``: the first batch of a continuous run (:mod:`dflash_jax.continuous`).
+    ``decode=False`` compiles the prefill alone (``programs.decode`` is None: calibration times its own steps).
     Host work only, no per-parameter Python: the models' splits are cached on their handles and the
     programs are looked up by a small key.
     """
@@ -343,9 +346,10 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
         params, ints, floats)
     shapes = dict(batch=b, prompt_len=host.prompt.shape[1], num_stops=len(host.stops))
     key = (spec, host.capacity, mask_id, tuple(shapes.values()), tsplit.structure,
-           dsplit.structure if dsplit else None, jax.config.jax_default_matmul_precision)
+           dsplit.structure if dsplit else None, jax.config.jax_default_matmul_precision, decode)
     t0 = time.perf_counter()
-    programs = _programs(key, graphdefs, params, pre_args, spec, dict(capacity=host.capacity, **shapes), mask_id)
+    programs = _programs(key, graphdefs, params, pre_args, spec, dict(capacity=host.capacity, **shapes), mask_id,
+                         decode)
     return Job(target, drafter, ids, stops, params, pre_args, spec, programs, time.perf_counter() - t0, key, host,
                step_cost)
 
