@@ -96,9 +96,10 @@ def _programs(key: tuple, graphdefs: tuple, params: tuple, pre_args: tuple, spec
 # verify_mode="auto" runs compact when, at the batch's size, the cost table's whole-block step costs at least
 # this many times its one-token-per-row step: where verifying fewer tokens cannot save more than that, the
 # compact path's fixed costs (the scheduler; on a GPU, reading the tier index on the host every step) eat
-# the saving (benchmarks/RESULTS.md, 2026-12-02 and 2026-12-04: on the H200 compact lost to static at batch
-# 1–32, was about even at 64 and won at 128 — ratios 0.87–1.30 up to batch 64 and 1.47 at 128 in the shipped
-# table, whose steps are timed in a loop as decoding runs them; on a 2-core CPU, ratio ~2, it wins at batch 3).
+# the saving (benchmarks/RESULTS.md, 2026-12-02 and 2026-12-04: on the H200 compact loses to static at batch
+# 1–32 — ratios 0.87–1.30 in the shipped table, whose steps are timed in a loop as decoding runs them — and,
+# with the packed verify kernel, wins at 64 and 128 (1.02×, 1.11×; ratios 1.36, 1.53); on a 2-core CPU, ratio
+# ~2, it wins at batch 3).
 # $DFLASH_JAX_AUTO_COMPACT_RATIO overrides it ("inf": auto is always static).
 AUTO_COMPACT_RATIO = float(os.environ.get("DFLASH_JAX_AUTO_COMPACT_RATIO", 1.35))
 
