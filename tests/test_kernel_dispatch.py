@@ -51,8 +51,9 @@ def reference(pair):
 @pytest.mark.parametrize("impl", ["pallas", "cuda"])
 def test_kernels_in_the_decode_loop_are_lossless(pair, reference, impl):
     target, drafter = pair
-    if impl == "cuda":  # (AR through the TPU kernels in interpret mode is slow here and runs no kernel that the
-        # speculative runs below miss: the verify op with one query a row)
+    # AR through the TPU kernels in interpret mode is slow here and runs no kernel that the speculative runs below
+    # miss (the verify op with one query a row): the GPU kernels' AR run only.
+    if impl == "cuda":
         ar = generate(target, PROMPTS, attention_impl=impl, **KW)
         assert ar.token_ids == reference["ar"].token_ids
     spec = speculative_generate(target, drafter, PROMPTS, attention_impl=impl, **KW)
