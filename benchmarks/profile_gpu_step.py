@@ -17,6 +17,8 @@ import argparse
 import dataclasses
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -66,8 +68,9 @@ def compact_variant(target, drafter, ids, batch: int, *, ar_step: bool, one_tier
     return job, variant, len(spec.tiers)
 
 
-def timed_loop(job, step, tier: int, steps: int, repeats: int, trace_dir: str) -> dict:
-    """Wall ms per step (median of ``repeats`` unprofiled calls) and the profiled call's kernels per step."""
+def timed_loop(job, step, tier: int, steps: int, repeats: int, trace_dir: str, top: int = 30) -> dict:
+    """Wall ms per step (median of ``repeats`` unprofiled calls) and the profiled call's kernels per step (the
+    ``top`` longest)."""
     fn, state = step_loop(job, step, tier)
     walls = []
     for _ in range(repeats):
@@ -78,7 +81,7 @@ def timed_loop(job, step, tier: int, steps: int, repeats: int, trace_dir: str) -
 
     def profiled():
         holder["s"] = jax.block_until_ready(fn(job.params, state, np.int32(tier), np.int32(steps)))
-    prof = device_profile(profiled, trace_dir, per=steps, top=30)
+    prof = device_profile(profiled, trace_dir, per=steps, top=top)
     lanes = [p for p in prof.values() if p["total_us"] > 0]
     busy = max(lanes, key=lambda p: p["total_us"]) if lanes else dict(total_us=0.0, calls=0.0, top=[])
     return dict(wall_ms=float(np.median(walls)), walls_ms=walls, kernel_ms=busy["total_us"] / 1e3,
@@ -99,6 +102,9 @@ def main() -> int:
     ap.add_argument("--packed-kernel", choices=["on", "off"], default="on",
                     help="off: compact's packed verify unpacks to [B, L] for the block kernel (the path before "
                          "cuda.packed_block_attention)")
+    ap.add_argument("--top", type=int, default=30, help="kernels listed per case in --out")
+    ap.add_argument("--keep-traces", type=Path, help="copy each case's Perfetto trace (host and device "
+                    "timelines) into this folder")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.packed_kernel == "off":
@@ -139,7 +145,12 @@ def main() -> int:
         out = result["batches"][batch] = {}
         for name, (job, step, tier) in cases.items():
             with tempfile.TemporaryDirectory() as trace_dir:
-                r = out[name] = timed_loop(job, step, tier, args.steps, args.repeats, trace_dir)
+                r = out[name] = timed_loop(job, step, tier, args.steps, args.repeats, trace_dir, args.top)
+                if args.keep_traces:
+                    args.keep_traces.mkdir(parents=True, exist_ok=True)
+                    trace = sorted(Path(trace_dir).rglob("perfetto_trace.json.gz"))[-1]
+                    label = re.sub(r"[^a-z0-9]+", "_", name.lower())
+                    shutil.copy(trace, args.keep_traces / f"b{batch}_{label}.json.gz")
             print(f"== b{batch} {name}: wall {r['wall_ms']:.3f} ms a step, kernels {r['kernel_ms']:.3f} ms in "
                   f"{r['kernels']:.0f} launches", flush=True)
             for kern in r["top"][:12]:
