@@ -366,7 +366,7 @@ def ragged_verify_attention(
     t = q.shape[0]
     b = k_cache.shape[0]
     tok = jnp.arange(t)
-    row = jnp.clip(jnp.searchsorted(cu_q_lens, tok, side="right") - 1, 0, b - 1)
+    row = jnp.clip(jnp.searchsorted(cu_q_lens, tok, side="right", method="compare_all") - 1, 0, b - 1)
     win_len = cu_q_lens[row + 1] - cu_q_lens[row]
     pos = kv_lens[row] - win_len + (tok - cu_q_lens[row])
     out = cache_attention(q[:, None], k_cache[row], v_cache[row], pos[:, None], sinks=sinks, window=window)[:, 0]
@@ -407,7 +407,10 @@ class PackedLayout:
         cu = jnp.concatenate([jnp.zeros((groups, 1), jnp.int32), jnp.cumsum(lens.reshape(groups, bg), axis=1)],
                              axis=1)  # [G, B/G + 1]: each group's window bounds in its own slots
         slot = jnp.arange(tg, dtype=jnp.int32)
-        local = jax.vmap(lambda c: jnp.clip(jnp.searchsorted(c, slot, side="right") - 1, 0, bg - 1))(cu)
+        # compare_all: one fused [T, B/G + 1] comparison. The default (a binary search as a loop of log2 B steps)
+        # launched ~4 kernels a step per layout on a GPU — ~60 launches of a compact step, which is launch-bound.
+        local = jax.vmap(lambda c: jnp.clip(jnp.searchsorted(c, slot, side="right", method="compare_all") - 1,
+                                            0, bg - 1))(cu)
         valid = slot[None, :] < cu[:, bg:]
         offsets = jnp.where(valid, slot[None, :] - jnp.take_along_axis(cu, local, axis=1), 0)
         group = jnp.arange(groups, dtype=jnp.int32)[:, None]

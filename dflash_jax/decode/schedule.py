@@ -97,7 +97,8 @@ def survival(conditional: Float[Array, "B G"]) -> Float[Array, "B G"]:
 
 def tier_index(tokens: Int[Array, "*n"], tiers: tuple[int, ...]) -> Int[Array, "*n"]:
     """The smallest tier holding ``tokens`` (the largest if none does)."""
-    return jnp.minimum(jnp.searchsorted(jnp.asarray(tiers, jnp.int32), tokens, side="left"), len(tiers) - 1)
+    return jnp.minimum(jnp.searchsorted(jnp.asarray(tiers, jnp.int32), tokens, side="left", method="compare_all"),
+                       len(tiers) - 1)
 
 
 def admit(surv: Float[Array, "B G"], active: Bool[Array, "B"], step_cost: Float[Array, "K"], *,
