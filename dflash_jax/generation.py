@@ -360,9 +360,10 @@ def resolve_verify_mode(mode: str, drafter: Drafter | None, batch: int, block_si
     """(verify mode, compiled tiers, step cost per tier [+ the AR step's], AR step offered) for a batch of
     ``batch`` rows, from the cost table: ``"auto"`` becomes compact where whole blocks cost ≥
     ``AUTO_COMPACT_RATIO`` × one token per row; compact keeps the tiers worth their conditional and offers a step
-    without drafting when the table times one (DFlash drafters: windows known before drafting); compact left
-    with the whole block alone runs the static program. Under a ``dp`` mesh the costs are those of a device's
-    ``batch / dp`` rows (what each device runs). Host work only (nothing compiles)."""
+    without drafting when the table times one that saves as much on the cheapest tier kept (DFlash drafters:
+    windows known before drafting); compact left with the whole block alone runs the static program. Under a
+    ``dp`` mesh the costs are those of a device's ``batch / dp`` rows (what each device runs). Host work only
+    (nothing compiles)."""
     if mode == "static":
         return mode, (), None, False
     tiers = schedule.tiers_for(batch, block_size)
@@ -377,6 +378,8 @@ def resolve_verify_mode(mode: str, drafter: Drafter | None, batch: int, block_si
         return mode, tiers, step_cost, False
     tiers, step_cost = schedule.prune_tiers(tiers, step_cost)
     ar_cost = table.ar_cost(rows) if getattr(drafter.model, "confidence_head", None) is None else None
+    if ar_cost is not None and ar_cost > (1 - schedule.TIER_MIN_SAVING) * step_cost[0]:
+        ar_cost = None  # the AR step would be one more branch (and a conditional around drafting) for ~nothing
     if ar_cost is not None:
         return mode, tiers, np.append(step_cost, np.float32(ar_cost)), True
     if len(tiers) == 1:  # nothing to trim: compact would verify whole blocks, i.e. run static's steps

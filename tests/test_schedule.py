@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import types
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +116,16 @@ def test_tiers_that_cannot_pay_for_their_conditional_are_pruned():
     assert kept == (64,) and cost.tolist() == [2.60]
     kept, cost = schedule.prune_tiers(tiers, np.asarray([150.0, 151.0, 172.0, 204.0, 256.0]))  # a CPU
     assert kept == (8, 16, 32, 64) and cost.tolist() == [151.0, 172.0, 204.0, 256.0]
+
+
+def test_the_ar_step_is_offered_only_where_it_saves_on_the_cheapest_tier():
+    dflash = types.SimpleNamespace(cost_tables=None, model=types.SimpleNamespace())  # no confidence head
+    h200 = CostTable("gpu", "x", "bfloat16", "p", 16, 256, {1: {1: 1.93, 2: 1.78, 4: 1.71, 8: 1.68, 16: 1.69}},
+                     ar_ms={1: 1.67})  # batch 1 on an H200: one tier kept, the AR step as dear
+    assert generation.resolve_verify_mode("compact", dflash, 1, 16, h200) == ("static", (), None, False)
+    mode, tiers, cost, ar_step = generation.resolve_verify_mode("compact", dflash, 1, 16,
+                                                                dataclasses.replace(h200, ar_ms={1: 1.2}))
+    assert (mode, tiers, ar_step) == ("compact", (16,), True) and cost.tolist() == pytest.approx([1.69, 1.2])
 
 
 def test_acceptance_counts_pool_rows_and_see_only_the_window():
