@@ -327,6 +327,10 @@ def test_compact_steps_update_the_caches_in_place(target, oracle, runs):
     for (mode, _), (text, shape) in texts.items():
         assert ("conditional(" in text) == (mode == "compact")
         assert _cache_copies(text, shape) == [], mode
+        # No binary search as a loop (searchsorted's default, in the packed layouts and the tier lookup): on a GPU
+        # each of its iterations is kernel launches, every step.
+        loops = [ln for ln in text.splitlines() if " while(" in ln]
+        assert loops and not [ln for ln in loops if "searchsorted" in ln], mode
 
 
 def test_dspark_confidences_schedule_compact_and_cap_accept_alike(target, reference):
