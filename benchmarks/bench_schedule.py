@@ -16,6 +16,7 @@
     python benchmarks/bench_schedule.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --calibrate --out sched.json
     python benchmarks/bench_schedule.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --continuous --out pool.json
     python benchmarks/bench_schedule.py --demo --dtype float32 --max-new 96 --out demo_cpu.json   # CPU
+    python benchmarks/bench_schedule.py --spectrum-of a.json b.json --out spectrum.png   # several runs' sweeps
     python benchmarks/bench_schedule.py --demo --dtype float32 --max-new 96 --repeats 3 --modes ar,compact \
         --draft-vocab 0,16384 --out demo_vocab.json   # CPU: the whole vocabulary vs a reduced draft vocabulary
 """
@@ -272,12 +273,21 @@ def main() -> int:
     ap.add_argument("--packed-kernel", choices=["on", "off"], default="on",
                     help="off: compact's packed verify unpacks to [B, L] for the block kernel (GPUs; the path before "
                          "cuda.packed_block_attention)")
+    ap.add_argument("--spectrum-of", nargs="+", type=Path, metavar="SWEEP_JSON",
+                    help="no run: one spectrum (--out, a .png) of the sweeps in these result files, batch by batch")
     ap.add_argument("--out", type=Path, default=Path("schedule.json"))
     args = ap.parse_args()
     if args.packed_kernel == "off":
         attention._packed_kernel_call = lambda *a, **k: None  # noqa: E731
     if args.make_prompts:
         make_prompts(args.make_prompts)
+        return 0
+    if args.spectrum_of:
+        runs = [json.loads(f.read_text()) for f in args.spectrum_of]
+        merged = {b: r for run in runs for b, r in run["sweep"].items()}
+        plot_spectrum({b: merged[b] for b in sorted(merged, key=int)}, args.out,
+                      f"SmolLM2-135M + {runs[0]['drafter']}, {runs[0]['device']}, {runs[0]['dtype']} "
+                      f"({', '.join(sorted({r['commit'] for r in runs}))})")
         return 0
     target = load_target(args.gguf or "smollm2-135m", dtype=args.dtype)
     drafter_dir = Path(args.drafter) if Path(args.drafter).is_dir() else _ASSETS / args.drafter
