@@ -81,7 +81,7 @@ def run_mode(mode: str, target, drafter, batches: list[list[list[int]]], max_new
     for batch in batches:  # compile every shape bucket first (from the persistent cache when it has them)
         call(batch)
     wall = tokens = cycles = verified = 0
-    latency, tiers = [], {}
+    latency, tiers, ar_steps = [], {}, 0
     outs = []
     for batch in batches:
         t0 = time.perf_counter()
@@ -98,10 +98,12 @@ def run_mode(mode: str, target, drafter, batches: list[list[list[int]]], max_new
         verified += out.stats.get("verify_tokens", n)
         for t, c in out.stats.get("tier_steps", {}).items():
             tiers[t] = tiers.get(t, 0) + c
+        ar_steps += out.stats.get("ar_steps", 0)  # compact's steps without drafting, where offered
     res = dict(tokens_per_s=tokens / wall, row_ms_per_token=float(np.mean(latency)), tokens=tokens, wall_s=wall,
                tau=(tokens - sum(map(len, batches))) / max(cycles, 1), verified_per_token=verified / tokens)
     if tiers:
         res["tier_steps"] = dict(sorted(tiers.items()))
+        res["ar_steps"] = ar_steps
     if pool:
         res.update({k: out.stats[k] for k in ("cycles", "segments", "refills", "refill_size")})
     return res, outs
