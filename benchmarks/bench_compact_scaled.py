@@ -138,8 +138,8 @@ def batch_case(target, batch: int, args, table_file: Path | None) -> dict:
     out["compact_vs_static"] = out["compact"]["tokens_per_s"] / out["static"]["tokens_per_s"]
     out["compact_vs_ar"] = out["compact"]["tokens_per_s"] / out["ar"]["tokens_per_s"]
     out["static_vs_ar"] = out["static"]["tokens_per_s"] / out["ar"]["tokens_per_s"]
-    print(f"batch {batch:4d} compact ÷ static {out['compact_vs_static']:.2f}, compact ÷ AR {out['compact_vs_ar']:.2f}, "
-          f"static ÷ AR {out['static_vs_ar']:.2f}", flush=True)
+    print(f"batch {batch:4d} compact ÷ static {out['compact_vs_static']:.2f}, compact ÷ AR "
+          f"{out['compact_vs_ar']:.2f}, static ÷ AR {out['static_vs_ar']:.2f}", flush=True)
     return out
 
 
