@@ -407,8 +407,8 @@ class PackedLayout:
         cu = jnp.concatenate([jnp.zeros((groups, 1), jnp.int32), jnp.cumsum(lens.reshape(groups, bg), axis=1)],
                              axis=1)  # [G, B/G + 1]: each group's window bounds in its own slots
         slot = jnp.arange(tg, dtype=jnp.int32)
-        # compare_all: one fused [T, B/G + 1] comparison. The default (a binary search as a loop of log2 B steps)
-        # launched ~4 kernels a step per layout on a GPU — ~60 launches of a compact step, which is launch-bound.
+        # compare_all: one fused [T, B/G + 1] comparison. The default, a binary search as a loop of log2 B
+        # iterations, launched ~4 kernels an iteration on a GPU: ~60 launches of a (launch-bound) compact step.
         local = jax.vmap(lambda c: jnp.clip(jnp.searchsorted(c, slot, side="right", method="compare_all") - 1,
                                             0, bg - 1))(cu)
         valid = slot[None, :] < cu[:, bg:]
