@@ -45,7 +45,7 @@ FAST_FLAGS = " ".join(f"--{k}={str(v).lower()}" for k, v in FAST_COMPILE.items()
 # Every other program of a test process is FAST_COMPILE too (XLA_FLAGS, read when the backend starts): the
 # operations run one by one (model initialisation: each jax.random.normal shape compiles, ~0.6 s at XLA's
 # defaults and 0.13 s so), the tests' own jitted references and kernels: ~130 s of compiling per session.
-# Programs that run long on real weights or for many steps ask for XLA_DEFAULTS (default_options()). Only
+# Programs that run long on real weights ask for XLA_DEFAULTS (default_options()). Only
 # where nothing but the CPU backend can start (an accelerator's plugin would be compiled for too).
 XLA_FLAGS_OUTSIDE = os.environ.get("XLA_FLAGS", "").replace(FAST_FLAGS, "").strip()  # for subprocesses on real weights
 

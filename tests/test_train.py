@@ -19,7 +19,7 @@ import pytest
 import yaml
 from flax import nnx
 
-from conftest import ZLAB, default_options, fast_options, random_prompts, tiny_subprocess_env, tiny_target
+from conftest import ZLAB, fast_options, random_prompts, tiny_subprocess_env, tiny_target
 from dflash_jax import ConfigError, generate, load_drafter, random_drafter, speculative_generate
 from dflash_jax.loading import deepen_drafter, load_target
 from dflash_jax.checkpoints.export import export_drafter
@@ -186,22 +186,23 @@ def self_distilled(target, n=48, new=40, seed=0):
 
 
 def test_training_raises_acceptance(tmp_path):
-    """150 CPU steps: τ at inference clearly above the untrained drafter's (catches misalignment; ~2.0 here)."""
+    """80 CPU steps: τ at inference clearly above the untrained drafter's (catches misalignment; ~1.85 here)."""
     target = tiny_target("qwen3", seed=1)
     prompts, data = self_distilled(target)
     drafter = random_drafter(target, block_size=8, num_layers=2, seed=0)
     probe = prompts[:16]
     before = speculative_generate(target, drafter, probe, max_new_tokens=40, stop_token_ids=[]).tau
-    s = TrainSettings(batch_size=8, max_anchors=32, max_steps=150, lr=5e-3, save_every=150, log_every=25,
-                      val_rows=8, val_every=75, length_bucket=SHORT)
-    trainer = Trainer(target, drafter, s, tmp_path, compiler_options=default_options())  # 150 steps: optimised
+    s = TrainSettings(batch_size=8, max_anchors=16, max_steps=80, lr=1e-2, save_every=80, log_every=20,
+                      val_rows=8, val_every=40, length_bucket=SHORT)
+    # Compiled fast: its 80 steps of this size trained in 9 s so, 12 s with XLA's optimisation.
+    trainer = Trainer(target, drafter, s, tmp_path, compiler_options=fast_options())
     history = trainer.fit(data, progress=False)
     assert history[-1]["loss"] < history[0]["loss"]
     out = speculative_generate(target, drafter, probe, max_new_tokens=40, stop_token_ids=[])
     assert out.token_ids == generate(target, probe, max_new_tokens=40, stop_token_ids=[]).token_ids
     assert before < 1.1 and out.tau > 1.6, (before, out.tau)
     # The held-out τ logged during training replays the cycles decoding those held-out prompts runs.
-    assert [r["step"] for r in history if "val_tau" in r] == [75, 150]
+    assert [r["step"] for r in history if "val_tau" in r] == [40, 80]
     kept, sets = trainer.split_validation(data)
     held = sets["val_tau"]
     held_prompts = [held["tokens"][i, :p].tolist() for i, p in enumerate(held["prompt_lengths"])]
