@@ -218,8 +218,14 @@ def test_torn_last_line_is_repaired(tmp_path):
     assert out.read_text() == '{"id": "a", "x": 1}\n'
 
 
+def cached_programs(cache: Path) -> list[str]:
+    """The compiled programs the CLI keeps in $DFLASH_JAX_CACHE/xla."""
+    return sorted(p.name for p in (cache / "xla").glob("*-cache"))
+
+
 def test_sigkill_at_random_moments_then_resume(tmp_path):
-    """A real `dflash-jax generate` process killed at random points, resumed each time: every id once."""
+    """A real `dflash-jax generate` process killed at random points, resumed each time: every id once. The
+    processes after the first load its compiled programs from the CLI's on-disk cache and add none."""
     rows = token_rows(64, seed=3)  # 16 batches: decoding lasts a few seconds after the up-front compiles
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
@@ -252,10 +258,14 @@ def test_sigkill_at_random_moments_then_resume(tmp_path):
                 proc.send_signal(signal.SIGKILL)
                 kills += 1
             proc.wait()
+            if attempt == 0:  # every program is compiled (and kept) before the first batch is written
+                programs = cached_programs(tmp_path / "cache")
+                assert any(p.startswith("jit_decode") for p in programs), programs
             continue
         assert proc.wait(timeout=300) == 0
         break
     assert kills == 2
+    assert cached_programs(tmp_path / "cache") == programs  # all found: none added
     got = read_out(out)
     assert set(got) == {r["id"] for r in rows}
     ref = generate(__import__("dflash_jax").load_target(ZLAB / "target"), [r["token_ids"] for r in rows],
@@ -265,8 +275,8 @@ def test_sigkill_at_random_moments_then_resume(tmp_path):
 
 
 def test_cli_keeps_compiled_programs_on_disk(tmp_path):
-    """The CLI writes compiled programs to $DFLASH_JAX_CACHE/xla and a second process loads them (same
-    tokens); --no-compile-cache writes none; JAX's own JAX_COMPILATION_CACHE_DIR takes precedence."""
+    """The CLI writes compiled programs to $DFLASH_JAX_CACHE/xla (later processes load them: the SIGKILL test
+    above); --no-compile-cache writes none; JAX's own JAX_COMPILATION_CACHE_DIR takes precedence."""
     inp = write_jsonl(tmp_path / "in.jsonl", token_rows(4, seed=5))
     # Tiny programs compile in well under JAX's 1 s threshold for keeping them: keep everything here.
     base = tiny_subprocess_env(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
@@ -286,17 +296,13 @@ def test_cli_keeps_compiled_programs_on_disk(tmp_path):
             return {i: r["token_ids"] for i, r in read_out(out).items()}
         return result
 
-    # Two at a time (two cores): the runs with other caches do not depend on the first two.
-    first, off = generate_cli("first", tmp_path / "a"), generate_cli("off", tmp_path / "b", "--no-compile-cache")
-    first, off = first(), off()
-    entries = sorted(p.name for p in (tmp_path / "a" / "xla").glob("*-cache"))
-    assert any(e.startswith("jit_decode") for e in entries)
-    second = generate_cli("second", tmp_path / "a")
-    own = generate_cli("jax", tmp_path / "c", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "own"))
-    assert second() == first
-    assert sorted(p.name for p in (tmp_path / "a" / "xla").glob("*-cache")) == entries  # all found: none added
+    # All three at once: none depends on another's cache.
+    runs = [generate_cli("first", tmp_path / "a"), generate_cli("off", tmp_path / "b", "--no-compile-cache"),
+            generate_cli("jax", tmp_path / "c", JAX_COMPILATION_CACHE_DIR=str(tmp_path / "own"))]
+    first, off, own = (run() for run in runs)
+    assert any(e.startswith("jit_decode") for e in cached_programs(tmp_path / "a"))
     assert off == first and not (tmp_path / "b" / "xla").exists()
-    assert own() == first
+    assert own == first and len(first) == 4
     assert not (tmp_path / "c" / "xla").exists() and list((tmp_path / "own").glob("*-cache"))
 
 
