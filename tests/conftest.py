@@ -219,14 +219,16 @@ def pytest_sessionfinish(session):
 # `make test`'s scheduling (pytest-xdist, --dist loadfile). xdist hands out whole files, by default those with
 # the most tests first, so the slowest files (few tests, minutes each: the real SmolLM2 pair, the subprocess runs)
 # came last and one worker ended a minute after the other. Instead, whenever a worker needs more, it gets the
-# longest unit left, from these seconds measured on 2 CPU cores (a file not named: ~10 s). The SmolLM2 files are
-# one unit, run in this order: one worker loads the target once (session fixture), and the notebook's kernel
-# then finds test_real_pair's programs in the session's program cache.
-FILE_SECONDS = {"test_train.py": 172, "test_sharding.py": 120, "test_batch.py": 84, "test_schedule.py": 69,
-                "test_sampling.py": 56, "test_target_vs_transformers.py": 48, "test_lossless.py": 45,
-                "test_dspark.py": 35, "test_kernel_dispatch.py": 34, "test_moe_kernels.py": 24,
-                "test_pallas_tpu.py": 22, "test_hybrid.py": 45, "test_delta_rule_kernel.py": 19,
-                "test_smollm2.py": 70, "test_real_pair.py": 129, "test_notebook.py": 49}
+# longest unit left, from these seconds measured by `make test` on 2 CPU cores (2026-12-04; a file not named:
+# under 10 s). The SmolLM2 files are one unit, run in this order: one worker loads the target once (session
+# fixture), and the notebook's kernel then finds test_real_pair's programs in the session's program cache.
+FILE_SECONDS = {"test_train.py": 122, "test_real_pair.py": 127, "test_sharding.py": 88, "test_schedule.py": 79,
+                "test_notebook.py": 72, "test_batch.py": 65, "test_sampling.py": 54, "test_continuous.py": 40,
+                "test_lossless.py": 36, "test_hybrid.py": 30, "test_smollm2.py": 28, "test_kernel_dispatch.py": 28,
+                "test_dspark.py": 26, "test_target_vs_transformers.py": 25, "test_draft_vocab.py": 23,
+                "test_pallas_tpu.py": 22, "test_streaming.py": 16, "test_zlab_fixture.py": 14,
+                "test_delta_rule_kernel.py": 13, "test_moe_kernels.py": 12, "test_cuda_kernels.py": 11,
+                "test_gpt_oss.py": 11}
 SMOLLM2_UNIT = ("test_smollm2.py", "test_real_pair.py", "test_notebook.py")
 
 
