@@ -345,6 +345,19 @@ def draft_attention(
     return _joint_softmax_attend(parts, q.shape, q.dtype, sinks)
 
 
+# Searches inside a decode step avoid jnp.searchsorted's default, a binary search compiled as a loop: on a GPU
+# each iteration is kernel launches, every step (~60 launches of a compact step at batch 64, which is
+# launch-bound). One fused comparison of every value with every edge is cheapest while that is small; a sort
+# (a few kernels, no loop) beyond (e.g. sampling tests' batches of thousands of rows).
+COMPARE_ALL_MAX = 1 << 22
+
+
+def find_bucket(edges: Int[Array, "E"], values: Int[Array, "*n"], side: str = "left") -> Int[Array, "*n"]:
+    """``jnp.searchsorted(edges, values, side)`` without a loop."""
+    method = "compare_all" if edges.shape[-1] * values.size <= COMPARE_ALL_MAX else "sort"
+    return jnp.searchsorted(edges, values, side=side, method=method)
+
+
 def ragged_verify_attention(
     q: Float[Array, "T N H"],
     k_cache: Float[Array, "B S K H"],
@@ -366,7 +379,7 @@ def ragged_verify_attention(
     t = q.shape[0]
     b = k_cache.shape[0]
     tok = jnp.arange(t)
-    row = jnp.clip(jnp.searchsorted(cu_q_lens, tok, side="right", method="compare_all") - 1, 0, b - 1)
+    row = jnp.clip(find_bucket(cu_q_lens, tok, side="right") - 1, 0, b - 1)
     win_len = cu_q_lens[row + 1] - cu_q_lens[row]
     pos = kv_lens[row] - win_len + (tok - cu_q_lens[row])
     out = cache_attention(q[:, None], k_cache[row], v_cache[row], pos[:, None], sinks=sinks, window=window)[:, 0]
@@ -407,10 +420,7 @@ class PackedLayout:
         cu = jnp.concatenate([jnp.zeros((groups, 1), jnp.int32), jnp.cumsum(lens.reshape(groups, bg), axis=1)],
                              axis=1)  # [G, B/G + 1]: each group's window bounds in its own slots
         slot = jnp.arange(tg, dtype=jnp.int32)
-        # compare_all: one fused [T, B/G + 1] comparison. The default, a binary search as a loop of log2 B
-        # iterations, launched ~4 kernels an iteration on a GPU: ~60 launches of a (launch-bound) compact step.
-        local = jax.vmap(lambda c: jnp.clip(jnp.searchsorted(c, slot, side="right", method="compare_all") - 1,
-                                            0, bg - 1))(cu)
+        local = jax.vmap(lambda c: jnp.clip(find_bucket(c, slot, side="right") - 1, 0, bg - 1))(cu)
         valid = slot[None, :] < cu[:, bg:]
         offsets = jnp.where(valid, slot[None, :] - jnp.take_along_axis(cu, local, axis=1), 0)
         group = jnp.arange(groups, dtype=jnp.int32)[:, None]

@@ -150,6 +150,17 @@ def _cache(rng, b=3, s=24, k=2, h=16):
                                                                                    jnp.float32))
 
 
+@pytest.mark.parametrize("method_max", [attention.COMPARE_ALL_MAX, 0])  # every value against every edge; a sort
+def test_find_bucket_is_searchsorted(method_max, monkeypatch):
+    monkeypatch.setattr(attention, "COMPARE_ALL_MAX", method_max)
+    rng = np.random.default_rng(0)
+    edges = np.sort(rng.integers(0, 50, 17)).astype(np.int32)  # repeated edges too
+    values = rng.integers(-2, 53, (3, 40)).astype(np.int32)
+    for side in ("left", "right"):
+        got = attention.find_bucket(jnp.asarray(edges), jnp.asarray(values), side=side)
+        np.testing.assert_array_equal(got, np.searchsorted(edges, values, side=side))
+
+
 def test_packed_layout_round_trip_and_writes():
     lens = jnp.asarray([2, 0, 4], jnp.int32)
     anchor = jnp.asarray([5, 9, 3], jnp.int32)

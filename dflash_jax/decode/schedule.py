@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from dflash_jax.attention import find_bucket
+
 VERIFY_MODES = ("static", "compact", "cap-accept")  # and "auto": compact where the cost table says it pays
 # Running acceptance counts start from this prior per draft position (a Beta(PRIOR_ACCEPT, PRIOR_REJECT), mean
 # 0.8): optimistic on purpose — compact mode never sees past a window, so a pessimistic estimate for a position
@@ -97,8 +99,7 @@ def survival(conditional: Float[Array, "B G"]) -> Float[Array, "B G"]:
 
 def tier_index(tokens: Int[Array, "*n"], tiers: tuple[int, ...]) -> Int[Array, "*n"]:
     """The smallest tier holding ``tokens`` (the largest if none does)."""
-    return jnp.minimum(jnp.searchsorted(jnp.asarray(tiers, jnp.int32), tokens, side="left", method="compare_all"),
-                       len(tiers) - 1)
+    return jnp.minimum(find_bucket(jnp.asarray(tiers, jnp.int32), tokens), len(tiers) - 1)
 
 
 def admit(surv: Float[Array, "B G"], active: Bool[Array, "B"], step_cost: Float[Array, "K"], *,

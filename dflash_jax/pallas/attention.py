@@ -90,6 +90,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
+from dflash_jax.attention import find_bucket
+
 NEG_INF = -1e30  # the references' mask value; finite so that fully masked rows stay NaN-free
 _LANES = 128
 _DEFAULT_BLOCK_KV = 512
@@ -559,7 +561,7 @@ def _to_packed(out: Float[Array, "B Lq N H"], cu: Int[Array, "B+1"], t: int) -> 
     starts at or before t; padding tokens give 0, rows of a window longer than Lq NaN (loud)."""
     b, lq = out.shape[:2]
     tok = jnp.arange(t)
-    req = jnp.clip(jnp.searchsorted(cu, tok, side="right", method="compare_all") - 1, 0, b - 1)
+    req = jnp.clip(find_bucket(cu, tok, side="right") - 1, 0, b - 1)
     off = tok - cu[req]
     vals = jnp.where((off >= lq)[:, None, None], jnp.nan, out[req, jnp.minimum(off, lq - 1)])
     return jnp.where((tok < cu[b])[:, None, None], vals, 0)
