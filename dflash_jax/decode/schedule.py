@@ -140,7 +140,8 @@ def admit(surv: Float[Array, "B G"], active: Bool[Array, "B"], step_cost: Float[
     return windows, tier
 
 
-# A smaller tier is compiled only if its step costs at least this much less than the next larger tier kept:
+# A smaller tier is compiled only if its step costs at least this much less than the next larger tier kept (and
+# the step without drafting is offered only if it costs this much less than the cheapest tier kept):
 # choosing a tier is a conditional on the device (on a GPU one host read per step), and the table's noise is a
 # few percent. Measured on the H200 (RESULTS.md, 2026-12-02 night): a 10 % margin dropped tiers that paid at
 # batch 64-128 (compact ÷ static 0.95 / 0.93 instead of 0.99 / 1.02 with 3 %).
