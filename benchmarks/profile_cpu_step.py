@@ -1,5 +1,6 @@
 """Where a CPU decode step's time goes, by XLA:CPU thunk: the plain autoregressive loop's step against the compact
-program's autoregressive branch (the scheduler's step without drafting) and one of its drafted tiers, on the
+program's autoregressive branch (the scheduler's step without drafting), its smallest and largest drafted tiers
+and the static cycle (the whole block drafted and verified), on the
 embedded pair at batch ``--batch`` with ``--context`` tokens in each row's cache.
 
 Each step runs ``--steps`` times in one ``lax.while_loop`` call (as decoding runs it) under the JAX profiler;
@@ -41,6 +42,18 @@ def plain_step(target, ids):
     def step(params, s, tier):
         t, d = loop._merge(graphs, params)
         out = loop.cycle(t, d, s, job.spec, 0)
+        return dataclasses.replace(out, num_new=s.num_new, anchor_pos=s.anchor_pos, done=s.done)
+    return job, step
+
+
+def static_step(target, drafter, ids):
+    job = generation.prepare(target, drafter, ids, max_new_tokens=64, block_size=16, stop_token_ids=[],
+                             verify_mode="static")
+    graphs = (job.target.split().static, job.drafter.split().static)
+
+    def step(params, s, tier):
+        t, d = loop._merge(graphs, params)
+        out = loop.cycle(t, d, s, job.spec, d.config.mask_token_id)
         return dataclasses.replace(out, num_new=s.num_new, anchor_pos=s.anchor_pos, done=s.done)
     return job, step
 
@@ -102,6 +115,9 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=3)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--cases", type=lambda s: [int(i) for i in s.split(",")],
+                    help="which cases, by index: 0 plain AR, 1 compact's AR branch, 2 its 1-token tier, "
+                         "3 its whole-block tier, 4 the static cycle (default: all)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     target, drafter = load_pair("smollm2-135m")
@@ -109,7 +125,10 @@ def main() -> int:
     job, step = compact_step(target, drafter, ids, args.batch)
     k = len(job.spec.tiers)
     cases = {"plain AR step": (*plain_step(target, ids), 0), "compact: AR branch": (job, step, k),
-             f"compact: tier {job.spec.tiers[0]} (1 token per row)": (job, step, 0)}
+             f"compact: tier {job.spec.tiers[0]} (1 token per row)": (job, step, 0),
+             f"compact: tier {job.spec.tiers[-1]} (whole blocks)": (job, step, k - 1),
+             "static cycle": (*static_step(target, drafter, ids), 0)}
+    cases = {name: case for i, (name, case) in enumerate(cases.items()) if args.cases is None or i in args.cases}
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=jax.devices()[0].device_kind, batch=args.batch,
                   context=args.context, commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                                                               capture_output=True, text=True).stdout.strip(),
