@@ -396,6 +396,10 @@ class PackedLayout:
     """Each row's verify window (its first ℓ_r block tokens) packed end to end into T slots (a compiled tier).
     Slot t holds block token ``offsets[t]`` of row ``rows[t]``; row r's window starts at slot ``starts[r]``.
 
+    ``dense`` (a tier with room for every row's whole block, T ≥ B·L): the windows stay in their rows' blocks,
+    slot ``r·L + i`` holding row r's token i, valid while i < ℓ_r — packing and unpacking are reshapes, where
+    gathering every token (and the packed kernel) would buy nothing: the static verify's form, in a tier.
+
     ``groups`` > 1 (compact mode under a dp mesh): rows and slots split into that many equal groups, in order —
     group g's rows ``g·B/G …`` pack into its own slots ``g·T/G …`` (padding at the end of each group's slots), so
     packing, unpacking and the cache writes stay on the device that holds the group's rows."""
@@ -408,15 +412,22 @@ class PackedLayout:
     valid: Bool[Array, "T"]
     block: int = dataclasses.field(metadata=dict(static=True))  # L: the longest possible window
     groups: int = dataclasses.field(default=1, metadata=dict(static=True))
+    dense: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @staticmethod
     def build(lens: Int[Array, "B"], anchor_pos: Int[Array, "B"], size: int, block: int, groups: int = 1
               ) -> "PackedLayout":
         """``lens``: ℓ_r ∈ [0, L] per row (0: the row verifies nothing); ``size``: T, with each group's Σ ℓ_r ≤
-        T / ``groups``."""
+        T / ``groups``; a size of B·L or more gives the dense layout (of B·L slots)."""
         b = lens.shape[0]
-        bg, tg = b // groups, size // groups
         lens = lens.astype(jnp.int32)
+        kv_lens = (anchor_pos + lens).astype(jnp.int32)
+        if size >= b * block:
+            rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), block)
+            offsets = jnp.tile(jnp.arange(block, dtype=jnp.int32), b)
+            return PackedLayout(jnp.arange(b, dtype=jnp.int32) * block, lens, kv_lens, rows, offsets,
+                                offsets < lens[rows], block, groups, dense=True)
+        bg, tg = b // groups, size // groups
         cu = jnp.concatenate([jnp.zeros((groups, 1), jnp.int32), jnp.cumsum(lens.reshape(groups, bg), axis=1)],
                              axis=1)  # [G, B/G + 1]: each group's window bounds in its own slots
         slot = jnp.arange(tg, dtype=jnp.int32)
@@ -424,15 +435,15 @@ class PackedLayout:
         valid = slot[None, :] < cu[:, bg:]
         offsets = jnp.where(valid, slot[None, :] - jnp.take_along_axis(cu, local, axis=1), 0)
         group = jnp.arange(groups, dtype=jnp.int32)[:, None]
-        return PackedLayout((cu[:, :-1] + group * tg).reshape(b), lens, (anchor_pos + lens).astype(jnp.int32),
+        return PackedLayout((cu[:, :-1] + group * tg).reshape(b), lens, kv_lens,
                             (local + group * bg).reshape(size).astype(jnp.int32), offsets.reshape(size),
                             valid.reshape(size), block, groups)
 
     @property
     def cu_q_lens(self) -> Int[Array, "B+1"]:
-        """The windows' slot bounds for the kernels (one group: the windows lie end to end)."""
-        if self.groups != 1:
-            raise ValueError("cu_q_lens describes one group of packed windows")
+        """The windows' slot bounds for the kernels (one group of windows end to end)."""
+        if self.groups != 1 or self.dense:
+            raise ValueError("cu_q_lens describes one group of windows packed end to end")
         return jnp.concatenate([self.starts, self.starts[-1:] + self.lens[-1:]])
 
     @property
@@ -448,6 +459,9 @@ class PackedLayout:
         return self.rows - (jnp.arange(t, dtype=jnp.int32) // (t // self.groups)) * bg
 
     def pack(self, x: Float[Array, "B L *f"]) -> Float[Array, "T *f"]:
+        """``x``'s rows' windows (L ≥ ``block``: tokens from ``block`` on are never packed)."""
+        if self.dense:
+            return x[:, :self.block].reshape(-1, *x.shape[2:])
         if self.groups == 1:
             return x[self.rows, self.offsets]
         g = self.groups
@@ -458,13 +472,16 @@ class PackedLayout:
     def unpack(self, y: Float[Array, "T *f"]) -> Float[Array, "B L *f"]:
         """Back to ``[B, L, …]``; block slots past a row's window hold zeros."""
         t = y.shape[0]
+        b = self.starts.shape[0]
         j = jnp.arange(self.block)[None, :]
         inside = j < self.lens[:, None]
-        if self.groups == 1:
+        if self.dense:
+            out = y.reshape(b, self.block, *y.shape[1:])
+        elif self.groups == 1:
             out = y[jnp.clip(self.starts[:, None] + j, 0, t - 1)]
         else:
-            tg, bg = t // self.groups, self.starts.shape[0] // self.groups
-            first = self.starts - (jnp.arange(self.starts.shape[0]) // bg) * tg  # in the group's own slots
+            tg, bg = t // self.groups, b // self.groups
+            first = self.starts - (jnp.arange(b) // bg) * tg  # in the group's own slots
             out = jax.vmap(lambda yg, f: yg[jnp.clip(f[:, None] + j, 0, tg - 1)])(
                 y.reshape(self.groups, tg, *y.shape[1:]), first.reshape(self.groups, bg))
             out = out.reshape(-1, *out.shape[2:])
@@ -513,12 +530,12 @@ def packed_verify_attention(
     and leave the write to after the conditional (:class:`dflash_jax.models.target.PendingKV`): a branch that
     writes a buffer gets its own copy of it from XLA, every cache of every layer each step.
 
-    With ``impl="cuda"`` (no sinks, no mesh) one GPU kernel reads and writes the packed rows itself
+    With ``impl="cuda"`` (no sinks, no mesh, not dense) one GPU kernel reads and writes the packed rows itself
     (padding slots get zeros). Otherwise the windows go back into their ``[B, L]`` block (zeros past a window:
     masked, as the block is causal) for :func:`draft_attention` — the block kernels (causal, sliding window)
     under ``impl``, the reference with ``sinks``; padding slots give their row's outputs and are never used."""
     start = layout.kv_lens - layout.lens  # each row's anchor position: the cache holds what lies before it
-    if impl == "cuda" and sinks is None and layout.groups == 1:
+    if impl == "cuda" and sinks is None and layout.groups == 1 and not layout.dense:
         out = _packed_kernel_call(q, k, v, k_cache, v_cache, layout, start, window)
         if out is not None:
             return out

@@ -171,14 +171,34 @@ def test_packed_layout_round_trip_and_writes():
     block = jnp.arange(12).reshape(3, 4)
     back = layout.unpack(layout.pack(block))
     assert back.tolist() == [[0, 1, 0, 0], [0, 0, 0, 0], [8, 9, 10, 11]]
-    # K/V writes land at (row, position); padding slots (and those padded on to a larger tier) are dropped.
-    cache = jnp.zeros((3, 12, 1, 1))
+    # K/V writes land in each row's block from its anchor position on: its window, then zeros up to the
+    # block's end (masked, and overwritten before they are read); nothing else changes.
+    cache = jnp.full((3, 24, 1, 1), 7.0)
     new = jnp.arange(1, 9, dtype=jnp.float32).reshape(8, 1, 1)
-    written = PendingKV.of(layout, (new,), (-new,)).padded(12, 4).write(KVCache((cache,), (cache,)))
+    written = PendingKV.of(layout, (new,), (-new,)).widened(6).write(KVCache((cache,), (cache,)))
     out = np.asarray(written.k[0])[..., 0, 0]
-    assert out[0, 5:7].tolist() == [1, 2] and out[2, 3:7].tolist() == [3, 4, 5, 6]
-    assert out.sum() == sum(range(1, 7))  # nothing else written (slots 7, 8 were padding)
-    assert np.array_equal(np.asarray(written.v[0]), -np.asarray(written.k[0]))
+    assert out[0, 5:11].tolist() == [1, 2, 0, 0, 0, 0] and out[2, 3:9].tolist() == [3, 4, 5, 6, 0, 0]
+    assert out[1, 9:15].tolist() == [0] * 6
+    untouched = np.ones_like(out, bool)
+    untouched[0, 5:11] = untouched[1, 9:15] = untouched[2, 3:9] = False
+    assert (out[untouched] == 7).all()
+    assert np.array_equal(np.asarray(written.v[0])[..., 0, 0][~untouched], -out[~untouched])
+
+
+def test_dense_layout_is_the_packed_one_in_row_blocks():
+    """A tier with room for every whole block keeps the windows in their rows' blocks (packing a reshape):
+    the same tokens at the same positions as the packed layout, in other slots."""
+    lens = jnp.asarray([2, 0, 4], jnp.int32)
+    anchor = jnp.asarray([5, 9, 3], jnp.int32)
+    packed, dense = PackedLayout.build(lens, anchor, 8, 4), PackedLayout.build(lens, anchor, 12, 4)
+    assert not packed.dense and dense.dense and dense.rows.shape == (12,)
+    block = jnp.arange(12).reshape(3, 4)
+    assert dense.pack(block).tolist() == list(range(12))
+    np.testing.assert_array_equal(dense.unpack(dense.pack(block)), packed.unpack(packed.pack(block)))
+    d, p = np.asarray(dense.valid), np.asarray(packed.valid)
+    assert d.sum() == p.sum() == 6
+    for field in ("rows", "offsets", "positions"):
+        np.testing.assert_array_equal(np.asarray(getattr(dense, field))[d], np.asarray(getattr(packed, field))[p])
 
 
 def _packed_case(rng, lens, anchor, size, heads=4):
@@ -193,19 +213,20 @@ def _packed_case(rng, lens, anchor, size, heads=4):
     return layout, q, k, v, k_cache, v_cache, (written.k[0], written.v[0])
 
 
-@pytest.mark.parametrize("impl", ["xla", "cuda"])
-def test_packed_attention_sees_only_its_own_row(impl):
+@pytest.mark.parametrize("impl,size", [("xla", 10), ("cuda", 10), ("xla", 12)])
+def test_packed_attention_sees_only_its_own_row(impl, size):
     """Each slot attends to its own row's cache before its window and to its window's K/V up to itself, as
     causal attention over the cache with the window written in; other rows' caches, the cache's entries from
-    the window on, and NaN in the padding slots change nothing."""
+    the window on, and NaN in the padding slots change nothing. Size 12 = B·L: the dense layout."""
     rng = np.random.default_rng(0)
     lens, anchor = [3, 0, 4], [6, 10, 2]
-    layout, q, k, v, k_cache, v_cache, (k_full, v_full) = _packed_case(rng, lens, anchor, 10)
+    layout, q, k, v, k_cache, v_cache, (k_full, v_full) = _packed_case(rng, lens, anchor, size)
+    assert layout.dense == (size == 12)
     run = fast_jit(lambda *a: packed_verify_attention(*a, impl=impl))
     out = np.asarray(run(q, k, v, k_cache, v_cache, layout))
-    assert np.isfinite(out[:7]).all()
-    for r, start in ((0, 0), (2, 3)):
-        n = lens[r]
+    assert np.isfinite(out[np.asarray(layout.valid)]).all()
+    for r in (0, 2):
+        n, start = lens[r], int(layout.starts[r])
         pos = anchor[r] + jnp.arange(n)
         want = cache_attention(q[start:start + n][None], k_full[r:r + 1], v_full[r:r + 1], pos[None])[0]
         np.testing.assert_allclose(out[start:start + n], want, rtol=2e-5, atol=2e-5)

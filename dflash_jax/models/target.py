@@ -49,56 +49,36 @@ def write_rows(cache: Float[Array, "B S K H"], new: Float[Array, "B T K H"], sta
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PendingKV:
-    """A packed verify's new K/V, every layer's stacked (``[NL, T, K, H]``), and each slot's place in the cache
-    (row, position; padding slots point past any cache and are dropped). A compiled tier (a branch of a
+    """A packed verify's new K/V, every layer's stacked and back in each row's block (``[NL, B, W, K, H]``:
+    window token i of row r at ``[:, r, i]``, zeros past the window), to be written at each row's anchor
+    position ``starts`` — the static verify's row-window writes (what lies past a window, past the row's
+    length, is masked and overwritten before it is read; zeros keep NaN in padding slots out). A compiled tier (a branch of a
     ``lax.switch``) only reads the caches and returns these; :meth:`write` stores them after the conditional,
-    in place. Stacked, a branch pads and returns two arrays rather than two per layer (on a GPU each is a kernel
-    launch and a copy out of the conditional, every step). A hybrid target's linear layers add their deferred
-    ``records`` (:mod:`dflash_jax.models.hybrid`), which :meth:`write` leaves in the cache for ``settle``.
-    ``groups``: the layout's (each group's slots written into its own rows, on the device holding them)."""
+    in place. Stacked, a branch returns two arrays rather than two per layer (on a GPU each is a kernel launch
+    and a copy out of the conditional, every step). A hybrid target's linear layers add their deferred
+    ``records`` (:mod:`dflash_jax.models.hybrid`), which :meth:`write` leaves in the cache for ``settle``."""
 
-    rows: Int[Array, "T"]
-    positions: Int[Array, "T"]
-    k: Float[Array, "NL T K H"]
-    v: Float[Array, "NL T K H"]
+    starts: Int[Array, "B"]
+    k: Float[Array, "NL B W K H"]
+    v: Float[Array, "NL B W K H"]
     records: tuple = ()
-    groups: int = dataclasses.field(default=1, metadata=dict(static=True))
 
     @staticmethod
     def of(layout: attention.PackedLayout, k: tuple, v: tuple, records: tuple = ()) -> "PendingKV":
         """``k``, ``v``: per layer ``[T, K, H]``; ``records``: per linear layer, over ``layout.block`` tokens."""
-        return PendingKV(layout.local_rows(), jnp.where(layout.valid, layout.positions, _NOWHERE), jnp.stack(k),
-                         jnp.stack(v), records, layout.groups)
+        blocks = lambda x: jax.vmap(layout.unpack)(jnp.stack(x))  # noqa: E731  [NL, B, L, K, H]
+        return PendingKV(layout.kv_lens - layout.lens, blocks(k), blocks(v), records)
 
-    def padded(self, size: int, block: int) -> "PendingKV":
-        """The same writes in ``size`` slots (each group's at the end of its own) and records over ``block``
-        tokens (the largest tier's, the whole block: so every branch returns one shape)."""
-        g = self.groups
-        n = (size - self.rows.shape[0]) // g
-
-        def slots(x, axis, fill=0):  # x's slot axis split into groups, each padded by n
-            shape = x.shape[:axis] + (g, -1) + x.shape[axis + 1:]
-            pad = [(0, 0)] * (axis + 1) + [(0, n)] + [(0, 0)] * (x.ndim - axis - 1)
-            out = jnp.pad(x.reshape(shape), pad, constant_values=fill)
-            return out.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 1:])
-        return PendingKV(slots(self.rows, 0), slots(self.positions, 0, _NOWHERE), slots(self.k, 1), slots(self.v, 1),
-                         tuple(pad_record(r, block) for r in self.records), g)
+    def widened(self, block: int) -> "PendingKV":
+        """The same writes over ``block`` ≥ W tokens a row (so that every tier, whose windows fit blocks of
+        different widths, returns one shape)."""
+        pad = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, block - x.shape[2]), (0, 0), (0, 0)])  # noqa: E731
+        return PendingKV(self.starts, pad(self.k), pad(self.v), tuple(pad_record(r, block) for r in self.records))
 
     def write(self, cache: KVCache) -> KVCache:
-        g = self.groups
-
-        def put(c, new):  # per group: its slots into its rows (rows are the group's own)
-            if g == 1:
-                return c.at[self.rows, self.positions].set(new.astype(c.dtype), mode="drop")
-            one = lambda cg, r, p, u: cg.at[r, p].set(u.astype(cg.dtype), mode="drop")  # noqa: E731
-            split = lambda x: x.reshape(g, -1, *x.shape[1:])  # noqa: E731
-            return jax.vmap(one)(split(c), split(self.rows), split(self.positions), split(new)).reshape(c.shape)
-        written = dict(k=tuple(put(c, self.k[i]) for i, c in enumerate(cache.k)),
-                       v=tuple(put(c, self.v[i]) for i, c in enumerate(cache.v)))
+        written = dict(k=tuple(write_rows(c, self.k[i], self.starts) for i, c in enumerate(cache.k)),
+                       v=tuple(write_rows(c, self.v[i], self.starts) for i, c in enumerate(cache.v)))
         return dataclasses.replace(cache, **written, **({"pending": self.records} if self.records else {}))
-
-
-_NOWHERE = 2 ** 30  # a position past any cache: its write is dropped
 
 
 class Attention(nnx.Module):
