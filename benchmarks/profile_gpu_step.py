@@ -32,23 +32,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import device_profile  # noqa: E402
-from profile_cpu_step import compact_step, plain_step, step_loop  # noqa: E402
+from profile_cpu_step import compact_step, plain_step, static_step, step_loop  # noqa: E402
 
 from dflash_jax import attention, generation, load_drafter, load_target  # noqa: E402
 from dflash_jax.decode import loop  # noqa: E402
 from dflash_jax.loading import _ASSETS  # noqa: E402
-
-
-def static_step(target, drafter, ids):
-    job = generation.prepare(target, drafter, ids, max_new_tokens=64, block_size=16, stop_token_ids=[],
-                             verify_mode="static")
-    graphs = (job.target.split().static, job.drafter.split().static)
-
-    def step(params, s, tier):
-        t, d = loop._merge(graphs, params)
-        out = loop.cycle(t, d, s, job.spec, d.config.mask_token_id)
-        return dataclasses.replace(out, num_new=s.num_new, anchor_pos=s.anchor_pos, done=s.done)
-    return job, step
 
 
 def compact_variant(target, drafter, ids, batch: int, *, ar_step: bool, one_tier: bool):
