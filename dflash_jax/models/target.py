@@ -52,11 +52,12 @@ class PendingKV:
     """A packed verify's new K/V, every layer's stacked and back in each row's block (``[NL, B, W, K, H]``:
     window token i of row r at ``[:, r, i]``, zeros past the window), to be written at each row's anchor
     position ``starts`` — the static verify's row-window writes (what lies past a window, past the row's
-    length, is masked and overwritten before it is read; zeros keep NaN in padding slots out). A compiled tier (a branch of a
-    ``lax.switch``) only reads the caches and returns these; :meth:`write` stores them after the conditional,
-    in place. Stacked, a branch returns two arrays rather than two per layer (on a GPU each is a kernel launch
-    and a copy out of the conditional, every step). A hybrid target's linear layers add their deferred
-    ``records`` (:mod:`dflash_jax.models.hybrid`), which :meth:`write` leaves in the cache for ``settle``."""
+    length, is masked and overwritten before it is read; zeros keep NaN in padding slots out). A compiled
+    tier (a branch of a ``lax.switch``) only reads the caches and returns these; :meth:`write` stores them
+    after the conditional, in place. Stacked, a branch returns two arrays rather than two per layer (on a GPU
+    each is a kernel launch and a copy out of the conditional, every step). A hybrid target's linear layers
+    add their deferred ``records`` (:mod:`dflash_jax.models.hybrid`), which :meth:`write` leaves in the cache
+    for ``settle``."""
 
     starts: Int[Array, "B"]
     k: Float[Array, "NL B W K H"]
