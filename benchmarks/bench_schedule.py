@@ -309,10 +309,11 @@ def main() -> int:
         table = costs.measure(target, drafter, batches=[int(b) for b in args.batches.split(",")],
                               pair="smollm2-135m", progress=lambda line: print(line, flush=True))
         print(f"calibrated in {time.perf_counter() - t0:.0f} s", flush=True)
+        # With the rows of an earlier calibration already in that file (same settings), their union.
+        table = costs.save_table(args.out.with_name(args.out.stem + ".costs.json"), table)
         for d in drafters.values():
             d.cost_tables = {table.backend: table}
         result["cost_table"] = table.to_json()
-        costs.save_table(args.out.with_name(args.out.stem + ".costs.json"), table)
         costs.plot(table, args.out.with_name(args.out.stem + ".costs.png"))
     elif args.cost_table:
         for d in drafters.values():

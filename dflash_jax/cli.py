@@ -158,9 +158,10 @@ def _calibrate(args: argparse.Namespace) -> int:
                           repeats=args.repeats, pair=Path(pair_file).stem if pair_file else Path(args.target).name,
                           progress=lambda line: print(line, flush=True))
     out = Path(args.out) if args.out else costs.tables_path(pair_file)
-    costs.save_table(out, table)
+    table = costs.save_table(out, table)
     png = costs.plot(table, out.with_name(f"{out.name.removesuffix('.json')}.{table.backend}.png"))
-    print(f"wrote the {table.backend} table to {out} and its plot to {png}")
+    print(f"wrote the {table.backend} table (batches {', '.join(map(str, sorted(table.step_ms)))}) to {out} and "
+          f"its plot to {png}")
     return 0
 
 
@@ -291,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--context", type=int, default=256, help="tokens in each row's cache while timing")
     cal.add_argument("--repeats", type=int, default=20, help="timed steps per tier, run in 3 calls (the median of their per-step times is kept)")
     cal.add_argument("--block-size", type=int, help="default: the drafter's trained verify width")
-    cal.add_argument("--out", help="costs file to write (default: configs/<pair>.costs.json, one table per backend)")
+    cal.add_argument("--out", help="costs file to write (default: configs/<pair>.costs.json, one table per backend; "
+                                   "batches measured before for the same pair and settings are kept)")
     cal.set_defaults(func=_calibrate)
     rank = sub.add_parser("draft-vocab", parents=[common],
                           help="rank the target's tokens by their frequency in ShareGPT answers (a pair's "

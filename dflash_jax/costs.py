@@ -45,6 +45,9 @@ class CostTable:
     # batch → ms of a plain autoregressive step (no drafting): the scheduler may then skip drafting for a step
     # (compact mode, drafters without a confidence head). Empty: not measured, not offered.
     ar_ms: dict[int, float] = dataclasses.field(default_factory=dict)
+    # batch → ms of the static verify's step (the whole block drafted, verified and committed, no scheduler):
+    # compact compiles a smaller tier only where it saves on this too. Empty: not measured.
+    static_ms: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def step_costs(self, batch: int, tiers: tuple[int, ...]) -> np.ndarray:
         """Milliseconds of a step at each tier of ``batch`` rows: interpolated in tokens per row, and in
@@ -60,9 +63,11 @@ class CostTable:
 
     def ar_cost(self, batch: int) -> float | None:
         """Milliseconds of an autoregressive step of ``batch`` rows (None: not in the table)."""
-        if not self.ar_ms:
-            return None
-        return float(_in_batch(self.ar_ms, batch, lambda b: np.asarray(self.ar_ms[b])))
+        return _column(self.ar_ms, batch)
+
+    def static_cost(self, batch: int) -> float | None:
+        """Milliseconds of a static verify's step of ``batch`` rows (None: not in the table)."""
+        return _column(self.static_ms, batch)
 
     def explain(self, batch: int) -> str | None:
         """Why speculative decoding does or does not pay at ``batch`` rows on the machine measured, from the
@@ -79,10 +84,21 @@ class CostTable:
                 f"row than that to pay. Speculative decoding wins where verifying a block costs about one step "
                 f"(GPUs, TPUs: benchmarks/RESULTS.md); on a CPU every verified token costs real compute.")
 
+    def merged_into(self, older: "CostTable") -> "CostTable":
+        """This table with ``older``'s batches that it did not measure (a calibration of more batches adds them
+        to the table; a batch measured again replaces its row). Only for the same measurement: pair, machine,
+        dtype, verify width and context."""
+        key = lambda t: (t.backend, t.device, t.dtype, t.pair, t.block_size, t.context)  # noqa: E731
+        if key(older) != key(self):
+            return self
+        return dataclasses.replace(self, step_ms={**older.step_ms, **self.step_ms}, ar_ms={**older.ar_ms, **self.ar_ms},
+                                   static_ms={**older.static_ms, **self.static_ms})
+
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["step_ms"] = {str(b): {str(t): round(ms, 4) for t, ms in row.items()} for b, row in self.step_ms.items()}
         d["ar_ms"] = {str(b): round(ms, 4) for b, ms in self.ar_ms.items()}
+        d["static_ms"] = {str(b): round(ms, 4) for b, ms in self.static_ms.items()}
         return d
 
     @staticmethod
@@ -90,16 +106,24 @@ class CostTable:
         try:
             step = {int(b): {int(t): float(ms) for t, ms in row.items()} for b, row in d["step_ms"].items()}
             ar = {int(b): float(ms) for b, ms in (d.get("ar_ms") or {}).items()}
+            static = {int(b): float(ms) for b, ms in (d.get("static_ms") or {}).items()}
             table = CostTable(str(d["backend"]), str(d.get("device", "")), str(d.get("dtype", "")),
                               str(d.get("pair", "")), int(d["block_size"]), int(d.get("context", 0)), step,
-                              str(d.get("created", "")), ar)
+                              str(d.get("created", "")), ar, static)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CostTableError(f"{where}: not a cost table ({type(e).__name__}: {e})") from None
         if not step or any(not row or min(row.values()) <= 0 for row in step.values()):
             raise CostTableError(f"{where}: a cost table needs positive step times for at least one batch")
-        if any(ms <= 0 for ms in ar.values()):
-            raise CostTableError(f"{where}: autoregressive step times must be positive")
+        if any(ms <= 0 for ms in (*ar.values(), *static.values())):
+            raise CostTableError(f"{where}: autoregressive and static step times must be positive")
         return table
+
+
+def _column(by_batch: dict[int, float], batch: int) -> float | None:
+    """A one-number-per-batch column at ``batch`` rows (None: not measured)."""
+    if not by_batch:
+        return None
+    return float(_in_batch(by_batch, batch, lambda b: np.asarray(by_batch[b])))
 
 
 def _in_batch(by_batch: dict[int, Any], batch: int, at) -> np.ndarray:
@@ -136,12 +160,16 @@ def load_tables(path: str | Path) -> dict[str, CostTable]:
     return {backend: CostTable.from_json(t, f"{path} [{backend}]") for backend, t in raw.items()}
 
 
-def save_table(path: str | Path, table: CostTable) -> None:
-    """Add (or replace) ``table``'s backend in the costs file ``path``."""
+def save_table(path: str | Path, table: CostTable) -> CostTable:
+    """Put ``table`` in the costs file ``path`` as its backend's: added to the table there if that is the same
+    measurement (:meth:`CostTable.merged_into`), else in its place. Returns the table written."""
     path = Path(path)
-    tables = {k: v.to_json() for k, v in load_tables(path).items()}
-    tables[table.backend] = table.to_json()
-    path.write_text(json.dumps(tables, indent=1) + "\n")
+    tables = load_tables(path)
+    if table.backend in tables:
+        table = table.merged_into(tables[table.backend])
+    tables[table.backend] = table
+    path.write_text(json.dumps({k: v.to_json() for k, v in tables.items()}, indent=1) + "\n")
+    return table
 
 
 @functools.cache
@@ -182,78 +210,131 @@ ROUNDS = 3  # timed calls per tier in measure()
 
 
 def measure(target, drafter, *, batches=(1, 4, 16, 32, 64, 128), block_size: int | None = None,
-            context: int = 256, repeats: int = 20, pair: str = "", progress=None) -> CostTable:
+            context: int = 256, repeats: int = 20, pair: str = "", progress=None, time_static: bool = True
+            ) -> CostTable:
     """Time one compact step (draft + packed verify of ``per_row`` tokens per row + accept + commit) at every
-    tier of every batch, and the scheduler's autoregressive step (no drafting), the rows' caches holding
-    ``context`` tokens. One program per batch (the tier is a runtime argument, as in the decode loop) that runs
-    the step in a ``lax.while_loop``, as decoding does: one call's dispatch and the host's wait are spread over
-    its steps instead of added to each (on a GPU they are a large part of a small model's step, and timing
-    one step per call flattened the table). ``repeats`` steps per tier after one warm-up, in ``ROUNDS``
-    calls; the median of the calls' per-step times is kept. ``progress``: called with a line per batch."""
+    tier of every batch, the scheduler's autoregressive step (no drafting) and the static verify's step, the
+    rows' caches holding ``context`` tokens. One program per batch and mode (the tier is a runtime argument,
+    as in the decode loop) that runs the step in a ``lax.while_loop``, as decoding does: one call's dispatch
+    and the host's wait are spread over its steps instead of added to each (on a GPU they are a large part of
+    a small model's step, and timing one step per call flattened the table). ``repeats`` steps per tier after
+    one warm-up, in ``ROUNDS`` calls; the median of the calls' per-step times is kept. ``progress``: called
+    with a line per batch; ``time_static=False`` leaves the static step out (one program less to compile)."""
     import jax
-    import jax.numpy as jnp
 
     from dflash_jax import generation
-    from dflash_jax.decode import loop, schedule
 
     target, drafter, block = generation.speculative_settings(target, drafter, block_size)
     rng = np.random.default_rng(0)
     step_ms: dict[int, dict[int, float]] = {}
     ar_ms: dict[int, float] = {}
+    static_ms: dict[int, float] = {}
     for b in batches:
-        tiers = schedule.tiers_for(b, block)
         ids = rng.integers(0, target.config.vocab_size, (b, context)).tolist()
-        # Costs proportional to the tokens keep every tier (schedule.prune_tiers) and offer the AR step.
-        proportional = CostTable("", "", "", "", block, 0, {1: {t // b: float(t) for t in tiers}}, ar_ms={1: 0.5})
-        job = generation.prepare(target, drafter, ids, max_new_tokens=4 * block,
-                                 block_size=block, stop_token_ids=[], verify_mode="compact", cost_table=proportional,
-                                 decode=False)  # the steps below are timed in a program of their own
-        assert job.spec.tiers == tiers
-        state, _ = job.programs.prefill(*job.pre_args)
-        graphdefs = (job.target.split().static, job.drafter.split().static)
-        # The AR step is a branch of the compact step only where the scheduler may pick it (drafters without a
-        # confidence head); it is timed for every drafter (the table's ar_ms explains when drafting pays).
-        spec = dataclasses.replace(job.spec, ar_step=True)
-
-        def step(params, state, tier, spec=spec, tiers=tiers):
-            t, d = loop._merge(graphdefs, params)
-            window = jnp.full((b,), (jnp.asarray(tiers + (b,), jnp.int32) // b - 1)[tier], jnp.int32)  # AR: 0
-            out = loop.compact_step(t, d, state, spec, d.config.mask_token_id, window, tier)
-            # The state comes back at the same positions, so every timed step writes and attends the same
-            # cache slots; it is donated, so the caches are updated in place as in the decode loop (timing
-            # a step on a kept state would add a copy of every cache to each entry: +55 ms a step at batch 3
-            # on a 2-core CPU, which flattened the table's ratios and made the scheduler over-verify).
-            return dataclasses.replace(out, num_new=state.num_new, anchor_pos=state.anchor_pos, done=state.done)
-
-        def steps(params, state, tier, n, step=step):
-            return jax.lax.while_loop(lambda c: c[1] < n, lambda c: (step(params, c[0], tier), c[1] + 1),
-                                      (state, jnp.zeros((), jnp.int32)))[0]
-
-        fn = jax.jit(steps, donate_argnums=1).lower(job.params, state, np.int32(0), np.int32(1)).compile(
-            generation.COMPILER_OPTIONS)
-        per_call = max(1, repeats // ROUNDS)
-        row = {}
-        for i, size in enumerate(tiers + (0,)):  # index len(tiers): the autoregressive step
-            state = fn(job.params, state, np.int32(i), np.int32(1))
-            jax.block_until_ready(state)
-            times = []
-            for _ in range(ROUNDS):
-                t0 = time.perf_counter()
-                state = fn(job.params, state, np.int32(i), np.int32(per_call))
-                jax.block_until_ready(state)
-                times.append((time.perf_counter() - t0) / per_call)
-            row[size // b] = float(np.median(times) * 1e3)
+        row = _time_compact_steps(target, drafter, ids, block, repeats)
         ar_ms[b] = row.pop(0)
         step_ms[b] = row
+        if time_static:
+            static_ms[b] = _time_static_step(target, drafter, ids, block, repeats)
         if progress:
             progress(f"batch {b:4d}: " + "  ".join(f"{n}/row {ms:.2f} ms" for n, ms in row.items())
-                     + f"  autoregressive {ar_ms[b]:.2f} ms")
+                     + f"  autoregressive {ar_ms[b]:.2f} ms"
+                     + (f"  static {static_ms[b]:.2f} ms" if time_static else ""))
     device = jax.devices()[0]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
     return CostTable(jax.default_backend(), getattr(device, "device_kind", str(device)),
                      str(target.model.dtype), pair or target.name, block, context, step_ms,
-                     f"{datetime.date.today().isoformat()} {commit}".strip(), ar_ms)
+                     f"{datetime.date.today().isoformat()} {commit}".strip(), ar_ms, static_ms)
+
+
+def _time_compact_steps(target, drafter, ids: list[list[int]], block: int, repeats: int) -> dict[int, float]:
+    """tokens per row → ms of the compact step at each tier of ``len(ids)`` rows; 0 → the AR step's."""
+    import jax.numpy as jnp
+
+    from dflash_jax import generation
+    from dflash_jax.decode import loop, schedule
+
+    b = len(ids)
+    tiers = schedule.tiers_for(b, block)
+    # Costs proportional to the tokens keep every tier (schedule.prune_tiers) and offer the AR step.
+    proportional = CostTable("", "", "", "", block, 0, {1: {t // b: float(t) for t in tiers}}, ar_ms={1: 0.5})
+    job = generation.prepare(target, drafter, ids, max_new_tokens=4 * block, block_size=block, stop_token_ids=[],
+                             verify_mode="compact", cost_table=proportional,
+                             decode=False)  # the steps below are timed in a program of their own
+    assert job.spec.tiers == tiers
+    # The AR step is a branch of the compact step only where the scheduler may pick it (drafters without a
+    # confidence head); it is timed for every drafter (the table's ar_ms explains when drafting pays).
+    spec = dataclasses.replace(job.spec, ar_step=True)
+    graphdefs = (job.target.split().static, job.drafter.split().static)
+
+    def step(params, state, tier):
+        t, d = loop._merge(graphdefs, params)
+        window = jnp.full((b,), (jnp.asarray(tiers + (b,), jnp.int32) // b - 1)[tier], jnp.int32)  # AR: 0
+        return _same_positions(loop.compact_step(t, d, state, spec, d.config.mask_token_id, window, tier), state)
+
+    fn, state = _step_program(job, step)
+    row = {}
+    for i, size in enumerate(tiers + (0,)):  # index len(tiers): the autoregressive step
+        row[size // b], state = _timed(fn, job.params, state, i, repeats)
+    return row
+
+
+def _time_static_step(target, drafter, ids: list[list[int]], block: int, repeats: int) -> float:
+    """ms of the static verify's step (the decode loop's cycle) of ``len(ids)`` rows."""
+    from dflash_jax import generation
+    from dflash_jax.decode import loop
+
+    job = generation.prepare(target, drafter, ids, max_new_tokens=4 * block, block_size=block, stop_token_ids=[],
+                             verify_mode="static", decode=False)
+    graphdefs = (job.target.split().static, job.drafter.split().static)
+
+    def step(params, state, _):
+        t, d = loop._merge(graphdefs, params)
+        return _same_positions(loop.cycle(t, d, state, job.spec, d.config.mask_token_id), state)
+
+    fn, state = _step_program(job, step)
+    return _timed(fn, job.params, state, 0, repeats)[0]
+
+
+def _same_positions(out, state):
+    """The state after a step, back at the positions before it: every timed step then writes and attends the
+    same cache slots. The state is donated, so the caches are updated in place as in the decode loop (timing
+    a step on a kept state would add a copy of every cache to each entry: +55 ms a step at batch 3 on a
+    2-core CPU, which flattened the table's ratios and made the scheduler over-verify)."""
+    return dataclasses.replace(out, num_new=state.num_new, anchor_pos=state.anchor_pos, done=state.done)
+
+
+def _step_program(job, step):
+    """(``fn(params, state, index, n)``: ``step`` run ``n`` times in one ``while_loop``, the state donated,
+    compiled; the prefilled state)."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax import generation
+
+    def steps(params, state, index, n):
+        return jax.lax.while_loop(lambda c: c[1] < n, lambda c: (step(params, c[0], index), c[1] + 1),
+                                  (state, jnp.zeros((), jnp.int32)))[0]
+
+    state, _ = job.programs.prefill(*job.pre_args)
+    fn = jax.jit(steps, donate_argnums=1).lower(job.params, state, np.int32(0), np.int32(1)).compile(
+        generation.COMPILER_OPTIONS)
+    return fn, state
+
+
+def _timed(fn, params, state, index: int, repeats: int):
+    """(median ms a step of program index ``index`` over ``ROUNDS`` calls after a warm-up, the state after)."""
+    import jax
+
+    per_call = max(1, repeats // ROUNDS)
+    state = jax.block_until_ready(fn(params, state, np.int32(index), np.int32(1)))
+    times = []
+    for _ in range(ROUNDS):
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(fn(params, state, np.int32(index), np.int32(per_call)))
+        times.append((time.perf_counter() - t0) / per_call)
+    return float(np.median(times) * 1e3), state
 
 
 def plot(table: CostTable, path: str | Path) -> Path:
@@ -269,10 +350,13 @@ def plot(table: CostTable, path: str | Path) -> Path:
         line, = ax.plot([b * x for x in xs], [row[x] for x in xs], marker="o", label=f"batch {b}")
         if b in table.ar_ms:  # the autoregressive step: b tokens, no drafting
             ax.plot([b], [table.ar_ms[b]], marker="x", markersize=9, color=line.get_color(), linestyle="none")
+        if b in table.static_ms:  # the static verify's step: the whole block, no scheduler
+            ax.plot([b * max(xs)], [table.static_ms[b]], marker="s", markersize=7, fillstyle="none",
+                    color=line.get_color(), linestyle="none")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("verify tokens in the step (batch × tokens per row)")
-    ax.set_ylabel("step time (ms): draft + verify + commit (×: no drafting)")
+    ax.set_ylabel("step time (ms): draft + verify + commit (×: no drafting, □: static)")
     ax.set_title(f"{table.pair} on {table.device} ({table.dtype}, context {table.context})", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)

@@ -116,6 +116,13 @@ def test_tiers_that_cannot_pay_for_their_conditional_are_pruned():
     assert kept == (64,) and cost.tolist() == [2.60]
     kept, cost = schedule.prune_tiers(tiers, np.asarray([150.0, 151.0, 172.0, 204.0, 256.0]))  # a CPU
     assert kept == (8, 16, 32, 64) and cost.tolist() == [151.0, 172.0, 204.0, 256.0]
+    # Against a static step cheaper than the whole-block tier, a smaller tier must save on static's cost.
+    four = (4, 8, 16, 64)
+    kept, _ = schedule.prune_tiers(four, np.asarray([2.00, 2.01, 2.05, 2.11]))  # an H200 at batch 4
+    assert kept == (8, 64)
+    assert schedule.prune_tiers(four, np.asarray([2.00, 2.01, 2.05, 2.11]), static_cost=2.02)[0] == (64,)
+    assert schedule.prune_tiers(four, np.asarray([1.90, 2.01, 2.05, 2.11]), static_cost=2.02)[0] == (4, 64)
+    assert schedule.prune_tiers(four, np.asarray([2.00, 2.01, 2.05, 2.11]), static_cost=3.0)[0] == (8, 64)
 
 
 def test_the_ar_step_is_offered_only_where_it_saves_on_the_cheapest_tier():
@@ -126,6 +133,22 @@ def test_the_ar_step_is_offered_only_where_it_saves_on_the_cheapest_tier():
     mode, tiers, cost, ar_step = generation.resolve_verify_mode("compact", dflash, 1, 16,
                                                                 dataclasses.replace(h200, ar_ms={1: 1.2}))
     assert (mode, tiers, ar_step) == ("compact", (16,), True) and cost.tolist() == pytest.approx([1.69, 1.2])
+
+
+def test_compact_runs_static_where_no_tier_saves_on_static_s_step():
+    """With the static verify's step in the table, compact keeps a smaller tier only if it saves on that step
+    too; left with whole blocks alone it runs the static program, even with a cheap step without drafting
+    (static's whole blocks are then what every drafted step would verify, for less)."""
+    dflash = types.SimpleNamespace(cost_tables=None, model=types.SimpleNamespace())  # no confidence head
+    b4 = CostTable("gpu", "x", "bfloat16", "p", 16, 256, {4: {1: 2.10, 2: 1.94, 4: 1.95, 8: 2.01, 16: 2.11}},
+                   ar_ms={4: 1.71})  # batch 4 on an H200
+    mode, tiers, cost, ar_step = generation.resolve_verify_mode("compact", dflash, 4, 16, b4)
+    assert (mode, tiers, ar_step) == ("compact", (8, 32, 64), True)
+    with_static = dataclasses.replace(b4, static_ms={4: 1.96})
+    assert generation.resolve_verify_mode("compact", dflash, 4, 16, with_static) == ("static", (), None, False)
+    mode, tiers, cost, ar_step = generation.resolve_verify_mode(
+        "compact", dflash, 4, 16, dataclasses.replace(b4, static_ms={4: 2.05}))
+    assert (mode, tiers, ar_step) == ("compact", (16, 64), True) and cost.tolist() == pytest.approx([1.95, 2.11, 1.71])
 
 
 def test_acceptance_counts_pool_rows_and_see_only_the_window():
@@ -424,9 +447,18 @@ def test_cost_table_interpolation_and_files(tmp_path):
     assert table.step_costs(1, (1, 2, 4)).tolist() == pytest.approx([1.0, 1.2, 1.6])  # tokens per row
     path = tmp_path / "pair.costs.json"
     costs.save_table(path, table)
-    costs.save_table(path, CostTable("gpu", "H200", "bfloat16", "p", 16, 64, {1: {1: 0.5, 16: 0.6}}))
+    gpu = CostTable("gpu", "H200", "bfloat16", "p", 16, 64, {1: {1: 0.5, 16: 0.6}}, ar_ms={1: 0.4},
+                    static_ms={1: 0.55, 4: 0.7})
+    costs.save_table(path, gpu)
     tables = costs.load_tables(path)
-    assert sorted(tables) == ["cpu", "gpu"] and tables["cpu"] == table
+    assert sorted(tables) == ["cpu", "gpu"] and tables["cpu"] == table and tables["gpu"] == gpu
+    assert table.static_cost(1) is None and gpu.static_cost(2) == pytest.approx(0.625)
+    # A calibration of more batches (the same measurement) adds them; another measurement replaces the table.
+    more = dataclasses.replace(gpu, step_ms={4: {1: 0.9, 16: 1.2}}, ar_ms={4: 0.8}, static_ms={4: 1.1})
+    assert costs.save_table(path, more).step_ms == {1: {1: 0.5, 16: 0.6}, 4: {1: 0.9, 16: 1.2}}
+    merged = costs.load_tables(path)["gpu"]
+    assert merged.ar_ms == {1: 0.4, 4: 0.8} and merged.static_ms == {1: 0.55, 4: 1.1}
+    assert costs.save_table(path, dataclasses.replace(more, context=256)).step_ms == more.step_ms
     assert costs.resolve(str(path), "gpu").device == "H200"
     with pytest.raises(costs.CostTableError, match="no table for the tpu backend"):
         costs.resolve(str(path), "tpu")
@@ -449,6 +481,7 @@ def test_calibrate_command_writes_a_table_and_its_plot(tmp_path, capsys):
     table = costs.load_tables(out)["cpu"]
     assert sorted(table.step_ms) == [2] and sorted(table.step_ms[2]) == [1, 2, 4]  # the drafter's block of 4
     assert all(ms > 0 for ms in table.step_ms[2].values()) and table.block_size == 4
+    assert sorted(table.ar_ms) == sorted(table.static_ms) == [2] and table.static_ms[2] > 0
     assert (tmp_path / "pair.costs.cpu.png").stat().st_size > 1000
     assert "wrote the cpu table" in capsys.readouterr().out
 
