@@ -30,7 +30,7 @@ import numpy as np
 from jax.profiler import ProfileData
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash_jax import generation, load_pair  # noqa: E402
+from dflash_jax import attention, generation, load_pair  # noqa: E402
 from dflash_jax.costs import CostTable  # noqa: E402
 from dflash_jax.decode import loop  # noqa: E402
 
@@ -118,8 +118,11 @@ def main() -> int:
     ap.add_argument("--cases", type=lambda s: [int(i) for i in s.split(",")],
                     help="which cases, by index: 0 plain AR, 1 compact's AR branch, 2 its 1-token tier, "
                          "3 its whole-block tier, 4 the static cycle (default: all)")
+    ap.add_argument("--dense", choices=["on", "off"], default="on",
+                    help="off: compact's whole-block tier packs its windows as the smaller tiers do")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    attention.DENSE_WHOLE_BLOCKS = args.dense == "on"
     target, drafter = load_pair("smollm2-135m")
     ids = np.random.default_rng(0).integers(0, target.config.vocab_size, (args.batch, args.context)).tolist()
     job, step = compact_step(target, drafter, ids, args.batch)
@@ -130,6 +133,7 @@ def main() -> int:
              "static cycle": (*static_step(target, drafter, ids), 0)}
     cases = {name: case for i, (name, case) in enumerate(cases.items()) if args.cases is None or i in args.cases}
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=jax.devices()[0].device_kind, batch=args.batch,
+                  dense=args.dense,
                   context=args.context, commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                                                               capture_output=True, text=True).stdout.strip(),
                   cases={})

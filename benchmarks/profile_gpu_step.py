@@ -90,6 +90,9 @@ def main() -> int:
     ap.add_argument("--packed-kernel", choices=["on", "off"], default="on",
                     help="off: compact's packed verify unpacks to [B, L] for the block kernel (the path before "
                          "cuda.packed_block_attention)")
+    ap.add_argument("--dense", choices=["on", "off"], default="on",
+                    help="off: compact's whole-block tier packs its windows as the smaller tiers do (the layout "
+                         "before attention.PackedLayout's dense form)")
     ap.add_argument("--top", type=int, default=30, help="kernels listed per case in --out")
     ap.add_argument("--keep-traces", type=Path, help="copy each case's Perfetto trace (host and device "
                     "timelines) into this folder")
@@ -97,11 +100,12 @@ def main() -> int:
     args = ap.parse_args()
     if args.packed_kernel == "off":
         attention._packed_kernel_call = lambda *a, **k: None  # noqa: E731
+    attention.DENSE_WHOLE_BLOCKS = args.dense == "on"
     target = load_target(args.gguf or "smollm2-135m", dtype=args.dtype)
     drafter = load_drafter(_ASSETS / args.drafter, target)
     wanted = set(args.cases.split(","))
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=jax.devices()[0].device_kind, dtype=args.dtype,
-                  xla_flags=os.environ.get("XLA_FLAGS", ""), packed_kernel=args.packed_kernel,
+                  xla_flags=os.environ.get("XLA_FLAGS", ""), packed_kernel=args.packed_kernel, dense=args.dense,
                   context=args.context, steps=args.steps, drafter=args.drafter,
                   commit=os.environ.get("BENCH_COMMIT") or subprocess.run(
                       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),

@@ -390,6 +390,10 @@ def ragged_verify_attention(
 # Packed verify windows (compact verify mode, :mod:`dflash_jax.decode.schedule`)
 # --------------------------------------------------------------------------------------------------
 
+# Tiers with room for every whole block use the dense layout (benchmarks turn it off to compare, at trace time).
+DENSE_WHOLE_BLOCKS = True
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedLayout:
@@ -422,7 +426,7 @@ class PackedLayout:
         b = lens.shape[0]
         lens = lens.astype(jnp.int32)
         kv_lens = (anchor_pos + lens).astype(jnp.int32)
-        if size >= b * block:
+        if DENSE_WHOLE_BLOCKS and size >= b * block:
             rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), block)
             offsets = jnp.tile(jnp.arange(block, dtype=jnp.int32), b)
             return PackedLayout(jnp.arange(b, dtype=jnp.int32) * block, lens, kv_lens, rows, offsets,

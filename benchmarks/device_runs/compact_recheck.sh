@@ -1,7 +1,8 @@
 # Compact against static and AR on the GPU after a change to compact's step, in four calls after calls 1 and 2
 # (carry .xfer/p2 with each; the machine must stay warm between them: the table of calls 1–2 stays in /tmp/recheck).
-#   bash benchmarks/device_runs/compact_recheck.sh 1   # step profile at batch 64, the cost table at 1–32 (~6.5 min)
-#   bash benchmarks/device_runs/compact_recheck.sh 2   # the table's 64, 128 added; sweep at batch 16 (~6 min)
+#   bash benchmarks/device_runs/compact_recheck.sh 1   # step profile at batch 64 (the whole-block tier dense and
+#                                                      # packed), the cost table at batches 1, 4 (~7 min)
+#   bash benchmarks/device_runs/compact_recheck.sh 2   # the table's 16–128 added; sweep at batch 16 (~8 min)
 #   bash benchmarks/device_runs/compact_recheck.sh 3   # sweep at batches 32, 4, 1 (~5.5 min)
 #   bash benchmarks/device_runs/compact_recheck.sh 4   # sweep at batches 64, 128 (~3.5 min)
 # The table holds compact's tiers, the step without drafting and the static verify's step (compact prunes its
@@ -28,12 +29,15 @@ case "$1" in
     timeout 150 bash benchmarks/device_runs/bench.sh profile_gpu_step.py --batches 64 --tiers 0,-1 \
       --cases ar,compact-ar,compact-tiers,static --out $OUT/step_profile.json > $OUT/step_profile.txt 2>&1
     echo "profile rc $?"; grep "^== " $OUT/step_profile.txt
+    timeout 120 bash benchmarks/device_runs/bench.sh profile_gpu_step.py --batches 64 --tiers -1 --dense off \
+      --cases compact-tiers,static --out $OUT/step_profile_packed.json > $OUT/step_profile_packed.txt 2>&1
+    echo "profile (whole blocks packed) rc $?"; grep "^== " $OUT/step_profile_packed.txt
     rm -f $TABLE
-    calibrate 1,4,16,32 400 ;;
+    calibrate 1,4 200 ;;
   2)
     [ -f $TABLE ] || { echo "no $TABLE: run phase 1 on this machine first"; exit 1; }
-    calibrate 64,128 280
-    sweep 16 280 ;;
+    calibrate 16,32,64,128 380
+    sweep 16 200 ;;
   3) sweep 32,4,1 560 ;;
   4) sweep 64,128 400 ;;
   *) echo "usage: $0 1|2|3|4" >&2; exit 2 ;;
