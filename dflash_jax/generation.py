@@ -359,10 +359,10 @@ def resolve_verify_mode(mode: str, drafter: Drafter | None, batch: int, block_si
                         dp: int = 1) -> tuple[str, tuple[int, ...], np.ndarray | None, bool]:
     """(verify mode, compiled tiers, step cost per tier [+ the AR step's], AR step offered) for a batch of
     ``batch`` rows, from the cost table: ``"auto"`` becomes compact where whole blocks cost ≥
-    ``AUTO_COMPACT_RATIO`` × one token per row; compact keeps the tiers worth their conditional (against the
-    static verify's step too, where the table times it) and offers a step without drafting when the table
-    times one that saves as much on the cheapest tier kept (DFlash drafters: windows known before drafting);
-    compact left with the whole block alone runs the static program. Under a
+    ``AUTO_COMPACT_RATIO`` × one token per row; compact keeps the tiers worth their conditional and offers a step
+    without drafting when the table times one that saves as much on the cheapest tier kept (DFlash drafters:
+    windows known before drafting); compact left with the whole block alone, or (where the table times the
+    static verify's step) with no tier that saves as much on static's step, runs the static program. Under a
     ``dp`` mesh the costs are those of a device's ``batch / dp`` rows (what each device runs). Host work only
     (nothing compiles)."""
     if mode == "static":
@@ -377,12 +377,12 @@ def resolve_verify_mode(mode: str, drafter: Drafter | None, batch: int, block_si
             return mode, (), None, False
     if mode != "compact":  # cap-accept: every tier (its windows match compact's with the same table)
         return mode, tiers, step_cost, False
+    tiers, step_cost = schedule.prune_tiers(tiers, step_cost)
     static_cost = table.static_cost(rows)
-    tiers, step_cost = schedule.prune_tiers(tiers, step_cost, static_cost)
-    if len(tiers) == 1 and static_cost is not None and static_cost <= step_cost[0]:
-        # Every drafted step would verify whole blocks, which the static verify's step does for less: a step
-        # without drafting alone pays only where drafts are mostly rejected, and static's whole blocks then
-        # still commit a token per row.
+    if static_cost is not None and step_cost[0] > (1 - schedule.TIER_MIN_SAVING) * static_cost:
+        # Every drafted step of compact's would cost about static's or more and commit no more than static's
+        # whole block: static's program. (The step without drafting is left out of this: it pays only where
+        # drafts are mostly rejected, and static's whole blocks then still commit a token per row.)
         return "static", (), None, False
     ar_cost = table.ar_cost(rows) if getattr(drafter.model, "confidence_head", None) is None else None
     if ar_cost is not None and ar_cost > (1 - schedule.TIER_MIN_SAVING) * step_cost[0]:

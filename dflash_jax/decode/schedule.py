@@ -148,18 +148,13 @@ def admit(surv: Float[Array, "B G"], active: Bool[Array, "B"], step_cost: Float[
 TIER_MIN_SAVING = 0.03
 
 
-def prune_tiers(tiers: tuple[int, ...], step_cost: Float[Array, "K"], static_cost: float | None = None
-                ) -> tuple[tuple[int, ...], Float[Array, "K"]]:
+def prune_tiers(tiers: tuple[int, ...], step_cost: Float[Array, "K"]) -> tuple[tuple[int, ...], Float[Array, "K"]]:
     """The tiers worth compiling and their costs: the largest (the whole block) always, each smaller one only
-    if it saves ``TIER_MIN_SAVING`` of the next larger one kept — for the tier below the whole block, of the
-    whole block as the cheaper of the tier and the static verify (``static_cost``, when measured) verify it.
-    With a single tier left, compact would verify every draft (the admission sees a flat cost): the static
-    verify's steps, which is what then runs."""
+    if it saves ``TIER_MIN_SAVING`` of the next larger one kept. With a single tier left, compact would verify
+    every draft (the admission sees a flat cost): the static verify's steps, which is what then runs."""
     keep = [len(tiers) - 1]
-    whole = float(step_cost[-1]) if static_cost is None else min(float(step_cost[-1]), static_cost)
     for i in range(len(tiers) - 2, -1, -1):
-        larger = whole if keep[-1] == len(tiers) - 1 else step_cost[keep[-1]]
-        if step_cost[i] <= (1 - TIER_MIN_SAVING) * larger:
+        if step_cost[i] <= (1 - TIER_MIN_SAVING) * step_cost[keep[-1]]:
             keep.append(i)
     keep.reverse()
     return tuple(tiers[i] for i in keep), step_cost[keep]
