@@ -33,6 +33,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 NEG_INF = -1e30
@@ -240,7 +241,7 @@ def cache_attention(
 
         def local(q, k_cache, v_cache, q_positions, sinks=None):
             b, t, n, h = q.shape
-            cu = jnp.arange(b + 1, dtype=jnp.int32) * t
+            cu = jnp.asarray(np.arange(b + 1, dtype=np.int32) * t)  # a constant: no kernel per layer each step
             kv_lens = (q_positions[:, -1] + 1).astype(jnp.int32)
             out = kernels.verify_op(q.reshape(b * t, n, h), k_cache, v_cache, cu, kv_lens, sinks, max_q_len=t,
                                     window=window)
@@ -427,9 +428,9 @@ class PackedLayout:
         lens = lens.astype(jnp.int32)
         kv_lens = (anchor_pos + lens).astype(jnp.int32)
         if DENSE_WHOLE_BLOCKS and size >= b * block:
-            rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), block)
-            offsets = jnp.tile(jnp.arange(block, dtype=jnp.int32), b)
-            return PackedLayout(jnp.arange(b, dtype=jnp.int32) * block, lens, kv_lens, rows, offsets,
+            rows = jnp.asarray(np.repeat(np.arange(b, dtype=np.int32), block))  # constants
+            offsets = jnp.asarray(np.tile(np.arange(block, dtype=np.int32), b))
+            return PackedLayout(jnp.asarray(np.arange(b, dtype=np.int32) * block), lens, kv_lens, rows, offsets,
                                 offsets < lens[rows], block, groups, dense=True)
         bg, tg = b // groups, size // groups
         cu = jnp.concatenate([jnp.zeros((groups, 1), jnp.int32), jnp.cumsum(lens.reshape(groups, bg), axis=1)],
@@ -445,10 +446,11 @@ class PackedLayout:
 
     @property
     def cu_q_lens(self) -> Int[Array, "B+1"]:
-        """The windows' slot bounds for the kernels (one group of windows end to end)."""
-        if self.groups != 1 or self.dense:
+        """The windows' slot bounds for the kernels (one group of windows end to end; a dense layout's rows
+        as windows of whole blocks, ``r·L``)."""
+        if self.groups != 1:
             raise ValueError("cu_q_lens describes one group of windows packed end to end")
-        return jnp.concatenate([self.starts, self.starts[-1:] + self.lens[-1:]])
+        return jnp.concatenate([self.starts, self.starts[-1:] + (self.block if self.dense else self.lens[-1:])])
 
     @property
     def positions(self) -> Int[Array, "T"]:
@@ -492,10 +494,12 @@ class PackedLayout:
         return jnp.where(inside.reshape(inside.shape + (1,) * (y.ndim - 1)), out, jnp.zeros((), y.dtype))
 
 
-def _packed_kernel_call(q, k, v, k_cache, v_cache, layout: PackedLayout, start, window) -> jax.Array | None:
+def _packed_kernel_call(q, kv, k_cache, v_cache, layout: PackedLayout, start, window) -> jax.Array | None:
     """The GPU kernel that reads and writes the packed rows itself (:func:`dflash_jax.cuda.packed_block_attention`),
     or None: under a mesh (compact mode does not run under one yet; the block kernels' path would shard) or
-    where the kernel cannot take the shapes (logged once)."""
+    where the kernel cannot take the shapes (logged once). A dense layout goes in as windows of whole blocks:
+    its slots past a window hold the block's later drafts (finite, causal after the window: static's verify
+    attends them too), whose outputs are never used."""
     mesh = jax.sharding.get_abstract_mesh()
     if not (mesh.empty or mesh.size == 1):
         return None
@@ -503,23 +507,22 @@ def _packed_kernel_call(q, k, v, k_cache, v_cache, layout: PackedLayout, start, 
 
     interpret = jax.default_backend() != "gpu"
 
-    def local(q, k, v, k_cache, v_cache, cu, start):
-        return cuda.packed_block_attention(q, k_cache, v_cache, k, v, cu, start, max_q_len=layout.block,
+    def local(q, kv, k_cache, v_cache, cu, start):
+        return cuda.packed_block_attention(q, k_cache, v_cache, kv, cu, start, max_q_len=layout.block,
                                            window=window, interpret=interpret)
 
-    def reason(q, k, v, k_cache, v_cache, cu, start):
-        return cuda.packed_block_unsupported_reason(q, k_cache, v_cache, k, v, max_q_len=layout.block,
+    def reason(q, kv, k_cache, v_cache, cu, start):
+        return cuda.packed_block_unsupported_reason(q, k_cache, v_cache, kv, max_q_len=layout.block,
                                                     window=window, interpret=interpret)
 
     return _run_kernel("cuda", "packed verify attention", (window, layout.block), local, reason,
-                       (q, k, v, k_cache, v_cache, layout.cu_q_lens, start), ((None,) * 3,) * 3 + ((None,) * 4,) * 2
-                       + ((None,), (None,)), warn_once=True)
+                       (q, kv, k_cache, v_cache, layout.cu_q_lens, start),
+                       ((None,) * 3, (None,) * 4, (None,) * 4, (None,) * 4, (None,), (None,)), warn_once=True)
 
 
 def packed_verify_attention(
     q: Float[Array, "T N H"],
-    k: Float[Array, "T K H"],
-    v: Float[Array, "T K H"],
+    kv: Float[Array, "T 2 K H"],
     k_cache: Float[Array, "B S K H"],
     v_cache: Float[Array, "B S K H"],
     layout: PackedLayout,
@@ -528,23 +531,23 @@ def packed_verify_attention(
     sinks: Float[Array, "N"] | None = None,
     window: int | None = None,
 ) -> Float[Array, "T N H"]:
-    """Verify attention of packed windows whose own K/V (``k``, ``v``) are *not* in the cache: slot t attends
-    to its row's cache before the window (positions < the anchor's, written by earlier steps) and causally to
-    its window's K/V. The cache is only read, so a compiled tier (a branch of a ``lax.switch``) can run this
-    and leave the write to after the conditional (:class:`dflash_jax.models.target.PendingKV`): a branch that
-    writes a buffer gets its own copy of it from XLA, every cache of every layer each step.
+    """Verify attention of packed windows whose own keys and values (``kv``) are *not* in the cache: slot t
+    attends to its row's cache before the window (positions < the anchor's, written by earlier steps) and
+    causally to its window's K/V. The cache is only read, so a compiled tier (a branch of a ``lax.switch``)
+    can run this and leave the write to after the conditional (:class:`dflash_jax.models.target.PendingKV`):
+    a branch that writes a buffer gets its own copy of it from XLA, every cache of every layer each step.
 
-    With ``impl="cuda"`` (no sinks, no mesh, not dense) one GPU kernel reads and writes the packed rows itself
+    With ``impl="cuda"`` (no sinks, no mesh) one GPU kernel reads and writes the packed rows itself
     (padding slots get zeros). Otherwise the windows go back into their ``[B, L]`` block (zeros past a window:
     masked, as the block is causal) for :func:`draft_attention` — the block kernels (causal, sliding window)
     under ``impl``, the reference with ``sinks``; padding slots give their row's outputs and are never used."""
     start = layout.kv_lens - layout.lens  # each row's anchor position: the cache holds what lies before it
-    if impl == "cuda" and sinks is None and layout.groups == 1 and not layout.dense:
-        out = _packed_kernel_call(q, k, v, k_cache, v_cache, layout, start, window)
+    if impl == "cuda" and sinks is None and layout.groups == 1:
+        out = _packed_kernel_call(q, kv, k_cache, v_cache, layout, start, window)
         if out is not None:
             return out
     positions = start[:, None] + jnp.arange(layout.block, dtype=jnp.int32)[None, :]
-    out = draft_attention(layout.unpack(q), k_cache, v_cache, layout.unpack(k), layout.unpack(v), positions,
-                          start, causal=True, window=window, impl=impl, sinks=sinks,
+    out = draft_attention(layout.unpack(q), k_cache, v_cache, layout.unpack(kv[:, 0]), layout.unpack(kv[:, 1]),
+                          positions, start, causal=True, window=window, impl=impl, sinks=sinks,
                           warn_once=True)  # traced in every tier of the switch
     return layout.pack(out)

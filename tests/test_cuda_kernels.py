@@ -235,13 +235,16 @@ def test_packed_block_attention_matches_reference(case):
     layout = ref.PackedLayout.build(jnp.asarray(wins, jnp.int32), jnp.asarray(starts, jnp.int32),
                                     int(wins.sum()) + 3, lmax)
     valid = np.asarray(layout.valid)[:, None, None]
-    q, bk, bv = (_normal(rng, (layout.valid.shape[0], m, h), dtype, 1.5) for m in (n, k, k))
+    q = _normal(rng, (layout.valid.shape[0], n, h), dtype, 1.5)
+    kv = _normal(rng, (layout.valid.shape[0], 2, k, h), dtype, 1.5)
     kc, vc = _normal(rng, (b, s, k, h), dtype), _normal(rng, (b, s, k, h), dtype)
     with jax.default_matmul_precision("highest"):
-        want = fast_jit(ref.packed_verify_attention, window=window)(q, bk, bv, kc, vc, layout)
-    nan_pad = lambda x: jnp.asarray(np.where(valid, np.asarray(x, np.float32), np.nan).astype(x.dtype))  # noqa: E731
+        want = fast_jit(ref.packed_verify_attention, window=window)(q, kv, kc, vc, layout)
+    def nan_pad(x):
+        inside = valid.reshape(-1, *[1] * (x.ndim - 1))
+        return jnp.asarray(np.where(inside, np.asarray(x, np.float32), np.nan).astype(x.dtype))
     out = fast_jit(cuda.packed_block_attention, max_q_len=lmax, window=window, interpret=INTERPRET, **tuning)(
-        nan_pad(q), _poison(kc, starts), _poison(vc, starts), nan_pad(bk), nan_pad(bv), layout.cu_q_lens,
+        nan_pad(q), _poison(kc, starts), _poison(vc, starts), nan_pad(kv), layout.cu_q_lens,
         jnp.asarray(starts, jnp.int32))
     live = int(wins.sum())
     _check(out[:live], want[:live], dtype)
@@ -253,7 +256,7 @@ def test_packed_block_attention_lowers_to_triton():
     sds = jax.ShapeDtypeStruct
     for b, t in ((64, 64), (64, 1024)):
         args = (sds((t, 9, 64), jnp.bfloat16),) + (sds((b, 512, 3, 64), jnp.bfloat16),) * 2 + (
-            sds((t, 3, 64), jnp.bfloat16),) * 2 + (sds((b + 1,), jnp.int32), sds((b,), jnp.int32))
+            sds((t, 2, 3, 64), jnp.bfloat16), sds((b + 1,), jnp.int32), sds((b,), jnp.int32))
         text = jax.jit(lambda *a: cuda.packed_block_attention(*a, max_q_len=16)).trace(*args).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text and "dflash_packed_block_attention" in text

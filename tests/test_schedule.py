@@ -191,7 +191,7 @@ def test_packed_layout_round_trip_and_writes():
     # block's end (masked, and overwritten before they are read); nothing else changes.
     cache = jnp.full((3, 24, 1, 1), 7.0)
     new = jnp.arange(1, 9, dtype=jnp.float32).reshape(8, 1, 1)
-    written = PendingKV.of(layout, (new,), (-new,)).widened(6).write(KVCache((cache,), (cache,)))
+    written = PendingKV.of(layout, (jnp.stack([new, -new], axis=1),)).widened(6).write(KVCache((cache,), (cache,)))
     out = np.asarray(written.k[0])[..., 0, 0]
     assert out[0, 5:11].tolist() == [1, 2, 0, 0, 0, 0] and out[2, 3:9].tolist() == [3, 4, 5, 6, 0, 0]
     assert out[1, 9:15].tolist() == [0] * 6
@@ -218,38 +218,44 @@ def test_dense_layout_is_the_packed_one_in_row_blocks():
 
 
 def _packed_case(rng, lens, anchor, size, heads=4):
-    """Packed windows' q / k / v (NaN in the padding slots) and the reference: the windows' K/V written into
-    the cache, then causal attention over it."""
+    """Packed windows' q and own K/V ``kv`` [T, 2, K, H] (NaN in the padding slots; a dense layout's slots past
+    a window hold the block's later tokens: finite) and the reference: the windows' K/V written into the
+    cache, then causal attention over it."""
     k_cache, v_cache = _cache(rng)
     layout = PackedLayout.build(jnp.asarray(lens, jnp.int32), jnp.asarray(anchor, jnp.int32), size, 4)
-    poison = lambda x: jnp.where(layout.valid[:, None, None], x, jnp.nan)  # noqa: E731
+    def poison(x):
+        return x if layout.dense else jnp.where(layout.valid.reshape(-1, *[1] * (x.ndim - 1)), x, jnp.nan)
     q = poison(jnp.asarray(rng.normal(size=(size, heads, 16)), jnp.float32))
-    k, v = (poison(jnp.asarray(rng.normal(size=(size, 2, 16)), jnp.float32)) for _ in range(2))
-    written = PendingKV.of(layout, (k,), (v,)).write(KVCache((k_cache,), (v_cache,)))
-    return layout, q, k, v, k_cache, v_cache, (written.k[0], written.v[0])
+    kv = poison(jnp.asarray(rng.normal(size=(size, 2, 2, 16)), jnp.float32))
+    written = PendingKV.of(layout, (kv,)).write(KVCache((k_cache,), (v_cache,)))
+    return layout, q, kv, k_cache, v_cache, (written.k[0], written.v[0])
 
 
-@pytest.mark.parametrize("impl,size", [("xla", 10), ("cuda", 10), ("xla", 12)])
+@pytest.mark.parametrize("impl,size", [("xla", 10), ("cuda", 10), ("xla", 12), ("cuda", 12)])
 def test_packed_attention_sees_only_its_own_row(impl, size):
     """Each slot attends to its own row's cache before its window and to its window's K/V up to itself, as
     causal attention over the cache with the window written in; other rows' caches, the cache's entries from
-    the window on, and NaN in the padding slots change nothing. Size 12 = B·L: the dense layout."""
+    the window on, and NaN in the padding slots change nothing. Size 12 = B·L: the dense layout (the GPU
+    kernel takes its rows as whole blocks; what lies past a window, later in the block, changes nothing)."""
     rng = np.random.default_rng(0)
     lens, anchor = [3, 0, 4], [6, 10, 2]
-    layout, q, k, v, k_cache, v_cache, (k_full, v_full) = _packed_case(rng, lens, anchor, size)
+    layout, q, kv, k_cache, v_cache, (k_full, v_full) = _packed_case(rng, lens, anchor, size)
     assert layout.dense == (size == 12)
     run = fast_jit(lambda *a: packed_verify_attention(*a, impl=impl))
-    out = np.asarray(run(q, k, v, k_cache, v_cache, layout))
-    assert np.isfinite(out[np.asarray(layout.valid)]).all()
+    out = np.asarray(run(q, kv, k_cache, v_cache, layout))
+    valid = np.asarray(layout.valid)
+    assert np.isfinite(out[valid]).all()
     for r in (0, 2):
         n, start = lens[r], int(layout.starts[r])
         pos = anchor[r] + jnp.arange(n)
         want = cache_attention(q[start:start + n][None], k_full[r:r + 1], v_full[r:r + 1], pos[None])[0]
         np.testing.assert_allclose(out[start:start + n], want, rtol=2e-5, atol=2e-5)
-    # Other rows' caches and row 0's entries from its anchor on (stale drafts) do not matter.
+    # Other rows' caches, row 0's entries from its anchor on (stale drafts) and the slots past the windows do
+    # not matter.
     k2 = k_cache.at[1].set(1e4).at[2].set(-1e4).at[0, 6:].set(7.0)
-    out2 = np.asarray(run(q, k, v, k2, v_cache.at[1].set(3.0), layout))
-    np.testing.assert_allclose(out2[:3], out[:3], rtol=1e-6)
+    kv2 = jnp.where(layout.valid[:, None, None, None], kv, 5.0 if layout.dense else jnp.nan)
+    out2 = np.asarray(run(q, kv2, k2, v_cache.at[1].set(3.0), layout))
+    np.testing.assert_allclose(out2[:3], out[:3], rtol=1e-6)  # row 0's window (its cache alone unchanged)
 
 
 @pytest.mark.parametrize("impl", ["pallas", "cuda"])
@@ -257,13 +263,13 @@ def test_packed_attention_kernels(impl, caplog):
     """The packed verify through the block kernels (causal, gpt-oss's sliding window) without a fallback, as
     the reference computes it; with gpt-oss's sinks the reference runs (the block kernels take none)."""
     rng = np.random.default_rng(1)
-    layout, q, k, v, k_cache, v_cache, _ = _packed_case(rng, [3, 0, 4], [16, 10, 2], 10)
+    layout, q, kv, k_cache, v_cache, _ = _packed_case(rng, [3, 0, 4], [16, 10, 2], 10)
     sinks = jnp.asarray(rng.normal(size=4), jnp.float32)
 
     def run(impl, sinks=None):
         def attend(*a):
             return packed_verify_attention(*a, impl=impl, sinks=sinks, window=5)
-        return np.asarray(fast_jit(attend)(q, k, v, k_cache, v_cache, layout))
+        return np.asarray(fast_jit(attend)(q, kv, k_cache, v_cache, layout))
 
     attention._warn_once.cache_clear()  # the fallback's warning is logged once per session
     with caplog.at_level(logging.WARNING, logger="dflash_jax"):

@@ -350,17 +350,19 @@ def _draft_kernel(q_ref, ck_ref, cv_ref, bk_ref, bv_ref, qpos_ref, clen_ref, *ou
     lb = _next_pow2(max(L, 16))
     b_live = jnp.arange(lb) < L
     kpos = plgpu.load(qpos_ref.at[pl.ds(q0, lb)], mask=b_live, other=0)
-    carry = _own_keys(carry, q, bk_ref, bv_ref, q0, b_live, kpos, row_pos, split == _live_splits(t, hi) - 1, kh, t,
-                      causal=causal, window=window)
+    carry = _own_keys(carry, q, lambda rows: bk_ref.at[rows, kh, :], lambda rows: bv_ref.at[rows, kh, :], q0,
+                      b_live, kpos, row_pos, split == _live_splits(t, hi) - 1, t, causal=causal, window=window)
     _finish(carry, out_refs, t, split, q0, L, kh)
 
 
-def _own_keys(carry, q, bk_ref, bv_ref, k0, live, kpos, row_pos, owner, kh, t: _Tiling, *, causal: bool,
+def _own_keys(carry, q, k_rows, v_rows, k0, live, kpos, row_pos, owner, t: _Tiling, *, causal: bool,
               window: int | None):
-    """The queries' own K/V (rows k0 … k0+len(live) of bk/bv, ``live`` of them, at positions ``kpos``) as one
-    more KV block, attended by the split ``owner`` only (the last live one: the cache's rows come first)."""
-    kb = plgpu.load(bk_ref.at[pl.ds(k0, live.shape[0]), kh, :], mask=live[:, None], other=0.0)
-    vb = plgpu.load(bv_ref.at[pl.ds(k0, live.shape[0]), kh, :], mask=live[:, None], other=0.0)
+    """The queries' own K/V (rows k0 … k0+len(live), ``live`` of them, at positions ``kpos``; ``k_rows(rows)``
+    / ``v_rows(rows)``: the ref view of those rows of this program's KV head) as one more KV block, attended by
+    the split ``owner`` only (the last live one: the cache's rows come first)."""
+    rows = pl.ds(k0, live.shape[0])
+    kb = plgpu.load(k_rows(rows), mask=live[:, None], other=0.0)
+    vb = plgpu.load(v_rows(rows), mask=live[:, None], other=0.0)
     s = _dot(q, kb, t, trans_b=True) * t.scale
     mask = live[None, :] & owner
     if causal:
@@ -388,11 +390,11 @@ def _padding_program(out_refs, cu_ref, r, kh, t: _Tiling, num_req: int, total: i
             _zero_rows(out_refs[0], t, cu_ref[num_req], total, kh)
 
 
-def _packed_block_kernel(q_ref, ck_ref, cv_ref, bk_ref, bv_ref, cu_ref, start_ref, *out_refs, t: _Tiling,
+def _packed_block_kernel(q_ref, ck_ref, cv_ref, bkv_ref, cu_ref, start_ref, *out_refs, t: _Tiling,
                          num_req: int, s_len: int, window: int | None):
-    # q_ref [T, N, H] and bk/bv [T, K, H]: the windows packed end to end (request r's rows cu[r] … cu[r+1]);
-    # ck/cv [B, S, K, H] read below start[r] (the window's first position) only. Grid (B+1, K, splits): request
-    # B writes the padding rows' zeros. Program ids outside the pl.when bodies (interpret mode).
+    # q_ref [T, N, H], bkv [T, 2, K, H] (K, V): the windows packed end to end (request r's rows cu[r] …
+    # cu[r+1]); ck/cv [B, S, K, H] read below start[r] (the window's first position) only. Grid (B+1, K,
+    # splits): request B writes the padding rows' zeros. Program ids outside the pl.when bodies (interpret mode).
     r, kh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
     @pl.when(r < num_req)
@@ -408,8 +410,10 @@ def _packed_block_kernel(q_ref, ck_ref, cv_ref, bk_ref, bv_ref, cu_ref, start_re
                               window=window)
         lb = _next_pow2(max(t.lp, 16))
         kpos = start + jnp.arange(lb)
-        carry = _own_keys(carry, q, bk_ref, bv_ref, q0, jnp.arange(lb) < q_len, kpos, row_pos,
-                          split == _live_splits(t, hi) - 1, kh, t, causal=True, window=window)
+        key, value = jnp.int32(0), jnp.int32(1)  # arrays: interpret mode indexes with them, not Python ints
+        carry = _own_keys(carry, q, lambda rows: bkv_ref.at[rows, key, kh, :],
+                          lambda rows: bkv_ref.at[rows, value, kh, :], q0, jnp.arange(lb) < q_len, kpos, row_pos,
+                          split == _live_splits(t, hi) - 1, t, causal=True, window=window)
         _finish(carry, out_refs, t, split, q0, q_len, kh)
 
     _padding_program(out_refs, cu_ref, r, kh, t, num_req, q_ref.shape[0])
@@ -569,16 +573,16 @@ def draft_attention(
     return res.reshape(b, l, n, h)
 
 
-def packed_block_unsupported_reason(q, k_cache, v_cache, blk_k, blk_v, *, max_q_len: int, window: int | None = None,
+def packed_block_unsupported_reason(q, k_cache, v_cache, blk_kv, *, max_q_len: int, window: int | None = None,
                                     interpret: bool = False, **_: object) -> str | None:
     """Why :func:`packed_block_attention` cannot run these shapes here (None when it can)."""
-    if q.ndim != 3 or blk_k.ndim != 3 or blk_k.shape[0] != q.shape[0] or blk_v.shape != blk_k.shape:
-        return "expected q [T, N, H] and the windows' own K/V [T, K, H]"
-    if k_cache.ndim != 4 or blk_k.shape[1:] != k_cache.shape[2:]:
+    if q.ndim != 3 or blk_kv.ndim != 4 or blk_kv.shape[0] != q.shape[0] or blk_kv.shape[1] != 2:
+        return "expected q [T, N, H] and the windows' own K/V [T, 2, K, H]"
+    if k_cache.ndim != 4 or blk_kv.shape[2:] != k_cache.shape[2:]:
         return "the windows' K/V do not match the cache's heads"
     return ragged_verify_unsupported_reason(q, k_cache, v_cache, max_q_len=max_q_len, window=window,
                                             interpret=interpret) or (
-        None if jnp.dtype(blk_k.dtype) == jnp.dtype(q.dtype) else "q and K/V dtypes differ")
+        None if jnp.dtype(blk_kv.dtype) == jnp.dtype(q.dtype) else "q and K/V dtypes differ")
 
 
 @functools.partial(jax.jit, static_argnames=("max_q_len", "window", "block_k", "num_splits", "min_chunk",
@@ -587,8 +591,7 @@ def packed_block_attention(
     q: jax.Array,  # [T, N, H]
     k_cache: jax.Array,  # [B, S, K, H]
     v_cache: jax.Array,  # [B, S, K, H]
-    blk_k: jax.Array,  # [T, K, H]
-    blk_v: jax.Array,  # [T, K, H]
+    blk_kv: jax.Array,  # [T, 2, K, H]: keys, values
     cu_q_lens: jax.Array,  # [B+1] int32
     starts: jax.Array,  # [B] int32
     *,
@@ -603,10 +606,12 @@ def packed_block_attention(
 ) -> jax.Array:  # [T, N, H]
     """Packed verify windows whose own K/V are not in the cache (compact mode's tiers, which only read the
     cache): request ``r``'s rows ``cu_q_lens[r] : cu_q_lens[r+1]`` (at most ``max_q_len``) sit at positions
-    ``starts[r] + i`` and attend to its cache rows ``< starts[r]`` and causally to their own ``blk_k`` /
-    ``blk_v`` rows — :func:`draft_attention`'s causal case read and written in the packed layout, so no
-    unpacking to ``[B, L]`` and back. Padding rows past ``cu_q_lens[B]`` get zeros. Same semantics as
-    ``dflash_jax.attention.packed_verify_attention`` without sinks. Tuning arguments as :func:`draft_attention`."""
+    ``starts[r] + i`` and attend to its cache rows ``< starts[r]`` and causally to their own ``blk_kv`` rows
+    (keys and values in one operand: one kernel writes both, the rotary embedding of K and V's columns of the
+    fused projection, where two operands took a copy each) — :func:`draft_attention`'s causal case read and
+    written in the packed layout, so no unpacking to ``[B, L]`` and back. Padding rows past ``cu_q_lens[B]``
+    get zeros. Same semantics as ``dflash_jax.attention.packed_verify_attention`` without sinks. Tuning
+    arguments as :func:`draft_attention`."""
     t_rows, n, h = q.shape
     b, s, k, _ = k_cache.shape
     t = _make_tiling(rows=max_q_len, n=n, k=k, h=h, s=s, programs=b * k, dtype=q.dtype, block_k=block_k,
@@ -618,7 +623,7 @@ def packed_block_attention(
     res = pl.pallas_call(kernel, out_shape=out_shape, grid=(b + 1 if single else b, k, t.num_splits),
                          interpret=interpret, compiler_params=_compiler_params(t),
                          name="dflash_packed_block_attention")(
-        q, k_cache, v_cache, blk_k, blk_v, cu, starts.astype(jnp.int32))
+        q, k_cache, v_cache, blk_kv, cu, starts.astype(jnp.int32))
     if not single:
         res = _merge_splits(*res, t, q.dtype, cu, interpret)
     return res

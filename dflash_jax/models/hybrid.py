@@ -87,8 +87,9 @@ class GatedAttention(nnx.Module):
         k = apply_partial_rope(self.k_norm(self.k_proj(x).reshape(b, t, self.k, self.h)), cos, sin)
         v = self.v_proj(x).reshape(b, t, self.k, self.h)
         if packed is not None:  # as target.Attention: the cache is only read; the new K/V are returned
-            out = attention.packed_verify_attention(q[0], k[0], v[0], k_cache, v_cache, packed, impl=impl)[None]
-            k_cache, v_cache = k[0], v[0]
+            kv = jnp.stack([k[0], v[0]], axis=1)  # [T, 2, K, H]
+            out = attention.packed_verify_attention(q[0], kv, k_cache, v_cache, packed, impl=impl)[None]
+            k_cache = v_cache = kv
         elif prefill:  # as target.Attention: the prompt's own keys, then stored
             out = attention.prefill_attention(q, k, v, positions, impl=impl)
             if k_cache is not None:
@@ -210,7 +211,7 @@ class HybridTargetModel(TargetModel):
         if cache is None:
             return h, feats, None
         if packed is not None:
-            return h, feats, PendingKV.of(packed, tuple(kv[0]), tuple(kv[1]), tuple(pending))
+            return h, feats, PendingKV.of(packed, tuple(kv[0]), tuple(pending))  # each layer's [T, 2, K, H]
         return h, feats, HybridCache(tuple(kv[0]), tuple(kv[1]), tuple(states[0]), tuple(states[1]), tuple(pending))
 
     def settle(self, cache: HybridCache, n: Int[Array, "B"]) -> HybridCache:

@@ -49,7 +49,7 @@ def write_rows(cache: Float[Array, "B S K H"], new: Float[Array, "B T K H"], sta
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PendingKV:
-    """A packed verify's new K/V, every layer's stacked and back in each row's block (``[NL, B, W, K, H]``:
+    """A packed verify's new K/V, every layer's stacked and back in each row's block (``[NL, B, W, 2, K, H]``:
     window token i of row r at ``[:, r, i]``, zeros past the window), to be written at each row's anchor
     position ``starts`` — the static verify's row-window writes (what lies past a window, past the row's
     length, is masked and overwritten before it is read; zeros keep NaN in padding slots out). A compiled
@@ -60,25 +60,23 @@ class PendingKV:
     for ``settle``."""
 
     starts: Int[Array, "B"]
-    k: Float[Array, "NL B W K H"]
-    v: Float[Array, "NL B W K H"]
+    kv: Float[Array, "NL B W 2 K H"]  # keys, values
     records: tuple = ()
 
     @staticmethod
-    def of(layout: attention.PackedLayout, k: tuple, v: tuple, records: tuple = ()) -> "PendingKV":
-        """``k``, ``v``: per layer ``[T, K, H]``; ``records``: per linear layer, over ``layout.block`` tokens."""
-        blocks = lambda x: jax.vmap(layout.unpack)(jnp.stack(x))  # noqa: E731  [NL, B, L, K, H]
-        return PendingKV(layout.kv_lens - layout.lens, blocks(k), blocks(v), records)
+    def of(layout: attention.PackedLayout, kv: tuple, records: tuple = ()) -> "PendingKV":
+        """``kv``: per layer ``[T, 2, K, H]``; ``records``: per linear layer, over ``layout.block`` tokens."""
+        return PendingKV(layout.kv_lens - layout.lens, jax.vmap(layout.unpack)(jnp.stack(kv)), records)
 
     def widened(self, block: int) -> "PendingKV":
         """The same writes over ``block`` ≥ W tokens a row (so that every tier, whose windows fit blocks of
         different widths, returns one shape)."""
-        pad = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, block - x.shape[2]), (0, 0), (0, 0)])  # noqa: E731
-        return PendingKV(self.starts, pad(self.k), pad(self.v), tuple(pad_record(r, block) for r in self.records))
+        pad = [(0, 0), (0, 0), (0, block - self.kv.shape[2])] + [(0, 0)] * 3
+        return PendingKV(self.starts, jnp.pad(self.kv, pad), tuple(pad_record(r, block) for r in self.records))
 
     def write(self, cache: KVCache) -> KVCache:
-        written = dict(k=tuple(write_rows(c, self.k[i], self.starts) for i, c in enumerate(cache.k)),
-                       v=tuple(write_rows(c, self.v[i], self.starts) for i, c in enumerate(cache.v)))
+        written = dict(k=tuple(write_rows(c, self.kv[i, :, :, 0], self.starts) for i, c in enumerate(cache.k)),
+                       v=tuple(write_rows(c, self.kv[i, :, :, 1], self.starts) for i, c in enumerate(cache.v)))
         return dataclasses.replace(cache, **written, **({"pending": self.records} if self.records else {}))
 
 
@@ -115,9 +113,9 @@ class Attention(nnx.Module):
         q, k, v = self.project_qkv(x, cos, sin)
         extra = dict(sinks=None if self.sinks is None else self.sinks[...], window=self.window)
         if packed is not None:  # x is [1, T, D]: verify windows packed end to end; the cache is only read
-            out = attention.packed_verify_attention(q[0], k[0], v[0], k_cache, v_cache, packed, impl=impl,
-                                                    **extra)[None]
-            k_cache, v_cache = k[0], v[0]  # the new entries, for PendingKV
+            kv = jnp.stack([k[0], v[0]], axis=1)  # [T, 2, K, H]: one operand, one kernel writes it
+            out = attention.packed_verify_attention(q[0], kv, k_cache, v_cache, packed, impl=impl, **extra)[None]
+            k_cache = v_cache = kv  # the new entries, for PendingKV
         elif prefill:
             # Empty cache: attend over the prompt's own keys (slot j = position j), then store them. Prefill is
             # compute-bound and long: not the decode kernels (cuDNN's fused attention on GPUs, else the reference).
@@ -229,5 +227,5 @@ class TargetModel(nnx.Module):
             captured[n - 1] = h
         feats = jnp.concatenate([captured[i] for i in capture], axis=-1) if capture else None
         if packed is not None:
-            return h, feats, PendingKV.of(packed, tuple(ks), tuple(vs))
+            return h, feats, PendingKV.of(packed, tuple(ks))  # each layer's [T, 2, K, H]
         return h, feats, KVCache(tuple(ks), tuple(vs)) if cache is not None else None
