@@ -1,13 +1,14 @@
-# Compact against static and AR on the GPU after a change to compact's step, in four calls after calls 1 and 2
-# (carry .xfer/p2 with each; the machine must stay warm between them: the table of calls 1–2 stays in /tmp/recheck).
-#   bash benchmarks/device_runs/compact_recheck.sh 1   # step profile at batch 64 (the whole-block tier dense and
-#                                                      # packed), the cost table at batches 1, 4 (~7 min)
-#   bash benchmarks/device_runs/compact_recheck.sh 2   # the table's 16–128 added; sweep at batch 16 (~8 min)
-#   bash benchmarks/device_runs/compact_recheck.sh 3   # sweep at batches 32, 4, 1 (~5.5 min)
-#   bash benchmarks/device_runs/compact_recheck.sh 4   # sweep at batches 64, 128 (~3.5 min)
-# The table holds compact's tiers, the step without drafting and the static verify's step (compact prunes its
-# tiers against it). Everything lands in $OUT; merge cal.costs.json into dflash_jax/assets/costs/gpu.json if it
-# is to ship.
+# Compact against static and AR on the GPU after a change to compact's step, in five calls after calls 1 and 2
+# (carry .xfer/p2 with each; the machine must stay warm between them: the table of calls 2–3 stays in /tmp/recheck).
+#   bash benchmarks/device_runs/compact_recheck.sh 1   # the packed kernel's tests; step profile at batch 64 (the
+#                                                      # whole-block tier dense and packed) (~6 min)
+#   bash benchmarks/device_runs/compact_recheck.sh 2   # the cost table at batches 1–32 (~5 min)
+#   bash benchmarks/device_runs/compact_recheck.sh 3   # the table's 64, 128 added; sweep at batch 16 (~6 min)
+#   bash benchmarks/device_runs/compact_recheck.sh 4   # sweep at batches 32, 4, 1 (~5.5 min)
+#   bash benchmarks/device_runs/compact_recheck.sh 5   # sweep at batches 64, 128 (~3.5 min)
+# The table holds compact's tiers, the step without drafting and the static verify's step (compact runs static's
+# program where none of its tiers saves on it). Everything lands in $OUT; merge cal.costs.json into
+# dflash_jax/assets/costs/gpu.json if it is to ship.
 source benchmarks/device_runs/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT /tmp/recheck
 TABLE=/tmp/recheck/cal.costs.json
@@ -19,26 +20,29 @@ calibrate() {  # calibrate <batches> <seconds>: adds the batches' rows to $TABLE
   cp $OUT/cal.costs.json $TABLE
 }
 sweep() {  # sweep <batches> <seconds>: AR, static and compact on the evaluation prompts with $TABLE
-  [ -f $TABLE ] || { echo "no $TABLE: run phases 1 and 2 on this machine first"; exit 1; }
+  [ -f $TABLE ] || { echo "no $TABLE: run phases 2 and 3 on this machine first"; exit 1; }
   timeout $2 bash benchmarks/device_runs/schedule.sh --cost-table $TABLE --batches $1 --max-new 128 \
     --mixed-per-kind 0 --out $OUT/sweep_${1//,/_}.json > $OUT/sweep_${1//,/_}.txt 2>&1
   echo "sweep $1 rc $?"; grep "^batch" $OUT/sweep_${1//,/_}.txt
 }
 case "$1" in
   1)
+    # the packed kernel's GPU tests first (its [T, 2, K, H] operand and the dense tier through it are new)
+    timeout 150 python3 -m pytest -q -rf tests/test_cuda_kernels.py tests/test_kernel_dispatch.py \
+      tests/test_schedule.py -k "packed" 2>&1 | tail -4
     timeout 150 bash benchmarks/device_runs/bench.sh profile_gpu_step.py --batches 64 --tiers 0,-1 \
       --cases ar,compact-ar,compact-tiers,static --out $OUT/step_profile.json > $OUT/step_profile.txt 2>&1
     echo "profile rc $?"; grep "^== " $OUT/step_profile.txt
     timeout 120 bash benchmarks/device_runs/bench.sh profile_gpu_step.py --batches 64 --tiers -1 --dense off \
       --cases compact-tiers,static --out $OUT/step_profile_packed.json > $OUT/step_profile_packed.txt 2>&1
     echo "profile (whole blocks packed) rc $?"; grep "^== " $OUT/step_profile_packed.txt
-    rm -f $TABLE
-    calibrate 1,4 200 ;;
-  2)
-    [ -f $TABLE ] || { echo "no $TABLE: run phase 1 on this machine first"; exit 1; }
-    calibrate 16,32,64,128 380
-    sweep 16 200 ;;
-  3) sweep 32,4,1 560 ;;
-  4) sweep 64,128 400 ;;
-  *) echo "usage: $0 1|2|3|4" >&2; exit 2 ;;
+    ;;
+  2) rm -f $TABLE; calibrate 1,4,16,32 420 ;;
+  3)
+    [ -f $TABLE ] || { echo "no $TABLE: run phase 2 on this machine first"; exit 1; }
+    calibrate 64,128 280
+    sweep 16 280 ;;
+  4) sweep 32,4,1 560 ;;
+  5) sweep 64,128 400 ;;
+  *) echo "usage: $0 1|2|3|4|5" >&2; exit 2 ;;
 esac
