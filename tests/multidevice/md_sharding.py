@@ -387,12 +387,12 @@ def test_packed_verify_kernels_run_per_shard(impl, caplog):
     layout = attention.PackedLayout.build(jnp.asarray([3, 0, 4, 2], jnp.int32),
                                           jnp.asarray([16, 10, 2, 7], jnp.int32), 12, 4)
     q = jnp.asarray(rng.normal(size=(12, 8, 16)), jnp.float32)
-    k, v = (jnp.asarray(rng.normal(size=(12, 4, 16)), jnp.float32) for _ in range(2))
+    kv = jnp.asarray(rng.normal(size=(12, 2, 4, 16)), jnp.float32)  # the windows' own keys and values
 
     def attend(impl):
         return lambda *a: attention.packed_verify_attention(*a, impl=impl, window=6)
 
-    args = (q, k, v, kc, vc, layout)
+    args = (q, kv, kc, vc, layout)
     want = np.asarray(fast_jit(attend("xla"))(*args))[:9]  # 9 slots: 3 + 0 + 4 + 2
     attention._warn_once.cache_clear()
     for mesh in (make_mesh(tp=2), make_mesh(tp=2, dp=2)):
