@@ -1,7 +1,8 @@
 """How many kernels a GPU decode step launches, counted without a GPU: the steps are compiled for an H200
 ahead of time (XLA's deviceless compilation from a target description) on this machine, and the kernels in
 XLA's optimized program are counted — every instruction that runs on the device (fusions, cuBLAS / Triton
-custom calls, copies) in the decode loop's body and in each branch of its conditionals, per branch. The
+custom calls, copies; a conditional counts one, its branch index's copy to the host) in the decode loop's body
+and in each branch of its conditionals, per branch. The
 embedded pair's steps are launch-bound on an H200 (RESULTS.md), so the count is most of what a change to the
 step's structure can be judged by before a GPU is lent; it checks against the profiler's launches (the static
 cycle at batch 64: 473 compiled kernels here, 477 launches counted on the H200 in session 19, which include
@@ -30,6 +31,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -201,4 +203,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # the CUDA plugin, loaded without a driver, can keep the interpreter from exiting
