@@ -403,7 +403,8 @@ class PackedLayout:
 
     ``dense`` (a tier with room for every row's whole block, T ≥ B·L): the windows stay in their rows' blocks,
     slot ``r·L + i`` holding row r's token i, valid while i < ℓ_r — packing and unpacking are reshapes, where
-    gathering every token (and the packed kernel) would buy nothing: the static verify's form, in a tier.
+    gathering every token would buy nothing: the static verify's form, in a tier (the GPU kernel takes its
+    rows as windows of whole blocks).
 
     ``groups`` > 1 (compact mode under a dp mesh): rows and slots split into that many equal groups, in order —
     group g's rows ``g·B/G …`` pack into its own slots ``g·T/G …`` (padding at the end of each group's slots), so
