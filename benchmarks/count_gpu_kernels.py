@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import json
 import os
 import re
@@ -44,9 +43,10 @@ import numpy as np
 from jax.experimental import topologies
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash_jax import attention, generation, load_drafter, load_target  # noqa: E402
-from dflash_jax.costs import CostTable  # noqa: E402
-from dflash_jax.decode import loop  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_cpu_step import compact_step, plain_step, static_step  # noqa: E402
+
+from dflash_jax import attention, load_drafter, load_target  # noqa: E402
 from dflash_jax.loading import _ASSETS  # noqa: E402
 
 # An H200 as XLA's GPU compiler sees it (xla.stream_executor.GpuTargetConfigProto, text form).
@@ -69,43 +69,15 @@ FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after
         "opt-barrier", "partition-id", "replica-id"}
 
 
-def _same_positions(out, state):
-    return dataclasses.replace(out, num_new=state.num_new, anchor_pos=state.anchor_pos, done=state.done)
-
-
 def build_case(case: str, target, drafter, ids):
-    """(job, step(params, state, tier)) for a case; the job is prepared on this machine's CPU, the step traced
-    with the GPU kernels (``impl="cuda"``)."""
-    b = len(ids)
+    """(job, step(params, state, tier)) for a case (:mod:`profile_cpu_step`'s builders): the job prepared on
+    this machine's CPU, the step traced with the GPU kernels (``impl="cuda"``)."""
     if case == "ar":
-        job = generation.prepare(target, None, ids, max_new_tokens=64, stop_token_ids=[], block_size=1,
-                                 decode=False)
-        spec, graphs, mask = dataclasses.replace(job.spec, impl="cuda"), (job.target.split().static, None), 0
-        return job, lambda params, s, tier: _same_positions(loop.cycle(*loop._merge(graphs, params), s, spec, mask), s)
-    graphs = None
+        return plain_step(target, ids, impl="cuda")
     if case == "static":
-        job = generation.prepare(target, drafter, ids, max_new_tokens=64, block_size=16, stop_token_ids=[],
-                                 verify_mode="static", decode=False)
-        spec = dataclasses.replace(job.spec, impl="cuda")
-        graphs = (job.target.split().static, job.drafter.split().static)
-
-        def static(params, s, tier):
-            t, d = loop._merge(graphs, params)
-            return _same_positions(loop.cycle(t, d, s, spec, d.config.mask_token_id), s)
-        return job, static
-    every_tier = CostTable("", "", "", "", 16, 0, {1: {n: 3.0 * n for n in (1, 2, 4, 8, 16)}}, ar_ms={1: 0.5})
-    job = generation.prepare(target, drafter, ids, max_new_tokens=64, block_size=16, stop_token_ids=[],
-                             verify_mode="compact", cost_table=every_tier, decode=False)
-    one = case == "compact-one-tier"
-    spec = dataclasses.replace(job.spec, impl="cuda", ar_step=not one,
-                               tiers=job.spec.tiers[-1:] if one else job.spec.tiers)
-    graphs = (job.target.split().static, job.drafter.split().static)
-
-    def compact(params, s, tier):
-        t, d = loop._merge(graphs, params)
-        window = jnp.full((b,), (jnp.asarray(spec.tiers + (b,), jnp.int32) // b - 1)[tier], jnp.int32)
-        return _same_positions(loop.compact_step(t, d, s, spec, d.config.mask_token_id, window, tier), s)
-    return job, compact
+        return static_step(target, drafter, ids, impl="cuda")
+    return compact_step(target, drafter, ids, len(ids), one_tier=case == "compact-one-tier",
+                        ar_step=case == "compact", impl="cuda")
 
 
 def compile_for(device, job, step) -> str:

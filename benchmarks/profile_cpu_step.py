@@ -35,41 +35,53 @@ from dflash_jax.costs import CostTable  # noqa: E402
 from dflash_jax.decode import loop  # noqa: E402
 
 
-def plain_step(target, ids):
-    job = generation.prepare(target, None, ids, max_new_tokens=64, stop_token_ids=[], block_size=1)
-    graphs = (job.target.split().static, None)
+def _same_positions(out, s):
+    """The state after a step back at the positions before it: every step writes and attends the same slots."""
+    return dataclasses.replace(out, num_new=s.num_new, anchor_pos=s.anchor_pos, done=s.done)
+
+
+# The step builders below (shared by profile_gpu_step.py and count_gpu_kernels.py) return (job, step(params,
+# state, tier)); ``spec_changes`` override the prepared LoopSpec's fields (e.g. impl="cuda"). The jobs compile
+# the prefill only: the steps run in programs of their own.
+
+def plain_step(target, ids, **spec_changes):
+    job = generation.prepare(target, None, ids, max_new_tokens=64, stop_token_ids=[], block_size=1, decode=False)
+    spec, graphs = dataclasses.replace(job.spec, **spec_changes), (job.target.split().static, None)
 
     def step(params, s, tier):
         t, d = loop._merge(graphs, params)
-        out = loop.cycle(t, d, s, job.spec, 0)
-        return dataclasses.replace(out, num_new=s.num_new, anchor_pos=s.anchor_pos, done=s.done)
+        return _same_positions(loop.cycle(t, d, s, spec, 0), s)
     return job, step
 
 
-def static_step(target, drafter, ids):
+def static_step(target, drafter, ids, **spec_changes):
     job = generation.prepare(target, drafter, ids, max_new_tokens=64, block_size=16, stop_token_ids=[],
-                             verify_mode="static")
+                             verify_mode="static", decode=False)
+    spec = dataclasses.replace(job.spec, **spec_changes)
     graphs = (job.target.split().static, job.drafter.split().static)
 
     def step(params, s, tier):
         t, d = loop._merge(graphs, params)
-        out = loop.cycle(t, d, s, job.spec, d.config.mask_token_id)
-        return dataclasses.replace(out, num_new=s.num_new, anchor_pos=s.anchor_pos, done=s.done)
+        return _same_positions(loop.cycle(t, d, s, spec, d.config.mask_token_id), s)
     return job, step
 
 
-def compact_step(target, drafter, ids, batch: int):
+def compact_step(target, drafter, ids, batch: int, *, ar_step: bool = True, one_tier: bool = False,
+                 **spec_changes):
+    """Every tier compiled and, with ``ar_step``, the step without drafting (tier index K); ``one_tier``: only the
+    whole-block tier (a one-branch switch: no conditional at all). The job's spec is the step's."""
     every_tier = CostTable("", "", "", "", 16, 0, {1: {n: 3.0 * n for n in (1, 2, 4, 8, 16)}}, ar_ms={1: 0.5})
     job = generation.prepare(target, drafter, ids, max_new_tokens=64, block_size=16, stop_token_ids=[],
-                             verify_mode="compact", cost_table=every_tier)
-    spec = dataclasses.replace(job.spec, ar_step=True)
+                             verify_mode="compact", cost_table=every_tier, decode=False)
+    spec = dataclasses.replace(job.spec, ar_step=ar_step, tiers=job.spec.tiers[-1:] if one_tier else job.spec.tiers,
+                               **spec_changes)
+    job = dataclasses.replace(job, spec=spec)
     graphs = (job.target.split().static, job.drafter.split().static)
 
     def step(params, s, tier):
         t, d = loop._merge(graphs, params)
         window = jnp.full((batch,), (jnp.asarray(spec.tiers + (batch,), jnp.int32) // batch - 1)[tier], jnp.int32)
-        out = loop.compact_step(t, d, s, spec, d.config.mask_token_id, window, tier)
-        return dataclasses.replace(out, num_new=s.num_new, anchor_pos=s.anchor_pos, done=s.done)
+        return _same_positions(loop.compact_step(t, d, s, spec, d.config.mask_token_id, window, tier), s)
     return job, step
 
 

@@ -14,7 +14,6 @@ waiting between kernels.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -26,7 +25,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,26 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import device_profile  # noqa: E402
 from profile_cpu_step import compact_step, plain_step, static_step, step_loop  # noqa: E402
 
-from dflash_jax import attention, generation, load_drafter, load_target  # noqa: E402
-from dflash_jax.decode import loop  # noqa: E402
+from dflash_jax import attention, load_drafter, load_target  # noqa: E402
 from dflash_jax.loading import _ASSETS  # noqa: E402
-
-
-def compact_variant(target, drafter, ids, batch: int, *, ar_step: bool, one_tier: bool):
-    """The compact step without the AR offer (no ``lax.cond`` around drafting), and with ``one_tier`` only the
-    whole-block tier (a one-branch switch: no conditional at all) — to tell the conditionals' cost from the
-    packed verify's."""
-    job, step = compact_step(target, drafter, ids, batch)
-    spec = dataclasses.replace(job.spec, ar_step=ar_step,
-                               tiers=job.spec.tiers[-1:] if one_tier else job.spec.tiers)
-    graphs = (job.target.split().static, job.drafter.split().static)
-
-    def variant(params, s, tier):
-        t, d = loop._merge(graphs, params)
-        window = jnp.full((batch,), (jnp.asarray(spec.tiers + (batch,), jnp.int32) // batch - 1)[tier], jnp.int32)
-        out = loop.compact_step(t, d, s, spec, d.config.mask_token_id, window, tier)
-        return dataclasses.replace(out, num_new=s.num_new, anchor_pos=s.anchor_pos, done=s.done)
-    return job, variant, len(spec.tiers)
 
 
 def timed_loop(job, step, tier: int, steps: int, repeats: int, trace_dir: str, top: int = 30) -> dict:
@@ -126,11 +106,12 @@ def main() -> int:
                     size = job.spec.tiers[i]
                     cases[f"compact: tier {size} ({size // batch} per row)"] = (job, step, i)
         if "compact-noar" in wanted:
-            job, step, k = compact_variant(target, drafter, ids, batch, ar_step=False, one_tier=False)
+            job, step = compact_step(target, drafter, ids, batch, ar_step=False)
+            k = len(job.spec.tiers)
             for i in ([int(i) % k for i in args.tiers.split(",")] if args.tiers else range(k)):
                 cases[f"compact, no AR offer: tier {job.spec.tiers[i]}"] = (job, step, i)
         if "compact-one-tier" in wanted:
-            job, step, k = compact_variant(target, drafter, ids, batch, ar_step=False, one_tier=True)
+            job, step = compact_step(target, drafter, ids, batch, ar_step=False, one_tier=True)
             cases[f"compact, whole-block tier only (no conditional): {job.spec.tiers[-1]}"] = (job, step, 0)
         if "static" in wanted:
             cases["static cycle"] = (*static_step(target, drafter, ids), 0)

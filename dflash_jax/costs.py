@@ -46,7 +46,7 @@ class CostTable:
     # (compact mode, drafters without a confidence head). Empty: not measured, not offered.
     ar_ms: dict[int, float] = dataclasses.field(default_factory=dict)
     # batch → ms of the static verify's step (the whole block drafted, verified and committed, no scheduler):
-    # compact compiles a smaller tier only where it saves on this too. Empty: not measured.
+    # compact runs static's program where none of its tiers saves on this. Empty: not measured.
     static_ms: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def step_costs(self, batch: int, tiers: tuple[int, ...]) -> np.ndarray:
