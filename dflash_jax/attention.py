@@ -454,9 +454,14 @@ class PackedLayout:
         return jnp.concatenate([self.starts, self.starts[-1:] + (self.block if self.dense else self.lens[-1:])])
 
     @property
+    def anchors(self) -> Int[Array, "B"]:
+        """Each row's anchor position (its window's first): the cache holds what lies before it."""
+        return self.kv_lens - self.lens
+
+    @property
     def positions(self) -> Int[Array, "T"]:
         """Absolute position of each slot's token (padding: its row's anchor position)."""
-        return self.kv_lens[self.rows] - self.lens[self.rows] + self.offsets
+        return self.anchors[self.rows] + self.offsets
 
     def local_rows(self) -> Int[Array, "T"]:
         """Each slot's row within its group."""
@@ -542,7 +547,7 @@ def packed_verify_attention(
     (padding slots get zeros). Otherwise the windows go back into their ``[B, L]`` block (zeros past a window:
     masked, as the block is causal) for :func:`draft_attention` — the block kernels (causal, sliding window)
     under ``impl``, the reference with ``sinks``; padding slots give their row's outputs and are never used."""
-    start = layout.kv_lens - layout.lens  # each row's anchor position: the cache holds what lies before it
+    start = layout.anchors
     if impl == "cuda" and sinks is None and layout.groups == 1:
         out = _packed_kernel_call(q, kv, k_cache, v_cache, layout, start, window)
         if out is not None:

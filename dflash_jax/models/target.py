@@ -54,7 +54,7 @@ class PendingKV:
     position ``starts`` — the static verify's row-window writes (what lies past a window, past the row's
     length, is masked and overwritten before it is read; zeros keep NaN in padding slots out). A compiled
     tier (a branch of a ``lax.switch``) only reads the caches and returns these; :meth:`write` stores them
-    after the conditional, in place. Stacked, a branch returns two arrays rather than two per layer (on a GPU
+    after the conditional, in place. Stacked, a branch returns one array rather than two per layer (on a GPU
     each is a kernel launch and a copy out of the conditional, every step). A hybrid target's linear layers
     add their deferred ``records`` (:mod:`dflash_jax.models.hybrid`), which :meth:`write` leaves in the cache
     for ``settle``."""
@@ -66,7 +66,7 @@ class PendingKV:
     @staticmethod
     def of(layout: attention.PackedLayout, kv: tuple, records: tuple = ()) -> "PendingKV":
         """``kv``: per layer ``[T, 2, K, H]``; ``records``: per linear layer, over ``layout.block`` tokens."""
-        return PendingKV(layout.kv_lens - layout.lens, jax.vmap(layout.unpack)(jnp.stack(kv)), records)
+        return PendingKV(layout.anchors, jax.vmap(layout.unpack)(jnp.stack(kv)), records)
 
     def widened(self, block: int) -> "PendingKV":
         """The same writes over ``block`` ≥ W tokens a row (so that every tier, whose windows fit blocks of
