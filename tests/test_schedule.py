@@ -144,6 +144,23 @@ def test_compact_runs_static_where_no_tier_saves_on_static_s_step():
         assert got[0] == "compact" and got[1] == tiers and got[2].tolist() == pytest.approx(cost.tolist())
 
 
+@pytest.mark.auto_verify
+def test_auto_is_compact_where_the_table_times_static_s_step(monkeypatch):
+    """With static's step in the table, auto is compact (which runs static's program itself where no tier saves
+    on that step), whatever the whole block's ratio to one token a row; without it, that ratio decides."""
+    dflash = types.SimpleNamespace(cost_tables=None, model=types.SimpleNamespace())
+    b4 = CostTable("gpu", "x", "bfloat16", "p", 16, 256, {4: {1: 2.10, 2: 1.94, 4: 1.95, 8: 2.01, 16: 2.11}},
+                   ar_ms={4: 1.71})  # whole blocks ~1.0× one token a row: far under the ratio
+    assert generation.resolve_verify_mode("auto", dflash, 4, 16, b4)[0] == "static"
+    got = generation.resolve_verify_mode("auto", dflash, 4, 16, dataclasses.replace(b4, static_ms={4: 2.05}))
+    assert got[:2] == generation.resolve_verify_mode("compact", dflash, 4, 16, b4)[:2] and got[0] == "compact"
+    cheap_static = dataclasses.replace(b4, static_ms={4: 1.96})
+    assert generation.resolve_verify_mode("auto", dflash, 4, 16, cheap_static) == ("static", (), None, False)
+    monkeypatch.setattr(generation, "AUTO_COMPACT_RATIO", float("inf"))  # the opt-out still holds
+    got = generation.resolve_verify_mode("auto", dflash, 4, 16, dataclasses.replace(b4, static_ms={4: 2.05}))
+    assert got[0] == "static"
+
+
 def test_acceptance_counts_pool_rows_and_see_only_the_window():
     counts = schedule.AcceptanceCounts.zeros(2, 3)
     prior = schedule.PRIOR_ACCEPT / (schedule.PRIOR_ACCEPT + schedule.PRIOR_REJECT)
@@ -231,6 +248,14 @@ def _packed_case(rng, lens, anchor, size, heads=4):
     return layout, q, kv, k_cache, v_cache, (written.k[0], written.v[0])
 
 
+@pytest.fixture
+def ieee_dots():
+    """Float32 dots in IEEE float32 (a GPU's XLA dots default to TF32, its kernels do not): tight tolerances."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+@pytest.mark.usefixtures("ieee_dots")
 @pytest.mark.parametrize("impl,size", [("xla", 10), ("cuda", 10), ("xla", 12), ("cuda", 12)])
 def test_packed_attention_sees_only_its_own_row(impl, size):
     """Each slot attends to its own row's cache before its window and to its window's K/V up to itself, as
@@ -258,6 +283,7 @@ def test_packed_attention_sees_only_its_own_row(impl, size):
     np.testing.assert_allclose(out2[:3], out[:3], rtol=1e-6)  # row 0's window (its cache alone unchanged)
 
 
+@pytest.mark.usefixtures("ieee_dots")
 @pytest.mark.parametrize("impl", ["pallas", "cuda"])
 def test_packed_attention_kernels(impl, caplog):
     """The packed verify through the block kernels (causal, gpt-oss's sliding window) without a fallback, as
