@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import time
 from typing import Any, Sequence
@@ -93,14 +94,14 @@ def _programs(key: tuple, graphdefs: tuple, params: tuple, pre_args: tuple, spec
 # Buckets and validation
 # --------------------------------------------------------------------------------------------------
 
-# verify_mode="auto" runs compact when, at the batch's size, the cost table's whole-block step costs at least
-# this many times its one-token-per-row step: where verifying fewer tokens cannot save more than that, the
-# compact path's fixed costs (the scheduler; on a GPU, reading the tier index on the host every step) eat
-# the saving (benchmarks/RESULTS.md, 2026-12-02 and 2026-12-04: on the H200 compact loses to static at batch
-# 1–32 — ratios 0.87–1.30 in the shipped table, whose steps are timed in a loop as decoding runs them — and,
-# with the packed verify kernel, wins at 64 and 128 (1.02×, 1.11×; ratios 1.36, 1.53); on a 2-core CPU, ratio
-# ~2, it wins at batch 3).
-# $DFLASH_JAX_AUTO_COMPACT_RATIO overrides it ("inf": auto is always static).
+# verify_mode="auto" runs compact where the cost table times the static verify's step: compact then runs
+# static's program itself wherever none of its tiers saves on that step (resolve_verify_mode), and on the H200
+# it is at least static's speed at every batch 1–128 (benchmarks/RESULTS.md, 2026-12-05 session 21: 1.01–1.39×
+# static). A table without static's step (measured before it was timed) falls back to a ratio: compact where the
+# whole-block step costs at least this many times the one-token-per-row step — where verifying fewer tokens
+# cannot save more than that, compact's fixed costs (the scheduler, its conditionals) eat the saving (RESULTS
+# 2026-12-02 and 2026-12-04; on a 2-core CPU, ratio ~2, compact wins from batch 3).
+# $DFLASH_JAX_AUTO_COMPACT_RATIO overrides it ("inf": auto is always static, whatever the table).
 AUTO_COMPACT_RATIO = float(os.environ.get("DFLASH_JAX_AUTO_COMPACT_RATIO", 1.35))
 
 # Prompts longer than this are prefilled in chunks of this many positions (prompt buckets above 1024 are
@@ -358,10 +359,10 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
 def resolve_verify_mode(mode: str, drafter: Drafter | None, batch: int, block_size: int, cost_table=None,
                         dp: int = 1) -> tuple[str, tuple[int, ...], np.ndarray | None, bool]:
     """(verify mode, compiled tiers, step cost per tier [+ the AR step's], AR step offered) for a batch of
-    ``batch`` rows, from the cost table: ``"auto"`` becomes compact where whole blocks cost ≥
-    ``AUTO_COMPACT_RATIO`` × one token per row; compact keeps the tiers worth their conditional and offers a step
-    without drafting when the table times one that saves as much on the cheapest tier kept (DFlash drafters:
-    windows known before drafting); compact left with the whole block alone, or (where the table times the
+    ``batch`` rows, from the cost table: ``"auto"`` becomes compact where the table times static's step, else
+    where whole blocks cost ≥ ``AUTO_COMPACT_RATIO`` × one token per row; compact keeps the tiers worth their
+    conditional and offers a step without drafting when the table times one that saves as much on the cheapest
+    tier kept (DFlash drafters: windows known before drafting); compact left with the whole block alone, or (where the table times the
     static verify's step) with no tier that saves as much on static's step, runs the static program. Under a
     ``dp`` mesh the costs are those of a device's ``batch / dp`` rows (what each device runs). Host work only
     (nothing compiles)."""
@@ -371,14 +372,15 @@ def resolve_verify_mode(mode: str, drafter: Drafter | None, batch: int, block_si
     table = costs.resolve(cost_table, jax.default_backend(), drafter.cost_tables)
     rows = batch // dp
     step_cost = table.step_costs(rows, tuple(t // dp for t in tiers)).astype(np.float32)
+    static_cost = table.static_cost(rows)
     if mode == "auto":
-        mode = "compact" if step_cost[-1] >= AUTO_COMPACT_RATIO * step_cost[0] else "static"
-        if mode == "static":
-            return mode, (), None, False
+        trims_pay = static_cost is not None or step_cost[-1] >= AUTO_COMPACT_RATIO * step_cost[0]
+        if AUTO_COMPACT_RATIO == math.inf or not trims_pay:
+            return "static", (), None, False
+        mode = "compact"
     if mode != "compact":  # cap-accept: every tier (its windows match compact's with the same table)
         return mode, tiers, step_cost, False
     tiers, step_cost = schedule.prune_tiers(tiers, step_cost)
-    static_cost = table.static_cost(rows)
     if static_cost is not None and step_cost[0] > (1 - schedule.TIER_MIN_SAVING) * static_cost:
         # Every drafted step of compact's would cost about static's or more and commit no more than static's
         # whole block: static's program. (The step without drafting is left out of this: it pays only where
@@ -577,7 +579,8 @@ def speculative_generate(
     (temperature 0 = greedy; ``None`` = off). ``seed`` makes sampled runs reproducible. ``draft_sampling``:
     draw drafts from the drafter's own distribution (accept with min(1, p/q)) instead of taking its argmax.
     ``verify_mode`` (README "Verify modes"): ``"auto"`` (default) is compact where the cost table says
-    trimming can pay at this batch size (:data:`AUTO_COMPACT_RATIO`), static elsewhere; ``"static"`` verifies
+    trimming can pay at this batch size (it times static's step, or :data:`AUTO_COMPACT_RATIO`), static
+    elsewhere; ``"static"`` verifies
     the whole block every cycle;
     ``"compact"`` lets the confidence scheduler pick each row's window per cycle and verifies only those
     windows, packed; ``"cap-accept"`` verifies the whole block but commits only the windows (what compact
