@@ -356,10 +356,18 @@ def plot(table: CostTable, path: str | Path) -> Path:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("verify tokens in the step (batch × tokens per row)")
-    ax.set_ylabel("step time (ms): draft + verify + commit (×: no drafting, □: static)")
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())  # 2, 3, 4 ms rather than 2×10⁰
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_ylabel("step time (ms): draft + verify + commit")
     ax.set_title(f"{table.pair} on {table.device} ({table.dtype}, context {table.context})", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    handles, _ = ax.get_legend_handles_labels()
+    grey = dict(color="grey", linestyle="none")
+    if table.ar_ms:
+        handles.append(matplotlib.lines.Line2D([], [], marker="x", label="no drafting (AR step)", **grey))
+    if table.static_ms:
+        handles.append(matplotlib.lines.Line2D([], [], marker="s", fillstyle="none", label="static verify", **grey))
+    ax.legend(handles=handles, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
