@@ -500,7 +500,7 @@ class PackedLayout:
         return jnp.where(inside.reshape(inside.shape + (1,) * (y.ndim - 1)), out, jnp.zeros((), y.dtype))
 
 
-def _packed_kernel_call(q, kv, k_cache, v_cache, layout: PackedLayout, start, window) -> jax.Array | None:
+def _packed_kernel_call(qkv, k_cache, v_cache, layout: PackedLayout, start, window) -> jax.Array | None:
     """The GPU kernel that reads and writes the packed rows itself (:func:`dflash_jax.cuda.packed_block_attention`),
     or None: under a mesh (compact mode does not run under one yet; the block kernels' path would shard) or
     where the kernel cannot take the shapes (logged once). A dense layout goes in as windows of whole blocks:
@@ -513,22 +513,27 @@ def _packed_kernel_call(q, kv, k_cache, v_cache, layout: PackedLayout, start, wi
 
     interpret = jax.default_backend() != "gpu"
 
-    def local(q, kv, k_cache, v_cache, cu, start):
-        return cuda.packed_block_attention(q, k_cache, v_cache, kv, cu, start, max_q_len=layout.block,
+    def local(qkv, k_cache, v_cache, cu, start):
+        return cuda.packed_block_attention(qkv, k_cache, v_cache, cu, start, max_q_len=layout.block,
                                            window=window, interpret=interpret)
 
-    def reason(q, kv, k_cache, v_cache, cu, start):
-        return cuda.packed_block_unsupported_reason(q, k_cache, v_cache, kv, max_q_len=layout.block,
-                                                    window=window, interpret=interpret)
+    def reason(qkv, k_cache, v_cache, cu, start):
+        return cuda.packed_block_unsupported_reason(qkv, k_cache, v_cache, max_q_len=layout.block, window=window,
+                                                    interpret=interpret)
 
     return _run_kernel("cuda", "packed verify attention", (window, layout.block), local, reason,
-                       (q, kv, k_cache, v_cache, layout.cu_q_lens, start),
-                       ((None,) * 3, (None,) * 4, (None,) * 4, (None,) * 4, (None,), (None,)), warn_once=True)
+                       (qkv, k_cache, v_cache, layout.cu_q_lens, start),
+                       ((None,) * 3, (None,) * 4, (None,) * 4, (None,), (None,)), warn_once=True)
+
+
+def split_qkv(qkv: Float[Array, "T N+2K H"], kv_heads: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(queries [T, N, H], keys [T, K, H], values [T, K, H]) of the packed verify's one operand."""
+    n = qkv.shape[1] - 2 * kv_heads
+    return qkv[:, :n], qkv[:, n:n + kv_heads], qkv[:, n + kv_heads:]
 
 
 def packed_verify_attention(
-    q: Float[Array, "T N H"],
-    kv: Float[Array, "T 2 K H"],
+    qkv: Float[Array, "T N+2K H"],
     k_cache: Float[Array, "B S K H"],
     v_cache: Float[Array, "B S K H"],
     layout: PackedLayout,
@@ -537,11 +542,13 @@ def packed_verify_attention(
     sinks: Float[Array, "N"] | None = None,
     window: int | None = None,
 ) -> Float[Array, "T N H"]:
-    """Verify attention of packed windows whose own keys and values (``kv``) are *not* in the cache: slot t
-    attends to its row's cache before the window (positions < the anchor's, written by earlier steps) and
-    causally to its window's K/V. The cache is only read, so a compiled tier (a branch of a ``lax.switch``)
-    can run this and leave the write to after the conditional (:class:`dflash_jax.models.target.PendingKV`):
-    a branch that writes a buffer gets its own copy of it from XLA, every cache of every layer each step.
+    """Verify attention of packed windows whose own keys and values are *not* in the cache: slot t attends to
+    its row's cache before the window (positions < the anchor's, written by earlier steps) and causally to its
+    window's K/V. ``qkv``: each slot's queries, keys and values as the heads of one operand (rotary embedding
+    applied; :func:`split_qkv`), which one fusion of the projection's output writes. The cache is only read,
+    so a compiled tier (a branch of a ``lax.switch``) can run this and leave the write to after the
+    conditional (:class:`dflash_jax.models.target.PendingKV`): a branch that writes a buffer gets its own copy
+    of it from XLA, every cache of every layer each step.
 
     With ``impl="cuda"`` (no sinks, no mesh) one GPU kernel reads and writes the packed rows itself
     (padding slots get zeros). Otherwise the windows go back into their ``[B, L]`` block (zeros past a window:
@@ -549,11 +556,12 @@ def packed_verify_attention(
     under ``impl``, the reference with ``sinks``; padding slots give their row's outputs and are never used."""
     start = layout.anchors
     if impl == "cuda" and sinks is None and layout.groups == 1:
-        out = _packed_kernel_call(q, kv, k_cache, v_cache, layout, start, window)
+        out = _packed_kernel_call(qkv, k_cache, v_cache, layout, start, window)
         if out is not None:
             return out
+    q, k, v = split_qkv(qkv, k_cache.shape[2])
     positions = start[:, None] + jnp.arange(layout.block, dtype=jnp.int32)[None, :]
-    out = draft_attention(layout.unpack(q), k_cache, v_cache, layout.unpack(kv[:, 0]), layout.unpack(kv[:, 1]),
+    out = draft_attention(layout.unpack(q), k_cache, v_cache, layout.unpack(k), layout.unpack(v),
                           positions, start, causal=True, window=window, impl=impl, sinks=sinks,
                           warn_once=True)  # traced in every tier of the switch
     return layout.pack(out)

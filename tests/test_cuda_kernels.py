@@ -238,14 +238,12 @@ def test_packed_block_attention_matches_reference(case):
     q = _normal(rng, (layout.valid.shape[0], n, h), dtype, 1.5)
     kv = _normal(rng, (layout.valid.shape[0], 2, k, h), dtype, 1.5)
     kc, vc = _normal(rng, (b, s, k, h), dtype), _normal(rng, (b, s, k, h), dtype)
+    qkv = jnp.concatenate([q, kv.reshape(-1, 2 * k, h)], axis=1)  # heads: queries, keys, values
     with jax.default_matmul_precision("highest"):
-        want = fast_jit(ref.packed_verify_attention, window=window)(q, kv, kc, vc, layout)
-    def nan_pad(x):
-        inside = valid.reshape(-1, *[1] * (x.ndim - 1))
-        return jnp.asarray(np.where(inside, np.asarray(x, np.float32), np.nan).astype(x.dtype))
+        want = fast_jit(ref.packed_verify_attention, window=window)(qkv, kc, vc, layout)
+    nan_pad = jnp.asarray(np.where(valid, np.asarray(qkv, np.float32), np.nan).astype(qkv.dtype))
     out = fast_jit(cuda.packed_block_attention, max_q_len=lmax, window=window, interpret=INTERPRET, **tuning)(
-        nan_pad(q), _poison(kc, starts), _poison(vc, starts), nan_pad(kv), layout.cu_q_lens,
-        jnp.asarray(starts, jnp.int32))
+        nan_pad, _poison(kc, starts), _poison(vc, starts), layout.cu_q_lens, jnp.asarray(starts, jnp.int32))
     live = int(wins.sum())
     _check(out[:live], want[:live], dtype)
     assert not np.asarray(out[live:], np.float32).any()
@@ -255,8 +253,8 @@ def test_packed_block_attention_lowers_to_triton():
     """Through Pallas' Triton rules for a GPU at the embedded pair's compact tiers (64 rows × 1 / 16 tokens)."""
     sds = jax.ShapeDtypeStruct
     for b, t in ((64, 64), (64, 1024)):
-        args = (sds((t, 9, 64), jnp.bfloat16),) + (sds((b, 512, 3, 64), jnp.bfloat16),) * 2 + (
-            sds((t, 2, 3, 64), jnp.bfloat16), sds((b + 1,), jnp.int32), sds((b,), jnp.int32))
+        args = (sds((t, 9 + 2 * 3, 64), jnp.bfloat16),) + (sds((b, 512, 3, 64), jnp.bfloat16),) * 2 + (
+            sds((b + 1,), jnp.int32), sds((b,), jnp.int32))
         text = jax.jit(lambda *a: cuda.packed_block_attention(*a, max_q_len=16)).trace(*args).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text and "dflash_packed_block_attention" in text

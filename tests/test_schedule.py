@@ -248,6 +248,11 @@ def _packed_case(rng, lens, anchor, size, heads=4):
     return layout, q, kv, k_cache, v_cache, (written.k[0], written.v[0])
 
 
+def _qkv(q, kv):
+    """packed_verify_attention's operand: the queries' heads, then the keys', then the values'."""
+    return jnp.concatenate([q, kv.reshape(kv.shape[0], -1, kv.shape[-1])], axis=1)
+
+
 @pytest.fixture
 def ieee_dots():
     """Float32 dots in IEEE float32 (a GPU's XLA dots default to TF32, its kernels do not): tight tolerances."""
@@ -267,7 +272,7 @@ def test_packed_attention_sees_only_its_own_row(impl, size):
     layout, q, kv, k_cache, v_cache, (k_full, v_full) = _packed_case(rng, lens, anchor, size)
     assert layout.dense == (size == 12)
     run = fast_jit(lambda *a: packed_verify_attention(*a, impl=impl))
-    out = np.asarray(run(q, kv, k_cache, v_cache, layout))
+    out = np.asarray(run(_qkv(q, kv), k_cache, v_cache, layout))
     valid = np.asarray(layout.valid)
     assert np.isfinite(out[valid]).all()
     for r in (0, 2):
@@ -279,7 +284,7 @@ def test_packed_attention_sees_only_its_own_row(impl, size):
     # not matter.
     k2 = k_cache.at[1].set(1e4).at[2].set(-1e4).at[0, 6:].set(7.0)
     kv2 = jnp.where(layout.valid[:, None, None, None], kv, 5.0 if layout.dense else jnp.nan)
-    out2 = np.asarray(run(q, kv2, k2, v_cache.at[1].set(3.0), layout))
+    out2 = np.asarray(run(_qkv(q, kv2), k2, v_cache.at[1].set(3.0), layout))
     np.testing.assert_allclose(out2[:3], out[:3], rtol=1e-6)  # row 0's window (its cache alone unchanged)
 
 
@@ -295,7 +300,7 @@ def test_packed_attention_kernels(impl, caplog):
     def run(impl, sinks=None):
         def attend(*a):
             return packed_verify_attention(*a, impl=impl, sinks=sinks, window=5)
-        return np.asarray(fast_jit(attend)(q, kv, k_cache, v_cache, layout))
+        return np.asarray(fast_jit(attend)(_qkv(q, kv), k_cache, v_cache, layout))
 
     attention._warn_once.cache_clear()  # the fallback's warning is logged once per session
     with caplog.at_level(logging.WARNING, logger="dflash_jax"):

@@ -390,11 +390,11 @@ def _padding_program(out_refs, cu_ref, r, kh, t: _Tiling, num_req: int, total: i
             _zero_rows(out_refs[0], t, cu_ref[num_req], total, kh)
 
 
-def _packed_block_kernel(q_ref, ck_ref, cv_ref, bkv_ref, cu_ref, start_ref, *out_refs, t: _Tiling,
-                         num_req: int, s_len: int, window: int | None):
-    # q_ref [T, N, H], bkv [T, 2, K, H] (K, V): the windows packed end to end (request r's rows cu[r] …
-    # cu[r+1]); ck/cv [B, S, K, H] read below start[r] (the window's first position) only. Grid (B+1, K,
-    # splits): request B writes the padding rows' zeros. Program ids outside the pl.when bodies (interpret mode).
+def _packed_block_kernel(qkv_ref, ck_ref, cv_ref, cu_ref, start_ref, *out_refs, t: _Tiling, num_req: int,
+                         s_len: int, window: int | None, n_heads: int):
+    # qkv_ref [T, N + 2K, H] (queries, keys, values as heads): the windows packed end to end (request r's rows
+    # cu[r] … cu[r+1]); ck/cv [B, S, K, H] read below start[r] (the window's first position) only. Grid (B+1,
+    # K, splits): request B writes the padding rows' zeros. Program ids outside the pl.when bodies (interpret).
     r, kh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
     @pl.when(r < num_req)
@@ -403,20 +403,20 @@ def _packed_block_kernel(q_ref, ck_ref, cv_ref, bkv_ref, cu_ref, start_ref, *out
         start = jnp.clip(start_ref[r], 0, s_len)
         hi = jnp.where(q_len > 0, start, 0)  # an empty window reads nothing
         lo = jnp.int32(0) if window is None else jnp.maximum(start - window + 1, 0)
-        q = _load_q(q_ref, t, q0, q_len, kh)
+        q = _load_q(qkv_ref, t, q0, q_len, kh)  # heads kh·G … : the queries come first
         qpos = start + jnp.arange(t.lp)
         row_pos = _rows(t, qpos)
         carry = _context_loop(_init_carry(t), q, ck_ref, cv_ref, r, kh, split, lo, hi, row_pos, t, causal=False,
                               window=window)
         lb = _next_pow2(max(t.lp, 16))
         kpos = start + jnp.arange(lb)
-        key, value = jnp.int32(0), jnp.int32(1)  # arrays: interpret mode indexes with them, not Python ints
-        carry = _own_keys(carry, q, lambda rows: bkv_ref.at[rows, key, kh, :],
-                          lambda rows: bkv_ref.at[rows, value, kh, :], q0, jnp.arange(lb) < q_len, kpos, row_pos,
-                          split == _live_splits(t, hi) - 1, t, causal=True, window=window)
+        key, value = n_heads + kh, n_heads + n_heads // t.g + kh  # this KV head's key and value heads
+        carry = _own_keys(carry, q, lambda rows: qkv_ref.at[rows, key, :], lambda rows: qkv_ref.at[rows, value, :],
+                          q0, jnp.arange(lb) < q_len, kpos, row_pos, split == _live_splits(t, hi) - 1, t,
+                          causal=True, window=window)
         _finish(carry, out_refs, t, split, q0, q_len, kh)
 
-    _padding_program(out_refs, cu_ref, r, kh, t, num_req, q_ref.shape[0])
+    _padding_program(out_refs, cu_ref, r, kh, t, num_req, qkv_ref.shape[0])
 
 
 def _verify_kernel(q_ref, kc_ref, vc_ref, cu_ref, kvl_ref, *refs, t: _Tiling, num_req: int, s_len: int,
@@ -573,25 +573,25 @@ def draft_attention(
     return res.reshape(b, l, n, h)
 
 
-def packed_block_unsupported_reason(q, k_cache, v_cache, blk_kv, *, max_q_len: int, window: int | None = None,
+def packed_block_unsupported_reason(qkv, k_cache, v_cache, *, max_q_len: int, window: int | None = None,
                                     interpret: bool = False, **_: object) -> str | None:
     """Why :func:`packed_block_attention` cannot run these shapes here (None when it can)."""
-    if q.ndim != 3 or blk_kv.ndim != 4 or blk_kv.shape[0] != q.shape[0] or blk_kv.shape[1] != 2:
-        return "expected q [T, N, H] and the windows' own K/V [T, 2, K, H]"
-    if k_cache.ndim != 4 or blk_kv.shape[2:] != k_cache.shape[2:]:
-        return "the windows' K/V do not match the cache's heads"
+    if qkv.ndim != 3 or k_cache.ndim != 4:
+        return "expected qkv [T, N + 2K, H] and k_cache [B, S, K, H]"
+    n = qkv.shape[1] - 2 * k_cache.shape[2]
+    if n < 1 or n % k_cache.shape[2]:
+        return f"qkv's {qkv.shape[1]} heads are not N query heads + 2 × the cache's {k_cache.shape[2]} KV heads"
+    q = jax.ShapeDtypeStruct((qkv.shape[0], n, qkv.shape[2]), qkv.dtype)
     return ragged_verify_unsupported_reason(q, k_cache, v_cache, max_q_len=max_q_len, window=window,
-                                            interpret=interpret) or (
-        None if jnp.dtype(blk_kv.dtype) == jnp.dtype(q.dtype) else "q and K/V dtypes differ")
+                                            interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("max_q_len", "window", "block_k", "num_splits", "min_chunk",
                                              "num_warps", "num_stages", "interpret"))
 def packed_block_attention(
-    q: jax.Array,  # [T, N, H]
+    qkv: jax.Array,  # [T, N + 2K, H]: queries, keys, values
     k_cache: jax.Array,  # [B, S, K, H]
     v_cache: jax.Array,  # [B, S, K, H]
-    blk_kv: jax.Array,  # [T, 2, K, H]: keys, values
     cu_q_lens: jax.Array,  # [B+1] int32
     starts: jax.Array,  # [B] int32
     *,
@@ -606,26 +606,26 @@ def packed_block_attention(
 ) -> jax.Array:  # [T, N, H]
     """Packed verify windows whose own K/V are not in the cache (compact mode's tiers, which only read the
     cache): request ``r``'s rows ``cu_q_lens[r] : cu_q_lens[r+1]`` (at most ``max_q_len``) sit at positions
-    ``starts[r] + i`` and attend to its cache rows ``< starts[r]`` and causally to their own ``blk_kv`` rows
-    (keys and values in one operand: one kernel writes both, the rotary embedding of K and V's columns of the
-    fused projection, where two operands took a copy each) — :func:`draft_attention`'s causal case read and
-    written in the packed layout, so no unpacking to ``[B, L]`` and back. Padding rows past ``cu_q_lens[B]``
-    get zeros. Same semantics as ``dflash_jax.attention.packed_verify_attention`` without sinks. Tuning
-    arguments as :func:`draft_attention`."""
-    t_rows, n, h = q.shape
+    ``starts[r] + i`` and attend to its cache rows ``< starts[r]`` and causally to their own keys and values —
+    :func:`draft_attention`'s causal case read and written in the packed layout, so no unpacking to ``[B, L]``
+    and back. Each row's queries, keys and values come as the heads of one operand (rotary embedding applied):
+    one fusion of the projection's output writes it, where separate operands took a kernel each. Padding rows
+    past ``cu_q_lens[B]`` get zeros. Same semantics as ``dflash_jax.attention.packed_verify_attention``
+    without sinks. Tuning arguments as :func:`draft_attention`."""
+    t_rows, heads, h = qkv.shape
     b, s, k, _ = k_cache.shape
-    t = _make_tiling(rows=max_q_len, n=n, k=k, h=h, s=s, programs=b * k, dtype=q.dtype, block_k=block_k,
+    n = heads - 2 * k
+    t = _make_tiling(rows=max_q_len, n=n, k=k, h=h, s=s, programs=b * k, dtype=qkv.dtype, block_k=block_k,
                      num_splits=num_splits, min_chunk=min_chunk, num_warps=num_warps, num_stages=num_stages)
     cu = cu_q_lens.astype(jnp.int32)
     single = t.num_splits == 1
-    out_shape = jax.ShapeDtypeStruct((t_rows, n, h), q.dtype) if single else _partials_shape(t, t_rows, n, h)
-    kernel = functools.partial(_packed_block_kernel, t=t, num_req=b, s_len=s, window=window)
+    out_shape = jax.ShapeDtypeStruct((t_rows, n, h), qkv.dtype) if single else _partials_shape(t, t_rows, n, h)
+    kernel = functools.partial(_packed_block_kernel, t=t, num_req=b, s_len=s, window=window, n_heads=n)
     res = pl.pallas_call(kernel, out_shape=out_shape, grid=(b + 1 if single else b, k, t.num_splits),
                          interpret=interpret, compiler_params=_compiler_params(t),
-                         name="dflash_packed_block_attention")(
-        q, k_cache, v_cache, blk_kv, cu, starts.astype(jnp.int32))
+                         name="dflash_packed_block_attention")(qkv, k_cache, v_cache, cu, starts.astype(jnp.int32))
     if not single:
-        res = _merge_splits(*res, t, q.dtype, cu, interpret)
+        res = _merge_splits(*res, t, qkv.dtype, cu, interpret)
     return res
 
 

@@ -28,7 +28,7 @@ from dflash_jax.config import ModelConfig
 from dflash_jax.models import linear_attention as la
 from dflash_jax.models.layers import MLP, Dense, Embed, Rope, apply_rope
 from dflash_jax.models.moe import SparseMoE
-from dflash_jax.models.target import KVCache, PendingKV, TargetModel, write_rows
+from dflash_jax.models.target import KVCache, PendingKV, TargetModel, new_kv, write_rows
 
 log = logging.getLogger("dflash_jax")
 
@@ -87,9 +87,9 @@ class GatedAttention(nnx.Module):
         k = apply_partial_rope(self.k_norm(self.k_proj(x).reshape(b, t, self.k, self.h)), cos, sin)
         v = self.v_proj(x).reshape(b, t, self.k, self.h)
         if packed is not None:  # as target.Attention: the cache is only read; the new K/V are returned
-            kv = jnp.stack([k[0], v[0]], axis=1)  # [T, 2, K, H]
-            out = attention.packed_verify_attention(q[0], kv, k_cache, v_cache, packed, impl=impl)[None]
-            k_cache = v_cache = kv
+            qkv = jnp.concatenate([q[0], k[0], v[0]], axis=1)  # [T, N + 2K, H]
+            out = attention.packed_verify_attention(qkv, k_cache, v_cache, packed, impl=impl)[None]
+            k_cache = v_cache = new_kv(qkv, self.k)
         elif prefill:  # as target.Attention: the prompt's own keys, then stored
             out = attention.prefill_attention(q, k, v, positions, impl=impl)
             if k_cache is not None:

@@ -392,7 +392,7 @@ def test_packed_verify_kernels_run_per_shard(impl, caplog):
     def attend(impl):
         return lambda *a: attention.packed_verify_attention(*a, impl=impl, window=6)
 
-    args = (q, kv, kc, vc, layout)
+    args = (jnp.concatenate([q, kv.reshape(12, 8, 16)], axis=1), kc, vc, layout)  # heads: q, then K, then V
     want = np.asarray(fast_jit(attend("xla"))(*args))[:9]  # 9 slots: 3 + 0 + 4 + 2
     attention._warn_once.cache_clear()
     for mesh in (make_mesh(tp=2), make_mesh(tp=2, dp=2)):
