@@ -125,6 +125,16 @@ def timed(fn, repeats: int):
     return outs[0], statistics.median(walls)
 
 
+def earlier_table(path: Path, batch: int) -> costs.CostTable:
+    """The cost table in ``path``: a costs file, or an earlier run's JSON (the table it timed at ``batch``)."""
+    raw = json.loads(path.read_text())
+    if "batches" not in raw:
+        return costs.load_tables(path)[jax.default_backend()]
+    if str(batch) not in raw["batches"]:
+        raise SystemExit(f"{path} timed no table at batch {batch} (it has {sorted(raw['batches'], key=int)})")
+    return costs.CostTable.from_json(raw["batches"][str(batch)]["cost_table"], f"{path} [batch {batch}]")
+
+
 def batch_case(target, batch: int, args, table_file: Path | None) -> dict:
     rng = np.random.default_rng(batch)
     prompts = rng.integers(0, target.config.vocab_size, (batch, args.prompt_len)).tolist()
@@ -134,7 +144,7 @@ def batch_case(target, batch: int, args, table_file: Path | None) -> dict:
                             corrupt=args.corrupt)
     t0 = time.perf_counter()
     if table_file is not None:
-        table = costs.load_tables(table_file)[jax.default_backend()]
+        table = earlier_table(table_file, batch)
     else:
         table = costs.measure(target, drafter, batches=(batch,), block_size=args.block_size,
                               context=args.prompt_len + args.max_new // 2, pair="qwen3-8b-shaped",
@@ -177,7 +187,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--flat-logits", action="store_true",
                     help="keep the random target as drawn (bf16 rounding then leads rows away from AR's text)")
-    ap.add_argument("--cost-table", type=Path, help="a costs file to use instead of timing each batch's table")
+    ap.add_argument("--cost-table", type=Path,
+                    help="a costs file, or an earlier run's JSON (its table at each batch), instead of timing them")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     if args.small and jax.default_backend() == "cpu":
