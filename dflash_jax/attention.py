@@ -532,6 +532,13 @@ def split_qkv(qkv: Float[Array, "T N+2K H"], kv_heads: int) -> tuple[jax.Array, 
     return qkv[:, :n], qkv[:, n:n + kv_heads], qkv[:, n + kv_heads:]
 
 
+def packed_kv(qkv: Float[Array, "T N+2K H"], kv_heads: int) -> Float[Array, "T 2 K H"]:
+    """The keys and values of the packed verify's operand as one slice, for
+    :class:`dflash_jax.models.target.PendingKV` (whose stack over the layers reads it: no kernel of its own)."""
+    t, heads, h = qkv.shape
+    return qkv[:, heads - 2 * kv_heads:].reshape(t, 2, kv_heads, h)
+
+
 def packed_verify_attention(
     qkv: Float[Array, "T N+2K H"],
     k_cache: Float[Array, "B S K H"],

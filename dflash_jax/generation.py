@@ -362,10 +362,10 @@ def resolve_verify_mode(mode: str, drafter: Drafter | None, batch: int, block_si
     ``batch`` rows, from the cost table: ``"auto"`` becomes compact where the table times static's step, else
     where whole blocks cost ≥ ``AUTO_COMPACT_RATIO`` × one token per row; compact keeps the tiers worth their
     conditional and offers a step without drafting when the table times one that saves as much on the cheapest
-    tier kept (DFlash drafters: windows known before drafting); compact left with the whole block alone, or (where the table times the
-    static verify's step) with no tier that saves as much on static's step, runs the static program. Under a
-    ``dp`` mesh the costs are those of a device's ``batch / dp`` rows (what each device runs). Host work only
-    (nothing compiles)."""
+    tier kept (DFlash drafters: windows known before drafting); compact left with the whole block alone, or
+    (where the table times the static verify's step) with no tier that saves as much on static's step, runs
+    the static program. Under a ``dp`` mesh the costs are those of a device's ``batch / dp`` rows (what each
+    device runs). Host work only (nothing compiles)."""
     if mode == "static":
         return mode, (), None, False
     tiers = schedule.tiers_for(batch, block_size)
@@ -578,15 +578,13 @@ def speculative_generate(
     ``temperature`` / ``top_k`` / ``top_p``: HF meanings, a value for all prompts or one per prompt
     (temperature 0 = greedy; ``None`` = off). ``seed`` makes sampled runs reproducible. ``draft_sampling``:
     draw drafts from the drafter's own distribution (accept with min(1, p/q)) instead of taking its argmax.
-    ``verify_mode`` (README "Verify modes"): ``"auto"`` (default) is compact where the cost table says
-    trimming can pay at this batch size (it times static's step, or :data:`AUTO_COMPACT_RATIO`), static
-    elsewhere; ``"static"`` verifies
-    the whole block every cycle;
-    ``"compact"`` lets the confidence scheduler pick each row's window per cycle and verifies only those
-    windows, packed; ``"cap-accept"`` verifies the whole block but commits only the windows (what compact
-    commits), recording what trimming gave up (``stats["utilization"]``). ``cost_table``: the scheduler's
-    step costs (a :class:`dflash_jax.costs.CostTable` or a ``.costs.json`` path; default: the pair's, from
-    ``dflash-jax calibrate``, else the one shipped for this backend). ``batch_size``: decode at most this many
+    ``verify_mode`` (README "Verify modes"): ``"auto"`` (default) is compact where the cost table says trimming can
+    pay at this batch size (it times static's step, or :data:`AUTO_COMPACT_RATIO`), static elsewhere; ``"static"``
+    verifies the whole block every cycle; ``"compact"`` lets the confidence scheduler pick each row's window per
+    cycle and verifies only those windows, packed; ``"cap-accept"`` verifies the whole block but commits only the
+    windows (what compact commits), recording what trimming gave up (``stats["utilization"]``). ``cost_table``: the
+    scheduler's step costs (a :class:`dflash_jax.costs.CostTable` or a ``.costs.json`` path; default: the pair's,
+    from ``dflash-jax calibrate``, else the one shipped for this backend). ``batch_size``: decode at most this many
     prompts at once; a row that finishes takes the next prompt (continuous batching: README "Many prompts").
     :func:`dflash_jax.speculative_stream` takes the same arguments and yields the output as it is made.
     """

@@ -28,7 +28,7 @@ from dflash_jax.config import ModelConfig
 from dflash_jax.models import linear_attention as la
 from dflash_jax.models.layers import MLP, Dense, Embed, Rope, apply_rope
 from dflash_jax.models.moe import SparseMoE
-from dflash_jax.models.target import KVCache, PendingKV, TargetModel, new_kv, write_rows
+from dflash_jax.models.target import KVCache, PendingKV, TargetModel, write_rows
 
 log = logging.getLogger("dflash_jax")
 
@@ -89,7 +89,7 @@ class GatedAttention(nnx.Module):
         if packed is not None:  # as target.Attention: the cache is only read; the new K/V are returned
             qkv = jax.lax.optimization_barrier(jnp.concatenate([q[0], k[0], v[0]], axis=1))  # [T, N + 2K, H]
             out = attention.packed_verify_attention(qkv, k_cache, v_cache, packed, impl=impl)[None]
-            k_cache = v_cache = new_kv(qkv, self.k)
+            k_cache = v_cache = attention.packed_kv(qkv, self.k)
         elif prefill:  # as target.Attention: the prompt's own keys, then stored
             out = attention.prefill_attention(q, k, v, positions, impl=impl)
             if k_cache is not None:

@@ -46,13 +46,6 @@ def write_rows(cache: Float[Array, "B S K H"], new: Float[Array, "B T K H"], sta
     return jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u.astype(c.dtype), (s, 0, 0)))(cache, new, start)
 
 
-def new_kv(qkv: Float[Array, "T N+2K H"], kv_heads: int) -> Float[Array, "T 2 K H"]:
-    """The keys and values of the packed verify's operand, for :class:`PendingKV` (whose stack over the layers
-    reads them: no kernel of their own)."""
-    t, _, h = qkv.shape
-    return qkv[:, qkv.shape[1] - 2 * kv_heads:].reshape(t, 2, kv_heads, h)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PendingKV:
@@ -124,7 +117,7 @@ class Attention(nnx.Module):
             # slice of it into a concatenation of K and V of their own, one more kernel a layer in packed tiers.
             qkv = jax.lax.optimization_barrier(jnp.concatenate([q[0], k[0], v[0]], axis=1))
             out = attention.packed_verify_attention(qkv, k_cache, v_cache, packed, impl=impl, **extra)[None]
-            k_cache = v_cache = new_kv(qkv, self.k)  # the new entries, for PendingKV
+            k_cache = v_cache = attention.packed_kv(qkv, self.k)  # the new entries, for PendingKV
         elif prefill:
             # Empty cache: attend over the prompt's own keys (slot j = position j), then store them. Prefill is
             # compute-bound and long: not the decode kernels (cuDNN's fused attention on GPUs, else the reference).
