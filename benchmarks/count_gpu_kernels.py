@@ -147,14 +147,15 @@ def main() -> int:
     ap.add_argument("--cases", default="ar,static,compact-one-tier,compact")
     ap.add_argument("--dense", choices=["on", "off"], default="on",
                     help="off: compact's whole-block tier packs its windows as the smaller tiers do")
+    ap.add_argument("--drafter", default="smollm2-135m-dflash", help="a shipped drafter (assets/) or a folder")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     attention.DENSE_WHOLE_BLOCKS = args.dense == "on"
     device = topologies.get_topology_desc(platform="cuda", target_config=H200, topology="1x1x1").devices[0]
     target = load_target("smollm2-135m", dtype="bfloat16")
-    drafter = load_drafter(_ASSETS / "smollm2-135m-dflash", target)
+    drafter = load_drafter(Path(args.drafter) if Path(args.drafter).is_dir() else _ASSETS / args.drafter, target)
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), target_device=str(device), jax=jax.__version__,
-                  dense=args.dense, context=args.context, commit=subprocess.run(
+                  drafter=args.drafter, dense=args.dense, context=args.context, commit=subprocess.run(
                       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
                   batches={})
     for batch in (int(b) for b in args.batches.split(",")):
