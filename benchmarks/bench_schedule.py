@@ -295,6 +295,8 @@ def main() -> int:
     drafter_dir = Path(args.drafter) if Path(args.drafter).is_dir() else _ASSETS / args.drafter
     drafter = load_drafter(drafter_dir, target)
     kind = "DSpark" if drafter.config.sequential else "DFlash"
+    # the pair config this drafter ships in (configs/<pair>.yaml), whose costs file a calibration here can become
+    pair_name = "smollm2-135m" if drafter_dir.name == "smollm2-135m-dflash" else drafter_dir.name
     vocab_sizes = [int(n) for n in args.draft_vocab.split(",")]
     drafters = {(f"v{n}" if n else "full"): restricted(target, drafter, n) for n in vocab_sizes}
     drafter = next(iter(drafters.values()))
@@ -307,7 +309,7 @@ def main() -> int:
     if args.calibrate:
         t0 = time.perf_counter()
         table = costs.measure(target, drafter, batches=[int(b) for b in args.batches.split(",")],
-                              pair="smollm2-135m", progress=lambda line: print(line, flush=True))
+                              pair=pair_name, progress=lambda line: print(line, flush=True))
         print(f"calibrated in {time.perf_counter() - t0:.0f} s", flush=True)
         # With the rows of an earlier calibration already in that file (same settings), their union.
         table = costs.save_table(args.out.with_name(args.out.stem + ".costs.json"), table)
