@@ -498,6 +498,11 @@ def test_cost_table_interpolation_and_files(tmp_path):
     assert costs.shipped_table("cpu").backend == "cpu"  # the shipped defaults
     assert costs.shipped_table("gpu").device == "NVIDIA H200"
     assert costs.shipped_table("tpu").backend == "gpu"  # none measured on a TPU yet
+    # A pair's own tables sit next to its config: the DSpark pair ships its H200 table (static's step timed).
+    from dflash_jax.pairs import load_pair_config
+    dspark = costs.load_tables(costs.tables_path(load_pair_config("smollm2-135m-dspark").path))
+    assert sorted(dspark) == ["gpu"] and dspark["gpu"].pair == "smollm2-135m-dspark"
+    assert sorted(dspark["gpu"].static_ms) == sorted(dspark["gpu"].step_ms) == [1, 4, 16, 32, 64, 128]
 
 
 def test_calibrate_command_writes_a_table_and_its_plot(tmp_path, capsys):
