@@ -38,7 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_jax import continuous, costs, draft_vocab, generate, load_drafter, load_target, speculative_generate  # noqa: E402,E501
-from dflash_jax import attention  # noqa: E402
+from dflash_jax import attention, cuda  # noqa: E402
 from dflash_jax.loading import _ASSETS, restrict_draft_vocab  # noqa: E402
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "schedule_prompts.json"
@@ -275,12 +275,18 @@ def main() -> int:
     ap.add_argument("--packed-kernel", choices=["on", "off"], default="on",
                     help="off: compact's packed verify unpacks to [B, L] for the block kernel (GPUs; the path before "
                          "cuda.packed_block_attention)")
+    ap.add_argument("--programs-per-sm", type=int,
+                    help="GPU attention kernels: split each row's cache until this many programs per SM (the "
+                         "library's default 3; 1 keeps one pass — no merge kernel — wherever rows × KV heads fill "
+                         "the SMs, e.g. batch ≥ 44 here)")
     ap.add_argument("--spectrum-of", nargs="+", type=Path, metavar="SWEEP_JSON",
                     help="no run: one spectrum (--out, a .png) of the sweeps in these result files, batch by batch")
     ap.add_argument("--out", type=Path, default=Path("schedule.json"))
     args = ap.parse_args()
     if args.packed_kernel == "off":
         attention._packed_kernel_call = lambda *a, **k: None  # noqa: E731
+    if args.programs_per_sm:
+        cuda._PROGRAMS_PER_SM = args.programs_per_sm  # read when a kernel is traced
     if args.make_prompts:
         make_prompts(args.make_prompts)
         return 0
@@ -302,7 +308,7 @@ def main() -> int:
     drafter = next(iter(drafters.values()))
     rows = json.loads(args.prompts.read_text())
     result = dict(date=time.strftime("%Y-%m-%d"), device=jax.devices()[0].device_kind, dtype=args.dtype,
-                  packed_kernel=args.packed_kernel,
+                  packed_kernel=args.packed_kernel, programs_per_sm=args.programs_per_sm or cuda._PROGRAMS_PER_SM,
                   platform=platform.platform(), max_new=args.max_new, drafter=drafter_dir.name,
                   commit=os.environ.get("BENCH_COMMIT") or subprocess.run(
                       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip())

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_cpu_step import compact_step, plain_step, static_step  # noqa: E402
 
-from dflash_jax import attention, load_drafter, load_target  # noqa: E402
+from dflash_jax import attention, cuda, load_drafter, load_target  # noqa: E402
 from dflash_jax.loading import _ASSETS  # noqa: E402
 
 # An H200 as XLA's GPU compiler sees it (xla.stream_executor.GpuTargetConfigProto, text form).
@@ -148,14 +148,17 @@ def main() -> int:
     ap.add_argument("--dense", choices=["on", "off"], default="on",
                     help="off: compact's whole-block tier packs its windows as the smaller tiers do")
     ap.add_argument("--drafter", default="smollm2-135m-dflash", help="a shipped drafter (assets/) or a folder")
+    ap.add_argument("--programs-per-sm", type=int, help="the attention kernels' split-KV target (library: 3)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    if args.programs_per_sm:
+        cuda._PROGRAMS_PER_SM = args.programs_per_sm
     attention.DENSE_WHOLE_BLOCKS = args.dense == "on"
     device = topologies.get_topology_desc(platform="cuda", target_config=H200, topology="1x1x1").devices[0]
     target = load_target("smollm2-135m", dtype="bfloat16")
     drafter = load_drafter(Path(args.drafter) if Path(args.drafter).is_dir() else _ASSETS / args.drafter, target)
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), target_device=str(device), jax=jax.__version__,
-                  drafter=args.drafter, dense=args.dense, context=args.context, commit=subprocess.run(
+                  drafter=args.drafter, programs_per_sm=cuda._PROGRAMS_PER_SM, dense=args.dense, context=args.context, commit=subprocess.run(
                       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
                   batches={})
     for batch in (int(b) for b in args.batches.split(",")):
