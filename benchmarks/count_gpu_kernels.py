@@ -158,7 +158,8 @@ def main() -> int:
     target = load_target("smollm2-135m", dtype="bfloat16")
     drafter = load_drafter(Path(args.drafter) if Path(args.drafter).is_dir() else _ASSETS / args.drafter, target)
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), target_device=str(device), jax=jax.__version__,
-                  drafter=args.drafter, programs_per_sm=cuda._PROGRAMS_PER_SM, dense=args.dense, context=args.context, commit=subprocess.run(
+                  drafter=args.drafter, programs_per_sm=cuda._PROGRAMS_PER_SM, dense=args.dense,
+                  context=args.context, commit=subprocess.run(
                       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
                   batches={})
     for batch in (int(b) for b in args.batches.split(",")):
