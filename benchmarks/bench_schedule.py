@@ -80,7 +80,7 @@ def run_mode(mode: str, target, drafter, batches: list[list[list[int]]], max_new
 
     for batch in batches:  # compile every shape bucket first (from the persistent cache when it has them)
         call(batch)
-    wall = tokens = cycles = verified = 0
+    wall = tokens = cycles = verified = batch_steps = row_slots = 0
     latency, tiers, ar_steps = [], {}, 0
     outs = []
     for batch in batches:
@@ -95,6 +95,9 @@ def run_mode(mode: str, target, drafter, batches: list[list[list[int]]], max_new
         else:
             latency.append(1e3 * dt / (n / len(batch)))
         cycles += sum(len(a) for a in out.acceptance_lengths)
+        if not pool:  # a static batch steps until its slowest row is done; the others idle meanwhile
+            batch_steps += out.stats["cycles"]
+            row_slots += out.stats["cycles"] * len(batch)
         verified += out.stats.get("verify_tokens", n)
         for t, c in out.stats.get("tier_steps", {}).items():
             tiers[t] = tiers.get(t, 0) + c
@@ -106,6 +109,9 @@ def run_mode(mode: str, target, drafter, batches: list[list[list[int]]], max_new
         res["ar_steps"] = ar_steps
     if pool:
         res.update({k: out.stats[k] for k in ("cycles", "segments", "refills", "refill_size")})
+    else:  # steps the batches ran, the wall per step (prefill included), the share of row-steps spent idle
+        res.update(batch_steps=batch_steps, wall_ms_per_step=1e3 * wall / max(batch_steps, 1),
+                   idle_rows=1 - cycles / max(row_slots, 1))
     return res, outs
 
 
@@ -129,7 +135,9 @@ def sweep(target, drafter, rows: list[dict], batch_sizes: list[int], max_new: in
             ids[mode] = [t for o in outs for t in o.token_ids]
             print(f"batch {b:4d} {mode:8s} {res[mode]['tokens_per_s']:9.1f} tok/s  "
                   f"{res[mode]['row_ms_per_token']:7.2f} ms/token/row  τ {res[mode]['tau']:.2f}  "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+                  + (f"{res[mode]['batch_steps']} steps, {res[mode]['wall_ms_per_step']:.2f} ms each, "
+                     f"rows idle {res[mode]['idle_rows']:.0%}  " if pool is None else "")
+                  + f"({time.perf_counter() - t0:.0f} s)", flush=True)
         for mode in ("static", "compact"):
             res[f"{mode}_vs_ar"] = res[mode]["tokens_per_s"] / res["ar"]["tokens_per_s"]
             res[f"{mode}_identical_to_ar"] = float(np.mean([a == s for a, s in zip(ids["ar"], ids[mode])]))
