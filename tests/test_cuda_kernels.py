@@ -319,3 +319,41 @@ def test_prefill_attention_matches_reference(b, t, n, k, h, window):
         q, kk, v, positions).as_text().lower()
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=TOL[jnp.bfloat16],
                                rtol=TOL[jnp.bfloat16])
+
+
+# ------------------------------------------------------------------------------------ cache write
+
+@pytest.mark.parametrize("dtype,w", [(jnp.float32, 5), (jnp.bfloat16, 16)])
+def test_write_pending_matches_the_scatters(dtype, w):
+    """Compact's deferred cache write in one kernel: every layer's keys and values land where PendingKV's two
+    scatters a layer put them — row b's window at its own start, a window that reaches the cache's last slot
+    included — and nothing else of the caches changes (exactly: a copy)."""
+    from dflash_jax.cuda.cache_write import write_pending, write_pending_unsupported_reason
+    from dflash_jax.models.target import KVCache, PendingKV
+
+    nl, b, k, h, s = 3, 4, 3, 16, 40
+    rng = np.random.default_rng(w)
+    kv = _normal(rng, (nl, b, w, 2, k, h), dtype)
+    starts = jnp.asarray([0, 7, s - w, 12], jnp.int32)
+    cache = KVCache(*(tuple(_normal(rng, (b, s, k, h), dtype) for _ in range(nl)) for _ in range(2)))
+    assert write_pending_unsupported_reason(kv, cache.k + cache.v, interpret=INTERPRET) is None
+    want = PendingKV(starts, kv).write(cache)
+    got_k, got_v = jax.jit(lambda *a: write_pending(*a, interpret=INTERPRET))(kv, starts, cache.k, cache.v)
+    for got, ref_cache in zip(got_k + got_v, want.k + want.v):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref_cache, np.float32))
+
+
+def test_write_pending_lowers_to_triton_and_refuses_odd_shapes():
+    """At the embedded pair's shapes (30 layers, 64 rows, windows of 16) through Pallas' Triton rules; shapes it
+    cannot take are refused with the reason."""
+    from dflash_jax.cuda.cache_write import write_pending, write_pending_unsupported_reason
+
+    sds = jax.ShapeDtypeStruct
+    kv, caches = sds((30, 64, 16, 2, 3, 64), jnp.bfloat16), (sds((64, 512, 3, 64), jnp.bfloat16),) * 60
+    assert write_pending_unsupported_reason(kv, caches, interpret=True) is None
+    text = jax.jit(lambda kv, starts, *c: write_pending(kv, starts, c[:30], c[30:])).trace(
+        kv, sds((64,), jnp.int32), *caches).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text and "dflash_write_pending_kv" in text
+    assert "caches" in write_pending_unsupported_reason(kv, caches[:59], interpret=True)
+    assert "head_dim" in write_pending_unsupported_reason(sds((30, 64, 16, 2, 3, 96), jnp.bfloat16),
+                                                          (sds((64, 512, 3, 96), jnp.bfloat16),) * 60, interpret=True)

@@ -409,7 +409,7 @@ def _packed_step(target, drafter, state: DecodeState, spec: LoopSpec, window, ti
         state = dataclasses.replace(state, schedule=dataclasses.replace(sch, counts=counts))
     logits, choice = (scored, None) if spec.sampling else (None, scored)
     state, accepted, last, _ = _accept(state, block, logits, choice, spec, q, window)
-    tcache = pending.write(state.target_cache)
+    tcache = pending.write(state.target_cache, impl=spec.impl)
     if isinstance(target, HybridTargetModel):  # linear states after the anchor and the accepted drafts
         tcache = target.settle(tcache, accepted + 1)
     return _commit_verified(drafter, state, block, positions, tcache, feats, accepted, last, None, window)

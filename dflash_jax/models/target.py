@@ -74,10 +74,18 @@ class PendingKV:
         pad = [(0, 0), (0, 0), (0, block - self.kv.shape[2])] + [(0, 0)] * 3
         return PendingKV(self.starts, jnp.pad(self.kv, pad), tuple(pad_record(r, block) for r in self.records))
 
-    def write(self, cache: KVCache) -> KVCache:
-        written = dict(k=tuple(write_rows(c, self.kv[i, :, :, 0], self.starts) for i, c in enumerate(cache.k)),
-                       v=tuple(write_rows(c, self.kv[i, :, :, 1], self.starts) for i, c in enumerate(cache.v)))
-        return dataclasses.replace(cache, **written, **({"pending": self.records} if self.records else {}))
+    def write(self, cache: KVCache, impl: str = "xla") -> KVCache:
+        """``impl="cuda"``: one GPU kernel for every layer (:mod:`dflash_jax.cuda.cache_write`) instead of two
+        scatters a layer, where it applies."""
+        done = None
+        if impl == "cuda":
+            from dflash_jax.cuda.cache_write import write_pending_or_none  # Triton's modules only on this path
+
+            done = write_pending_or_none(self.kv, self.starts, cache.k, cache.v)
+        if done is None:
+            done = (tuple(write_rows(c, self.kv[i, :, :, 0], self.starts) for i, c in enumerate(cache.k)),
+                    tuple(write_rows(c, self.kv[i, :, :, 1], self.starts) for i, c in enumerate(cache.v)))
+        return dataclasses.replace(cache, k=done[0], v=done[1], **({"pending": self.records} if self.records else {}))
 
 
 class Attention(nnx.Module):

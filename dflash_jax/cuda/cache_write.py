@@ -1,0 +1,95 @@
+"""Compact mode's deferred cache write as one GPU kernel (Pallas lowered to Triton).
+
+A compact step's tiers only read the caches; the new K/V of every layer come out of the tier switch stacked
+(:class:`dflash_jax.models.target.PendingKV`, ``[NL, B, W, 2, K, H]``) and are written after it, each row's
+``W`` slots at its own anchor ``starts[b]``. As XLA scatters that is two kernels a layer (60 for SmolLM2), each
+moving a few hundred KB: on an H200 the embedded pair's step is launch-bound, so they cost their launches, not
+their bytes. Here one kernel writes every layer's keys and values: program ``(b, l)`` copies row ``b``'s
+window of layer ``l``'s keys and values, a ``[W, H]`` tile per KV head, into that layer's caches, which are
+aliased to the outputs (written in place; nothing else of them is touched). Letters as in :mod:`dflash_jax.cuda`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jaxtyping import Array, Float, Int
+
+from dflash_jax.attention import _warn_once
+from dflash_jax.cuda import _SUPPORTED_DTYPES, _next_pow2
+
+
+def _write_kernel(starts_ref, kv_ref, *refs, layers: int, w: int, wp: int, k: int, s: int):
+    # refs: the 2·NL caches as inputs (never read here), then the same 2·NL caches as outputs (aliased).
+    outs = refs[2 * layers:]
+    b, layer = pl.program_id(0), pl.program_id(1)  # read outside the pl.when bodies (interpret mode)
+    start = starts_ref[b]
+    rows = jnp.arange(wp)
+    live = (rows < w) & (start + rows < s)  # past the window or past the cache: not written
+    for this in range(layers):  # a program writes one layer; the layer's refs are picked statically
+        @pl.when(layer == this)
+        def _():
+            for part in range(2):  # keys, then values
+                cache = outs[part * layers + this]
+                for kh in range(k):
+                    # (indices as int32 scalars: interpret mode's state discharge takes no Python ints in .at)
+                    at = (jnp.int32(this), b, pl.ds(0, wp), jnp.int32(part), jnp.int32(kh), slice(None))
+                    tile = plgpu.load(kv_ref.at[at], mask=(rows < w)[:, None], other=0.0)
+                    plgpu.store(cache.at[b, pl.ds(start, wp), jnp.int32(kh), :], tile.astype(cache.dtype),
+                                mask=live[:, None])
+
+
+def write_pending_unsupported_reason(kv: jax.ShapeDtypeStruct, caches: tuple, *, interpret: bool = False
+                                     ) -> str | None:
+    """Why :func:`write_pending` cannot take these shapes (None: it can)."""
+    if not interpret and jax.default_backend() != "gpu":
+        return f"needs a GPU backend (have {jax.default_backend()!r}; interpret=True runs on any backend)"
+    layers, b, w, two, k, h = kv.shape
+    if two != 2 or len(caches) != 2 * layers:
+        return f"{len(caches)} caches for {layers} layers of keys and values"
+    if any(c.shape[0] != b or c.shape[2:] != (k, h) for c in caches):
+        return f"caches {sorted({tuple(c.shape) for c in caches})} do not hold rows of {(b, k, h)}"
+    if any(jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES for x in (kv, *caches)):
+        return "dtypes other than bfloat16/float16/float32"
+    if h < 16 or h > 256 or h & (h - 1):
+        return f"head_dim {h} is not a power of two in [16, 256]"
+    if layers * 2 * k > 1024:
+        return f"{layers * 2 * k} (layer, K/V, head) tiles: the unrolled kernel would be too large"
+    return None
+
+
+def write_pending(kv: Float[Array, "NL B W 2 K H"], starts: Int[Array, "B"], k_caches: tuple, v_caches: tuple,
+                  *, interpret: bool = False) -> tuple[tuple, tuple]:
+    """(k_caches, v_caches) with ``kv[l, b, i]`` written at slot ``starts[b] + i`` of layer ``l``'s caches —
+    what :meth:`PendingKV.write` does with two scatters a layer — in one kernel launch (the caches are
+    aliased to the outputs: written in place where the caller's buffers can be donated, as the decode
+    loop's are)."""
+    layers, b, w, _, k, _ = kv.shape
+    caches = tuple(k_caches) + tuple(v_caches)
+    s = caches[0].shape[1]
+    kernel = functools.partial(_write_kernel, layers=layers, w=w, wp=max(16, _next_pow2(w)), k=k, s=s)
+    out = pl.pallas_call(kernel, out_shape=tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches),
+                         grid=(b, layers), input_output_aliases={2 + i: i for i in range(len(caches))},
+                         interpret=interpret, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+                         name="dflash_write_pending_kv")(starts.astype(jnp.int32), kv, *caches)
+    return tuple(out[:layers]), tuple(out[layers:])
+
+
+def write_pending_or_none(kv: Float[Array, "NL B W 2 K H"], starts: Int[Array, "B"], k_caches: tuple,
+                          v_caches: tuple) -> tuple[tuple, tuple] | None:
+    """:func:`write_pending` where it applies (one device: compact mode's packed verify does not run under a
+    mesh; interpret mode off a GPU, as the other ``impl="cuda"`` kernels), else None (the fallback's reason
+    logged once): the caller writes with XLA's scatters."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not (mesh.empty or mesh.size == 1):
+        return None
+    interpret = jax.default_backend() != "gpu"
+    why = write_pending_unsupported_reason(kv, tuple(k_caches) + tuple(v_caches), interpret=interpret)
+    if why is not None:
+        _warn_once(f"attention_impl='cuda': compact's cache write uses XLA's scatters ({why})")
+        return None
+    return write_pending(kv, starts, k_caches, v_caches, interpret=interpret)
