@@ -29,9 +29,9 @@ sweep() {  # sweep <batches> <seconds>: AR, static and compact on the evaluation
 }
 case "$1" in
   1)
-    # the packed kernel's GPU tests first (its [T, 2, K, H] operand and the dense tier through it are new)
+    # the GPU tests of the packed verify kernel and of the cache-write kernel first
     timeout 150 python3 -m pytest -q -rf tests/test_cuda_kernels.py tests/test_kernel_dispatch.py \
-      tests/test_schedule.py -k "packed" 2>&1 | tail -4
+      tests/test_schedule.py -k "packed or write_pending" 2>&1 | tail -4
     timeout 150 bash benchmarks/device_runs/bench.sh profile_gpu_step.py --batches 64 --tiers 0,-1 \
       --cases ar,compact-ar,compact-tiers,static --out $OUT/step_profile.json > $OUT/step_profile.txt 2>&1
     echo "profile rc $?"; grep "^== " $OUT/step_profile.txt
