@@ -355,5 +355,7 @@ def test_write_pending_lowers_to_triton_and_refuses_odd_shapes():
         kv, sds((64,), jnp.int32), *caches).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text and "dflash_write_pending_kv" in text
     assert "caches" in write_pending_unsupported_reason(kv, caches[:59], interpret=True)
+    assert "not all" in write_pending_unsupported_reason(kv, caches[:59] + (sds((64, 256, 3, 64), jnp.bfloat16),),
+                                                         interpret=True)
     assert "head_dim" in write_pending_unsupported_reason(sds((30, 64, 16, 2, 3, 96), jnp.bfloat16),
                                                           (sds((64, 512, 3, 96), jnp.bfloat16),) * 60, interpret=True)

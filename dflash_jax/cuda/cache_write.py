@@ -51,8 +51,8 @@ def write_pending_unsupported_reason(kv: jax.ShapeDtypeStruct, caches: tuple, *,
     layers, b, w, two, k, h = kv.shape
     if two != 2 or len(caches) != 2 * layers:
         return f"{len(caches)} caches for {layers} layers of keys and values"
-    if any(c.shape[0] != b or c.shape[2:] != (k, h) for c in caches):
-        return f"caches {sorted({tuple(c.shape) for c in caches})} do not hold rows of {(b, k, h)}"
+    if len({tuple(c.shape) for c in caches}) != 1 or caches[0].shape[0] != b or caches[0].shape[2:] != (k, h):
+        return f"caches {sorted({tuple(c.shape) for c in caches})} are not all [{b}, S, {k}, {h}]"
     if any(jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES for x in (kv, *caches)):
         return "dtypes other than bfloat16/float16/float32"
     if h < 16 or h > 256 or h & (h - 1):
