@@ -10,7 +10,8 @@
 * :func:`ragged_verify_attention` — verify windows of different lengths packed end to end; the decode
   loop's static-window verify is its ℓ_r = L case.
 * :func:`packed_verify_attention` — compact mode's packed windows over a cache that is only read (each
-  window's own K/V beside it, written after the tier's conditional): draft attention's form, causal.
+  window's own K/V beside it, written after the tier's conditional): draft attention's form, causal;
+  :func:`packed_verify` is a decoder layer's call of it.
 
 The first two are written as one joint softmax over key groups so the (large) context cache is never concatenated
 with anything. Scores and softmax are float32 whatever the input dtype.
@@ -537,6 +538,19 @@ def packed_kv(qkv: Float[Array, "T N+2K H"], kv_heads: int) -> Float[Array, "T 2
     :class:`dflash_jax.models.target.PendingKV` (whose stack over the layers reads it: no kernel of its own)."""
     t, heads, h = qkv.shape
     return qkv[:, heads - 2 * kv_heads:].reshape(t, 2, kv_heads, h)
+
+
+def packed_verify(q: Float[Array, "1 T N H"], k: Float[Array, "1 T K H"], v: Float[Array, "1 T K H"],
+                  k_cache: Float[Array, "B S K H"], v_cache: Float[Array, "B S K H"], layout: PackedLayout, *,
+                  impl: str, sinks: Float[Array, "N"] | None = None, window: int | None = None
+                  ) -> tuple[Float[Array, "1 T N H"], Float[Array, "T 2 K H"]]:
+    """A decoder layer's packed verify (rotary embedding applied): (its attention output, the windows' new K/V
+    for :class:`dflash_jax.models.target.PendingKV`). Queries, keys and values go in as one ``[T, N + 2K, H]``
+    operand, which one fusion writes; the barrier keeps it one buffer — XLA would otherwise rewrite PendingKV's
+    slice of it into a concatenation of K and V of their own, one more kernel a layer in the packed tiers."""
+    qkv = jax.lax.optimization_barrier(jnp.concatenate([q[0], k[0], v[0]], axis=1))
+    out = packed_verify_attention(qkv, k_cache, v_cache, layout, impl=impl, sinks=sinks, window=window)
+    return out[None], packed_kv(qkv, k.shape[2])
 
 
 def packed_verify_attention(

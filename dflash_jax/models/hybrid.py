@@ -87,9 +87,8 @@ class GatedAttention(nnx.Module):
         k = apply_partial_rope(self.k_norm(self.k_proj(x).reshape(b, t, self.k, self.h)), cos, sin)
         v = self.v_proj(x).reshape(b, t, self.k, self.h)
         if packed is not None:  # as target.Attention: the cache is only read; the new K/V are returned
-            qkv = jax.lax.optimization_barrier(jnp.concatenate([q[0], k[0], v[0]], axis=1))  # [T, N + 2K, H]
-            out = attention.packed_verify_attention(qkv, k_cache, v_cache, packed, impl=impl)[None]
-            k_cache = v_cache = attention.packed_kv(qkv, self.k)
+            out, new_kv = attention.packed_verify(q, k, v, k_cache, v_cache, packed, impl=impl)
+            k_cache = v_cache = new_kv
         elif prefill:  # as target.Attention: the prompt's own keys, then stored
             out = attention.prefill_attention(q, k, v, positions, impl=impl)
             if k_cache is not None:

@@ -121,11 +121,8 @@ class Attention(nnx.Module):
         q, k, v = self.project_qkv(x, cos, sin)
         extra = dict(sinks=None if self.sinks is None else self.sinks[...], window=self.window)
         if packed is not None:  # x is [1, T, D]: verify windows packed end to end; the cache is only read
-            # [T, N + 2K, H], one fusion writes it. The barrier keeps it one buffer: XLA would rewrite PendingKV's
-            # slice of it into a concatenation of K and V of their own, one more kernel a layer in packed tiers.
-            qkv = jax.lax.optimization_barrier(jnp.concatenate([q[0], k[0], v[0]], axis=1))
-            out = attention.packed_verify_attention(qkv, k_cache, v_cache, packed, impl=impl, **extra)[None]
-            k_cache = v_cache = attention.packed_kv(qkv, self.k)  # the new entries, for PendingKV
+            out, new_kv = attention.packed_verify(q, k, v, k_cache, v_cache, packed, impl=impl, **extra)
+            k_cache = v_cache = new_kv  # the new entries, for PendingKV
         elif prefill:
             # Empty cache: attend over the prompt's own keys (slot j = position j), then store them. Prefill is
             # compute-bound and long: not the decode kernels (cuDNN's fused attention on GPUs, else the reference).
