@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
-from dflash_jax.attention import _warn_once
+from dflash_jax.attention import _run_kernel
 from dflash_jax.cuda import _SUPPORTED_DTYPES, _next_pow2
 
 
@@ -83,13 +83,19 @@ def write_pending_or_none(kv: Float[Array, "NL B W 2 K H"], starts: Int[Array, "
                           v_caches: tuple) -> tuple[tuple, tuple] | None:
     """:func:`write_pending` where it applies (one device: compact mode's packed verify does not run under a
     mesh; interpret mode off a GPU, as the other ``impl="cuda"`` kernels), else None (the fallback's reason
-    logged once): the caller writes with XLA's scatters."""
+    logged once, by the attention kernels' dispatcher): the caller writes with XLA's scatters."""
     mesh = jax.sharding.get_abstract_mesh()
     if not (mesh.empty or mesh.size == 1):
         return None
     interpret = jax.default_backend() != "gpu"
-    why = write_pending_unsupported_reason(kv, tuple(k_caches) + tuple(v_caches), interpret=interpret)
-    if why is not None:
-        _warn_once(f"attention_impl='cuda': compact's cache write uses XLA's scatters ({why})")
-        return None
-    return write_pending(kv, starts, k_caches, v_caches, interpret=interpret)
+    layers = len(k_caches)
+
+    def local(kv, starts, *caches):
+        return write_pending(kv, starts, caches[:layers], caches[layers:], interpret=interpret)
+
+    def reason(kv, starts, *caches):
+        return write_pending_unsupported_reason(kv, caches, interpret=interpret)
+
+    args = (kv, starts, *k_caches, *v_caches)
+    return _run_kernel("cuda", "compact's cache write", (), local, reason, args,
+                       tuple((None,) * a.ndim for a in args), warn_once=True)
