@@ -1,4 +1,4 @@
-"""Compact vs static vs autoregressive on a measured GPU cost table, simulated on this machine's CPU.
+"""Compact vs static verify on a measured GPU cost table, simulated on this machine's CPU.
 
 The confidence scheduler's choices depend only on the drafts, the acceptance so far and the cost table; the
 committed tokens depend only on the models. So the steps a GPU sweep runs can be replayed here: each mode decodes
@@ -29,8 +29,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_jax import costs, generation, load_drafter, load_target, speculative_generate  # noqa: E402
