@@ -73,16 +73,15 @@ def compact_batch(target, drafter, batch: list[list[int]], table, max_new: int) 
         if ar_offered:
             steps["ar"] = out.stats.get("ar_steps", 0)
             ms += steps["ar"] * float(step_cost[-1])
-    return dict(ids=out.token_ids, ms=ms, steps=steps, tiers=list(tiers), verify_tokens=out.stats.get("verify_tokens"),
-                new_tokens=out.stats["new_tokens"])
+    return dict(ids=out.token_ids, ms=ms, steps=steps, tiers=list(tiers), new_tokens=out.stats["new_tokens"])
 
 
 def simulate(target, drafter, prompts, table, batch_sizes, max_new: int, chunk: int, earlier: dict | None) -> dict:
     """``earlier``: an earlier run's results over the same prompts and drafter, whose static steps to reuse (the
     static pass is the slow part; a scheduler variant changes compact's steps only). Its outputs are then not
     checked against static's."""
-    longest = max(sum(map(len, sweep_batches(prompts, b))) for b in batch_sizes)
     if earlier is None:
+        longest = max(sum(map(len, sweep_batches(prompts, b))) for b in batch_sizes)
         t0 = time.perf_counter()
         cycles, static_ids = static_rows(target, drafter, prompts[:longest], max_new, chunk)
         print(f"static pass: {time.perf_counter() - t0:.0f} s", flush=True)
