@@ -280,6 +280,9 @@ def main() -> int:
                     help="sweep: every prompt through one pool of the batch's rows (continuous batching) instead "
                          "of consecutive static batches")
     ap.add_argument("--refill-size", type=int, help="--continuous: rows refilled at a time (default: the library's)")
+    ap.add_argument("--write-kernel", choices=["on", "off"], default="on",
+                    help="off: compact's deferred cache write as two XLA scatters a layer (the path before "
+                         "cuda.cache_write)")
     ap.add_argument("--packed-kernel", choices=["on", "off"], default="on",
                     help="off: compact's packed verify unpacks to [B, L] for the block kernel (GPUs; the path before "
                          "cuda.packed_block_attention)")
@@ -293,6 +296,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.packed_kernel == "off":
         attention._packed_kernel_call = lambda *a, **k: None  # noqa: E731
+    if args.write_kernel == "off":
+        from dflash_jax.cuda import cache_write  # Triton's modules only here
+
+        cache_write.write_pending_or_none = lambda *a, **k: None  # noqa: E731
     if args.programs_per_sm:
         cuda._PROGRAMS_PER_SM = args.programs_per_sm  # read when a kernel is traced
     if args.make_prompts:
@@ -316,7 +323,8 @@ def main() -> int:
     drafter = next(iter(drafters.values()))
     rows = json.loads(args.prompts.read_text())
     result = dict(date=time.strftime("%Y-%m-%d"), device=jax.devices()[0].device_kind, dtype=args.dtype,
-                  packed_kernel=args.packed_kernel, programs_per_sm=args.programs_per_sm or cuda._PROGRAMS_PER_SM,
+                  packed_kernel=args.packed_kernel, write_kernel=args.write_kernel,
+                  programs_per_sm=args.programs_per_sm or cuda._PROGRAMS_PER_SM,
                   platform=platform.platform(), max_new=args.max_new, drafter=drafter_dir.name,
                   commit=os.environ.get("BENCH_COMMIT") or subprocess.run(
                       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip())

@@ -1,7 +1,7 @@
 # Compact against static and AR on the GPU after a change to compact's step, in five calls after calls 1 and 2
 # (carry .xfer/p2 with each; the machine must stay warm between them: the table of calls 2–3 stays in /tmp/recheck).
-#   bash benchmarks/device_runs/compact_recheck.sh 1   # the packed kernel's tests; step profile at batch 64 (the
-#                                                      # whole-block tier dense and packed) (~6 min)
+#   bash benchmarks/device_runs/compact_recheck.sh 1   # the packed and cache-write kernels' tests; step profile at
+#                                                      # batch 64 with the cache-write kernel and without (~6 min)
 #   bash benchmarks/device_runs/compact_recheck.sh 2   # the cost table at batches 1–32 (~5 min)
 #   bash benchmarks/device_runs/compact_recheck.sh 3   # the table's 64, 128 added; sweep at batch 16 (~6 min)
 #   bash benchmarks/device_runs/compact_recheck.sh 4   # sweep at batches 32, 4, 1 (~5.5 min)
@@ -35,9 +35,9 @@ case "$1" in
     timeout 150 bash benchmarks/device_runs/bench.sh profile_gpu_step.py --batches 64 --tiers 0,-1 \
       --cases ar,compact-ar,compact-tiers,static --out $OUT/step_profile.json > $OUT/step_profile.txt 2>&1
     echo "profile rc $?"; grep "^== " $OUT/step_profile.txt
-    timeout 120 bash benchmarks/device_runs/bench.sh profile_gpu_step.py --batches 64 --tiers -1 --dense off \
-      --cases compact-tiers,static --out $OUT/step_profile_packed.json > $OUT/step_profile_packed.txt 2>&1
-    echo "profile (whole blocks packed) rc $?"; grep "^== " $OUT/step_profile_packed.txt
+    timeout 120 bash benchmarks/device_runs/bench.sh profile_gpu_step.py --batches 64 --tiers 0,-1 --write-kernel off \
+      --cases compact-ar,compact-tiers --out $OUT/step_profile_nowrite.json > $OUT/step_profile_nowrite.txt 2>&1
+    echo "profile (cache write as XLA scatters) rc $?"; grep "^== " $OUT/step_profile_nowrite.txt
     ;;
   2) rm -f $TABLE; calibrate 1,4,16,32 420 ;;
   3)
