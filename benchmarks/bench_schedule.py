@@ -288,8 +288,8 @@ def main() -> int:
                          "cuda.packed_block_attention)")
     ap.add_argument("--programs-per-sm", type=int,
                     help="GPU attention kernels: split each row's cache until this many programs per SM (the "
-                         "library's default 3; 1 keeps one pass — no merge kernel — wherever rows × KV heads fill "
-                         "the SMs, e.g. batch ≥ 44 here)")
+                         "library's default 3; where rows × KV heads fill the SMs, e.g. batch ≥ 44 here, the "
+                         "library keeps one pass on caches < 2k rows whatever this is)")
     ap.add_argument("--spectrum-of", nargs="+", type=Path, metavar="SWEEP_JSON",
                     help="no run: one spectrum (--out, a .png) of the sweeps in these result files, batch by batch")
     ap.add_argument("--out", type=Path, default=Path("schedule.json"))

@@ -305,6 +305,21 @@ def test_float32_dots_follow_the_default_matmul_precision():
         assert cuda._make_tiling(dtype=jnp.float32, **kw).ieee_f32
 
 
+def test_splits_only_where_the_programs_leave_sms_idle_or_the_cache_is_long(monkeypatch):
+    """Split-KV: ~3 programs an SM below one program an SM; once the grid fills the SMs, only caches long enough
+    for chunks of FILLED_MIN_CHUNK rows are split (a split's extra pass and merge cost more on short caches)."""
+    monkeypatch.setattr(cuda, "_num_sms", lambda: 132)
+    kw = dict(rows=16, n=9, k=3, h=64, dtype=jnp.bfloat16, block_k=None, num_splits=None,
+              min_chunk=cuda.DEFAULT_MIN_CHUNK, num_warps=None, num_stages=None)
+    splits = lambda programs, s: cuda._make_tiling(programs=programs, s=s, **kw).num_splits  # noqa: E731
+    assert splits(16 * 3, 768) == 3  # 48 programs: split to fill the SMs, chunks of 256 rows
+    assert splits(128 * 3, 768) == 1  # 384 programs fill them: one pass
+    assert splits(44 * 3, 640) == 1
+    assert splits(43 * 3, 640) == 2  # 129 programs: three SMs idle, the old rule
+    assert splits(64 * 3, 4096) == 3  # a long cache is still split, in chunks of ≥ FILLED_MIN_CHUNK rows
+    assert splits(64 * 3, 2048) == 2
+
+
 @pytest.mark.skipif(not ON_GPU, reason="cuDNN's fused attention: GPUs only (on a CPU prefill runs the reference)")
 @pytest.mark.parametrize("b,t,n,k,h,window", [(3, 512, 9, 3, 64, None), (1, 1024, 32, 8, 128, None),
                                               (2, 256, 8, 2, 64, 128)])
