@@ -38,8 +38,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_jax import continuous, costs, draft_vocab, generate, load_drafter, load_target, speculative_generate  # noqa: E402,E501
-from dflash_jax import attention, cuda  # noqa: E402
-from dflash_jax.loading import _ASSETS, restrict_draft_vocab  # noqa: E402
+from dflash_jax import attention, cuda, pairs  # noqa: E402
+from dflash_jax.loading import _ASSETS, restrict_draft_vocab, shipped_drafter_dir  # noqa: E402
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "schedule_prompts.json"
 # Poetry: free-form text that a drafter predicts worst (seed 002's "poetry" kind).
@@ -317,7 +317,10 @@ def main() -> int:
     drafter = load_drafter(drafter_dir, target)
     kind = "DSpark" if drafter.config.sequential else "DFlash"
     # the pair config this drafter ships in (configs/<pair>.yaml), whose costs file a calibration here can become
-    pair_name = "smollm2-135m" if drafter_dir.name == "smollm2-135m-dflash" else drafter_dir.name
+    def ships(cfg) -> bool:
+        shipped = shipped_drafter_dir(cfg.drafter)
+        return shipped is not None and shipped.resolve() == drafter_dir.resolve()
+    pair_name = next((cfg.name for cfg in pairs.all_pair_configs() if ships(cfg)), drafter_dir.name)
     vocab_sizes = [int(n) for n in args.draft_vocab.split(",")]
     drafters = {(f"v{n}" if n else "full"): restricted(target, drafter, n) for n in vocab_sizes}
     drafter = next(iter(drafters.values()))

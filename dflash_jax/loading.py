@@ -447,12 +447,20 @@ def _pair_draft_vocab(cfg, target: Target, drafter: Drafter, size: int | None) -
     return restrict_draft_vocab(drafter, target, ids)
 
 
+def shipped_drafter_dir(drafter_src: str | None) -> Path | None:
+    """Where a pair config's ``drafter: embedded[:<name>]`` lives (``dflash_jax/assets/<name>``; None: not shipped
+    in the package)."""
+    if drafter_src == "embedded" or (drafter_src or "").startswith("embedded:"):
+        return _ASSETS / (drafter_src.partition(":")[2] or "smollm2-135m-dflash")
+    return None
+
+
 def _pair_drafter(cfg, target: Target) -> Drafter:
     drafter_src = cfg.drafter
     if drafter_src is None:
         raise ConfigError(f"pair {cfg.name!r} has no drafter")
-    if drafter_src == "embedded" or drafter_src.startswith("embedded:"):  # shipped in dflash_jax/assets
-        shipped = _ASSETS / (drafter_src.partition(":")[2] or "smollm2-135m-dflash")
+    shipped = shipped_drafter_dir(drafter_src)
+    if shipped is not None:
         if (shipped / "config.json").is_file():
             return load_drafter(shipped, target)
         if drafter_src != "embedded":

@@ -16,6 +16,7 @@ import pytest
 from conftest import ZLAB, tiny_subprocess_env
 from dflash_jax import CheckpointError, ConfigError, generate, load_drafter, load_pair, speculative_generate
 from dflash_jax.batch import BadInputError, finished_ids, read_rows, run_batch
+from dflash_jax.loading import shipped_drafter_dir
 from dflash_jax.pairs import all_pair_configs, load_pair_config, parse_pair
 
 
@@ -314,6 +315,12 @@ def test_every_pair_config_validates():
     assert configs["smollm2-135m"].drafter == "embedded"
     for c in configs.values():
         assert c.dtype in ("float32", "bfloat16") and c.mesh["tp"] >= 1
+    # the pairs whose drafters ship in the package find them there (bench_schedule names a calibration's pair so)
+    shipped = {c.name: shipped_drafter_dir(c.drafter) for c in configs.values() if shipped_drafter_dir(c.drafter)}
+    assert {n: d.name for n, d in shipped.items()} == {"smollm2-135m": "smollm2-135m-dflash",
+                                                      "smollm2-135m-dspark": "smollm2-135m-dspark"}
+    assert all((d / "config.json").is_file() for d in shipped.values())
+    assert shipped_drafter_dir("z-lab/Qwen3-8B-DFlash-b16") is None
     # the embedded pair's training recipe parses too (every key known, values in range)
     from dflash_jax.train.pipeline import load_run_config
 
