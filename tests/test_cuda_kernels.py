@@ -348,7 +348,7 @@ def test_write_pending_matches_the_scatters(dtype, w):
 
     nl, b, k, h, s = 3, 4, 3, 16, 40
     rng = np.random.default_rng(w)
-    kv = _normal(rng, (nl, b, w, 2, k, h), dtype)
+    kv = _normal(rng, (b, w, nl, 2, k, h), dtype)
     starts = jnp.asarray([0, 7, s - w, 12], jnp.int32)
     cache = KVCache(*(tuple(_normal(rng, (b, s, k, h), dtype) for _ in range(nl)) for _ in range(2)))
     assert write_pending_unsupported_reason(kv, cache.k + cache.v, interpret=INTERPRET) is None
@@ -364,7 +364,7 @@ def test_write_pending_lowers_to_triton_and_refuses_odd_shapes():
     from dflash_jax.cuda.cache_write import write_pending, write_pending_unsupported_reason
 
     sds = jax.ShapeDtypeStruct
-    kv, caches = sds((30, 64, 16, 2, 3, 64), jnp.bfloat16), (sds((64, 512, 3, 64), jnp.bfloat16),) * 60
+    kv, caches = sds((64, 16, 30, 2, 3, 64), jnp.bfloat16), (sds((64, 512, 3, 64), jnp.bfloat16),) * 60
     assert write_pending_unsupported_reason(kv, caches, interpret=True) is None
     text = jax.jit(lambda kv, starts, *c: write_pending(kv, starts, c[:30], c[30:])).trace(
         kv, sds((64,), jnp.int32), *caches).lower(lowering_platforms=("cuda",)).as_text()
@@ -372,5 +372,5 @@ def test_write_pending_lowers_to_triton_and_refuses_odd_shapes():
     assert "caches" in write_pending_unsupported_reason(kv, caches[:59], interpret=True)
     assert "not all" in write_pending_unsupported_reason(kv, caches[:59] + (sds((64, 256, 3, 64), jnp.bfloat16),),
                                                          interpret=True)
-    assert "head_dim" in write_pending_unsupported_reason(sds((30, 64, 16, 2, 3, 96), jnp.bfloat16),
+    assert "head_dim" in write_pending_unsupported_reason(sds((64, 16, 30, 2, 3, 96), jnp.bfloat16),
                                                           (sds((64, 512, 3, 96), jnp.bfloat16),) * 60, interpret=True)

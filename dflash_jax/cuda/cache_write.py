@@ -1,7 +1,7 @@
 """Compact mode's deferred cache write as one GPU kernel (Pallas lowered to Triton).
 
 A compact step's tiers only read the caches; the new K/V of every layer come out of the tier switch stacked
-(:class:`dflash_jax.models.target.PendingKV`, ``[NL, B, W, 2, K, H]``) and are written after it, each row's
+(:class:`dflash_jax.models.target.PendingKV`, ``[B, W, NL, 2, K, H]``) and are written after it, each row's
 ``W`` slots at its own anchor ``starts[b]``. As XLA scatters that is two kernels a layer (60 for SmolLM2), each
 moving a few hundred KB: on an H200 the embedded pair's step is launch-bound, so they cost their launches, not
 their bytes. Here one kernel writes every layer's keys and values: program ``(b, l)`` copies row ``b``'s
@@ -37,7 +37,7 @@ def _write_kernel(starts_ref, kv_ref, *refs, layers: int, w: int, wp: int, k: in
                 cache = outs[part * layers + this]
                 for kh in range(k):
                     # (indices as int32 scalars: interpret mode's state discharge takes no Python ints in .at)
-                    at = (jnp.int32(this), b, pl.ds(0, wp), jnp.int32(part), jnp.int32(kh), slice(None))
+                    at = (b, pl.ds(0, wp), jnp.int32(this), jnp.int32(part), jnp.int32(kh), slice(None))
                     tile = plgpu.load(kv_ref.at[at], mask=(rows < w)[:, None], other=0.0)
                     plgpu.store(cache.at[b, pl.ds(start, wp), jnp.int32(kh), :], tile.astype(cache.dtype),
                                 mask=live[:, None])
@@ -48,7 +48,7 @@ def write_pending_unsupported_reason(kv: jax.ShapeDtypeStruct, caches: tuple, *,
     """Why :func:`write_pending` cannot take these shapes (None: it can)."""
     if not interpret and jax.default_backend() != "gpu":
         return f"needs a GPU backend (have {jax.default_backend()!r}; interpret=True runs on any backend)"
-    layers, b, w, two, k, h = kv.shape
+    b, w, layers, two, k, h = kv.shape
     if two != 2 or len(caches) != 2 * layers:
         return f"{len(caches)} caches for {layers} layers of keys and values"
     if len({tuple(c.shape) for c in caches}) != 1 or caches[0].shape[0] != b or caches[0].shape[2:] != (k, h):
@@ -62,13 +62,13 @@ def write_pending_unsupported_reason(kv: jax.ShapeDtypeStruct, caches: tuple, *,
     return None
 
 
-def write_pending(kv: Float[Array, "NL B W 2 K H"], starts: Int[Array, "B"], k_caches: tuple, v_caches: tuple,
+def write_pending(kv: Float[Array, "B W NL 2 K H"], starts: Int[Array, "B"], k_caches: tuple, v_caches: tuple,
                   *, interpret: bool = False) -> tuple[tuple, tuple]:
-    """(k_caches, v_caches) with ``kv[l, b, i]`` written at slot ``starts[b] + i`` of layer ``l``'s caches —
+    """(k_caches, v_caches) with ``kv[b, i, l]`` written at slot ``starts[b] + i`` of layer ``l``'s caches —
     what :meth:`PendingKV.write` does with two scatters a layer — in one kernel launch (the caches are
     aliased to the outputs: written in place where the caller's buffers can be donated, as the decode
     loop's are)."""
-    layers, b, w, _, k, _ = kv.shape
+    b, w, layers, _, k, _ = kv.shape
     caches = tuple(k_caches) + tuple(v_caches)
     s = caches[0].shape[1]
     kernel = functools.partial(_write_kernel, layers=layers, w=w, wp=max(16, _next_pow2(w)), k=k, s=s)
@@ -79,7 +79,7 @@ def write_pending(kv: Float[Array, "NL B W 2 K H"], starts: Int[Array, "B"], k_c
     return tuple(out[:layers]), tuple(out[layers:])
 
 
-def write_pending_or_none(kv: Float[Array, "NL B W 2 K H"], starts: Int[Array, "B"], k_caches: tuple,
+def write_pending_or_none(kv: Float[Array, "B W NL 2 K H"], starts: Int[Array, "B"], k_caches: tuple,
                           v_caches: tuple) -> tuple[tuple, tuple] | None:
     """:func:`write_pending` where it applies (one device: compact mode's packed verify does not run under a
     mesh; interpret mode off a GPU, as the other ``impl="cuda"`` kernels), else None (the fallback's reason

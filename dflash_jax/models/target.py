@@ -49,8 +49,10 @@ def write_rows(cache: Float[Array, "B S K H"], new: Float[Array, "B T K H"], sta
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PendingKV:
-    """A packed verify's new K/V, every layer's stacked and back in each row's block (``[NL, B, W, 2, K, H]``:
-    window token i of row r at ``[:, r, i]``, zeros past the window), to be written at each row's anchor
+    """A packed verify's new K/V, every layer's stacked and back in each row's block (``[B, W, NL, 2, K, H]``:
+    window token i of row r at ``[r, i]``, zeros past the window; the layers inside a token, the order XLA's
+    fusion of the stack and the unpacking writes, so the GPU write kernel reads it with no transposing copy
+    between), to be written at each row's anchor
     position ``starts`` — the static verify's row-window writes (what lies past a window, past the row's
     length, is masked and overwritten before it is read; zeros keep NaN in padding slots out). A compiled
     tier (a branch of a ``lax.switch``) only reads the caches and returns these; :meth:`write` stores them
@@ -60,18 +62,18 @@ class PendingKV:
     for ``settle``."""
 
     starts: Int[Array, "B"]
-    kv: Float[Array, "NL B W 2 K H"]  # keys, values
+    kv: Float[Array, "B W NL 2 K H"]  # keys, values
     records: tuple = ()
 
     @staticmethod
     def of(layout: attention.PackedLayout, kv: tuple, records: tuple = ()) -> "PendingKV":
         """``kv``: per layer ``[T, 2, K, H]``; ``records``: per linear layer, over ``layout.block`` tokens."""
-        return PendingKV(layout.anchors, jax.vmap(layout.unpack)(jnp.stack(kv)), records)
+        return PendingKV(layout.anchors, jnp.moveaxis(jax.vmap(layout.unpack)(jnp.stack(kv)), 0, 2), records)
 
     def widened(self, block: int) -> "PendingKV":
         """The same writes over ``block`` ≥ W tokens a row (so that every tier, whose windows fit blocks of
         different widths, returns one shape)."""
-        pad = [(0, 0), (0, 0), (0, block - self.kv.shape[2])] + [(0, 0)] * 3
+        pad = [(0, 0), (0, block - self.kv.shape[1])] + [(0, 0)] * 4
         return PendingKV(self.starts, jnp.pad(self.kv, pad), tuple(pad_record(r, block) for r in self.records))
 
     def write(self, cache: KVCache, impl: str = "xla") -> KVCache:
@@ -83,8 +85,8 @@ class PendingKV:
 
             done = write_pending_or_none(self.kv, self.starts, cache.k, cache.v)
         if done is None:
-            done = (tuple(write_rows(c, self.kv[i, :, :, 0], self.starts) for i, c in enumerate(cache.k)),
-                    tuple(write_rows(c, self.kv[i, :, :, 1], self.starts) for i, c in enumerate(cache.v)))
+            done = (tuple(write_rows(c, self.kv[:, :, i, 0], self.starts) for i, c in enumerate(cache.k)),
+                    tuple(write_rows(c, self.kv[:, :, i, 1], self.starts) for i, c in enumerate(cache.v)))
         return dataclasses.replace(cache, k=done[0], v=done[1], **({"pending": self.records} if self.records else {}))
 
 
