@@ -21,9 +21,10 @@ calibrate() {  # calibrate <batches> <seconds>: adds the batches' rows to $TABLE
   echo "calibrate $1 rc $?"; grep "^batch\|calibrated" $OUT/cal_${1//,/_}.txt
   cp $OUT/cal.costs.json $TABLE
 }
-sweep() {  # sweep <batches> <seconds>: AR, static and compact on the evaluation prompts with $TABLE
+sweep() {  # sweep <batches> <seconds>: AR, static and compact on the evaluation prompts with $TABLE (3 passes
+          # a mode interleaved, medians: a pass at 64 rows is ~0.5 s, read to ~2 % alone)
   [ -f $TABLE ] || { echo "no $TABLE: run phases 2 and 3 on this machine first"; exit 1; }
-  timeout $2 bash benchmarks/device_runs/schedule.sh --cost-table $TABLE --batches $1 --max-new 128 \
+  timeout $2 bash benchmarks/device_runs/schedule.sh --cost-table $TABLE --batches $1 --max-new 128 --repeats 3 \
     --mixed-per-kind 0 --out $OUT/sweep_${1//,/_}.json > $OUT/sweep_${1//,/_}.txt 2>&1
   echo "sweep $1 rc $?"; grep "^batch" $OUT/sweep_${1//,/_}.txt
 }
