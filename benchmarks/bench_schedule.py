@@ -38,8 +38,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_jax import continuous, costs, draft_vocab, generate, load_drafter, load_target, speculative_generate  # noqa: E402,E501
-from dflash_jax import attention, cuda, pairs  # noqa: E402
+from dflash_jax import cuda, pairs  # noqa: E402
 from dflash_jax.loading import _ASSETS, restrict_draft_vocab, shipped_drafter_dir  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_kernel_switches, apply_kernel_switches  # noqa: E402
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "schedule_prompts.json"
 # Poetry: free-form text that a drafter predicts worst (seed 002's "poetry" kind).
@@ -115,22 +118,33 @@ def run_mode(mode: str, target, drafter, batches: list[list[list[int]]], max_new
     return res, outs
 
 
+def evaluation_ids(rows: list[dict]) -> list[list[int]]:
+    """The sweep's prompts: the evaluation sets' (HumanEval, MT-Bench), not the mixed run's poetry."""
+    return [r["ids"] for r in rows if r["set"] != "poetry"]
+
+
+def sweep_prompts(prompts: list[list[int]], b: int, max_prompts: int, whole_batches: bool = True) -> list:
+    """The prompts a sweep decodes at batch ``b``: every one from batch 16 on (below, ``max_prompts``), cut to a
+    whole number of batches unless ``whole_batches`` is off (continuous batching)."""
+    n = min(len(prompts), max(b, max_prompts if b < 16 else len(prompts)))
+    return prompts[:n - n % b if whole_batches and n >= b else n]
+
+
 def sweep(target, drafter, rows: list[dict], batch_sizes: list[int], max_new: int, max_prompts: int,
           save=lambda results: None, refill_size: int | None = None, continuous_batching: bool = False,
           repeats: int = 1) -> dict:
     """Each batch size's prompts in every mode; with ``repeats`` > 1 the modes' timed passes are interleaved that
     many times and each mode reports its median pass (``walls_s``: every pass's wall) — a pass at 64 rows and more
     is well under a second, which one pass measures to only ~2 %."""
-    prompts = [r["ids"] for r in rows if r["set"] != "poetry"]
+    prompts = evaluation_ids(rows)
     results = {}
     for b in batch_sizes:
-        n = min(len(prompts), max(b, max_prompts if b < 16 else len(prompts)))
-        pool = None
+        chosen = sweep_prompts(prompts, b, max_prompts, whole_batches=not continuous_batching)
+        n, pool = len(chosen), None
         if continuous_batching:
-            batches, pool = [prompts[:n]], dict(batch_size=b, refill_size=refill_size)
+            batches, pool = [chosen], dict(batch_size=b, refill_size=refill_size)
         else:
-            n -= n % b if n >= b else 0
-            batches = [prompts[i: i + b] for i in range(0, n, b)]
+            batches = [chosen[i: i + b] for i in range(0, n, b)]
         res = {}
         ids = {}
         passes = {mode: [] for mode in ("ar", "static", "compact")}
@@ -293,12 +307,7 @@ def main() -> int:
                     help="sweep: every prompt through one pool of the batch's rows (continuous batching) instead "
                          "of consecutive static batches")
     ap.add_argument("--refill-size", type=int, help="--continuous: rows refilled at a time (default: the library's)")
-    ap.add_argument("--write-kernel", choices=["on", "off"], default="on",
-                    help="off: compact's deferred cache write as two XLA scatters a layer (the path before "
-                         "cuda.cache_write)")
-    ap.add_argument("--packed-kernel", choices=["on", "off"], default="on",
-                    help="off: compact's packed verify unpacks to [B, L] for the block kernel (GPUs; the path before "
-                         "cuda.packed_block_attention)")
+    add_kernel_switches(ap)
     ap.add_argument("--programs-per-sm", type=int,
                     help="GPU attention kernels: split each row's cache until this many programs per SM (the "
                          "library's default 3; where rows × KV heads fill the SMs, e.g. batch ≥ 44 here, the "
@@ -307,12 +316,7 @@ def main() -> int:
                     help="no run: one spectrum (--out, a .png) of the sweeps in these result files, batch by batch")
     ap.add_argument("--out", type=Path, default=Path("schedule.json"))
     args = ap.parse_args()
-    if args.packed_kernel == "off":
-        attention._packed_kernel_call = lambda *a, **k: None  # noqa: E731
-    if args.write_kernel == "off":
-        from dflash_jax.cuda import cache_write  # Triton's modules only here
-
-        cache_write.write_pending_or_none = lambda *a, **k: None  # noqa: E731
+    switches = apply_kernel_switches(args)
     if args.programs_per_sm:
         cuda._PROGRAMS_PER_SM = args.programs_per_sm  # read when a kernel is traced
     if args.make_prompts:
@@ -339,8 +343,7 @@ def main() -> int:
     drafter = next(iter(drafters.values()))
     rows = json.loads(args.prompts.read_text())
     result = dict(date=time.strftime("%Y-%m-%d"), device=jax.devices()[0].device_kind, dtype=args.dtype,
-                  packed_kernel=args.packed_kernel, write_kernel=args.write_kernel,
-                  programs_per_sm=args.programs_per_sm or cuda._PROGRAMS_PER_SM,
+                  **switches, programs_per_sm=args.programs_per_sm or cuda._PROGRAMS_PER_SM,
                   platform=platform.platform(), max_new=args.max_new, drafter=drafter_dir.name,
                   commit=os.environ.get("BENCH_COMMIT") or subprocess.run(
                       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip())

@@ -1,8 +1,9 @@
 """Helpers shared by the benchmark scripts: model shapes, random targets built on the device, device
-bandwidth probes and warm-up."""
+bandwidth probes and warm-up, switches that turn compact's GPU kernels off for A/B runs."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -131,3 +132,28 @@ def print_profile(profile: dict, label: str) -> None:
         print(f"{label} — {lane}: {p['total_us']:.1f} µs in {p['calls']:.1f} kernels", flush=True)
         for k in p["top"]:
             print(f"    {k['us']:9.1f} µs  {k['calls']:6.1f}×  {k['name']}", flush=True)
+
+
+def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
+    """``--packed-kernel`` / ``--write-kernel off``: compact's step without one of its GPU kernels (the path
+    before it), for A/B runs; :func:`apply_kernel_switches` applies them."""
+    ap.add_argument("--packed-kernel", choices=["on", "off"], default="on",
+                    help="off: compact's packed verify unpacks to [B, L] for the block kernel (the path before "
+                         "cuda.packed_block_attention)")
+    ap.add_argument("--write-kernel", choices=["on", "off"], default="on",
+                    help="off: compact's deferred cache write as two XLA scatters a layer (the path before "
+                         "cuda.cache_write)")
+
+
+def apply_kernel_switches(args: argparse.Namespace) -> dict:
+    """Turn off what :func:`add_kernel_switches`' flags say (before anything is traced); the settings, for a
+    result file."""
+    if args.packed_kernel == "off":
+        from dflash_jax import attention
+
+        attention._packed_kernel_call = lambda *a, **k: None  # noqa: E731
+    if args.write_kernel == "off":
+        from dflash_jax.cuda import cache_write  # Triton's modules only here
+
+        cache_write.write_pending_or_none = lambda *a, **k: None  # noqa: E731
+    return dict(packed_kernel=args.packed_kernel, write_kernel=args.write_kernel)

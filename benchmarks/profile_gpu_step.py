@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_profile  # noqa: E402
+from common import add_kernel_switches, apply_kernel_switches, device_profile  # noqa: E402
 from profile_cpu_step import compact_step, plain_step, static_step, step_loop  # noqa: E402
 
 from dflash_jax import attention, load_drafter, load_target  # noqa: E402
@@ -71,12 +71,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cases", default="ar,compact-ar,compact-tiers,static")
     ap.add_argument("--tiers", help="compact-tiers: only these tier indices (e.g. 0,-1; default: every tier)")
-    ap.add_argument("--write-kernel", choices=["on", "off"], default="on",
-                    help="off: compact's deferred cache write as two XLA scatters a layer (the path before "
-                         "cuda.cache_write)")
-    ap.add_argument("--packed-kernel", choices=["on", "off"], default="on",
-                    help="off: compact's packed verify unpacks to [B, L] for the block kernel (the path before "
-                         "cuda.packed_block_attention)")
+    add_kernel_switches(ap)
     ap.add_argument("--dense", choices=["on", "off"], default="on",
                     help="off: compact's whole-block tier packs its windows as the smaller tiers do (the layout "
                          "before attention.PackedLayout's dense form)")
@@ -85,19 +80,13 @@ def main() -> int:
                     "timelines) into this folder")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    if args.packed_kernel == "off":
-        attention._packed_kernel_call = lambda *a, **k: None  # noqa: E731
-    if args.write_kernel == "off":
-        from dflash_jax.cuda import cache_write  # Triton's modules only here
-
-        cache_write.write_pending_or_none = lambda *a, **k: None  # noqa: E731
+    switches = apply_kernel_switches(args)
     attention.DENSE_WHOLE_BLOCKS = args.dense == "on"
     target = load_target(args.gguf or "smollm2-135m", dtype=args.dtype)
     drafter = load_drafter(_ASSETS / args.drafter, target)
     wanted = set(args.cases.split(","))
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=jax.devices()[0].device_kind, dtype=args.dtype,
-                  xla_flags=os.environ.get("XLA_FLAGS", ""), packed_kernel=args.packed_kernel,
-                  write_kernel=args.write_kernel, dense=args.dense,
+                  xla_flags=os.environ.get("XLA_FLAGS", ""), **switches, dense=args.dense,
                   context=args.context, steps=args.steps, drafter=args.drafter,
                   commit=os.environ.get("BENCH_COMMIT") or subprocess.run(
                       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),

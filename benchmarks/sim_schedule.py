@@ -31,18 +31,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_schedule import DEFAULT_PROMPTS, evaluation_ids, sweep_prompts  # noqa: E402
 from dflash_jax import costs, generation, load_drafter, load_target, speculative_generate  # noqa: E402
 from dflash_jax.decode import schedule  # noqa: E402
 from dflash_jax.loading import _ASSETS  # noqa: E402
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "schedule_prompts.json"
-
 
 def sweep_batches(prompts: list[list[int]], b: int) -> list[list[list[int]]]:
-    """The batches ``bench_schedule.sweep`` decodes at batch ``b`` ≥ 16: every prompt, a whole number of
-    batches."""
-    n = len(prompts) - len(prompts) % b if len(prompts) >= b else len(prompts)
-    return [prompts[i: i + b] for i in range(0, n, b)]
+    """The batches ``bench_schedule.sweep`` decodes at batch ``b`` ≥ 16."""
+    chosen = sweep_prompts(prompts, b, max_prompts=0)
+    return [chosen[i: i + b] for i in range(0, len(chosen), b)]
 
 
 def static_rows(target, drafter, prompts: list[list[int]], max_new: int, chunk: int) -> tuple[list, list]:
@@ -162,7 +161,7 @@ def main() -> int:
                                                     for b, row in table.step_ms.items()})
     target = load_target("smollm2-135m", dtype=args.dtype)
     drafter = load_drafter(Path(args.drafter) if Path(args.drafter).is_dir() else _ASSETS / args.drafter, target)
-    prompts = [r["ids"] for r in json.loads(args.prompts.read_text()) if r["set"] != "poetry"]
+    prompts = evaluation_ids(json.loads(args.prompts.read_text()))
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), drafter=args.drafter, cost_table=table.to_json(),
                   dtype=args.dtype, max_new=args.max_new,
                   commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
