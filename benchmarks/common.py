@@ -136,13 +136,17 @@ def print_profile(profile: dict, label: str) -> None:
 
 def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
     """``--packed-kernel`` / ``--write-kernel off``: compact's step without one of its GPU kernels (the path
-    before it), for A/B runs; :func:`apply_kernel_switches` applies them."""
+    before it); ``--draft-inside-tiers``: where compact drafts. For A/B runs; :func:`apply_kernel_switches`
+    applies them."""
     ap.add_argument("--packed-kernel", choices=["on", "off"], default="on",
                     help="off: compact's packed verify unpacks to [B, L] for the block kernel (the path before "
                          "cuda.packed_block_attention)")
     ap.add_argument("--write-kernel", choices=["on", "off"], default="on",
                     help="off: compact's deferred cache write as two XLA scatters a layer (the path before "
                          "cuda.cache_write)")
+    ap.add_argument("--draft-inside-tiers", choices=["on", "off"],
+                    help="a parallel drafter's compact drafting inside each tier's branch (on) or in a lax.cond "
+                         "of its own before the tier switch (off); default: the library's")
 
 
 def apply_kernel_switches(args: argparse.Namespace) -> dict:
@@ -156,4 +160,9 @@ def apply_kernel_switches(args: argparse.Namespace) -> dict:
         from dflash_jax.cuda import cache_write  # Triton's modules only here
 
         cache_write.write_pending_or_none = lambda *a, **k: None  # noqa: E731
-    return dict(packed_kernel=args.packed_kernel, write_kernel=args.write_kernel)
+    from dflash_jax.decode import loop
+
+    if args.draft_inside_tiers:
+        loop.DRAFT_INSIDE_TIERS = args.draft_inside_tiers == "on"
+    return dict(packed_kernel=args.packed_kernel, write_kernel=args.write_kernel,
+                draft_inside_tiers=loop.DRAFT_INSIDE_TIERS)

@@ -1,7 +1,7 @@
 # Compact against static and AR on the GPU after a change to compact's step, in five calls after calls 1 and 2
 # (carry .xfer/p2 with each; the machine must stay warm between them: the table of calls 2–3 stays in /tmp/recheck).
 #   bash benchmarks/device_runs/compact_recheck.sh 1   # the packed and cache-write kernels' tests; step profile at
-#                                                      # batch 64 with the cache-write kernel and without (~6 min)
+#                                                      # batch 64 of every compact program, traces kept (~6 min)
 #   bash benchmarks/device_runs/compact_recheck.sh 2   # the cost table at batches 1–32 (~5 min)
 #   bash benchmarks/device_runs/compact_recheck.sh 3   # the table's 64, 128 added; sweep at batch 16 (~6 min)
 #   bash benchmarks/device_runs/compact_recheck.sh 4   # sweep at batches 32, 4, 1 (~5.5 min)
@@ -21,24 +21,30 @@ calibrate() {  # calibrate <batches> <seconds>: adds the batches' rows to $TABLE
   echo "calibrate $1 rc $?"; grep "^batch\|calibrated" $OUT/cal_${1//,/_}.txt
   cp $OUT/cal.costs.json $TABLE
 }
-sweep() {  # sweep <batches> <seconds>: AR, static and compact on the evaluation prompts with $TABLE (3 passes
-          # a mode interleaved, medians: a pass at 64 rows is ~0.5 s, read to ~2 % alone)
+sweep() {  # sweep <batches> <seconds> [bench_schedule flags…]: AR, static and compact on the evaluation prompts
+          # with $TABLE (3 passes a mode interleaved, medians: a pass at 64 rows is ~0.5 s, read to ~2 % alone)
   [ -f $TABLE ] || { echo "no $TABLE: run phases 2 and 3 on this machine first"; exit 1; }
+  local name=sweep_${1//,/_}$TAG
   timeout $2 bash benchmarks/device_runs/schedule.sh --cost-table $TABLE --batches $1 --max-new 128 --repeats 3 \
-    --mixed-per-kind 0 --out $OUT/sweep_${1//,/_}.json > $OUT/sweep_${1//,/_}.txt 2>&1
-  echo "sweep $1 rc $?"; grep "^batch" $OUT/sweep_${1//,/_}.txt
+    --mixed-per-kind 0 "${@:3}" --out $OUT/$name.json > $OUT/$name.txt 2>&1
+  echo "sweep $1 ${*:3} rc $?"; grep "^batch" $OUT/$name.txt
 }
 case "$1" in
   1)
     # the GPU tests of the packed verify kernel and of the cache-write kernel first
     timeout 150 python3 -m pytest -q -rf tests/test_cuda_kernels.py tests/test_kernel_dispatch.py \
       tests/test_schedule.py -k "packed or write_pending" 2>&1 | tail -4
+    # the step profile: every program a compact step can run, with and without the AR offer (its lax.cond
+    # around drafting), against plain AR and static; the Perfetto traces (host and device) come back as one tar
+    timeout 240 bash benchmarks/device_runs/bench.sh profile_gpu_step.py --batches 64 --tiers 0,-1 \
+      --cases ar,compact-ar,compact-tiers,compact-noar,static --keep-traces /tmp/traces \
+      --out $OUT/step_profile.json > $OUT/step_profile.txt 2>&1
+    echo "profile rc $?"; grep "^== \|timeline" $OUT/step_profile.txt
     timeout 150 bash benchmarks/device_runs/bench.sh profile_gpu_step.py --batches 64 --tiers 0,-1 \
-      --cases ar,compact-ar,compact-tiers,static --out $OUT/step_profile.json > $OUT/step_profile.txt 2>&1
-    echo "profile rc $?"; grep "^== " $OUT/step_profile.txt
-    timeout 120 bash benchmarks/device_runs/bench.sh profile_gpu_step.py --batches 64 --tiers 0,-1 --write-kernel off \
-      --cases compact-ar,compact-tiers --out $OUT/step_profile_nowrite.json > $OUT/step_profile_nowrite.txt 2>&1
-    echo "profile (cache write as XLA scatters) rc $?"; grep "^== " $OUT/step_profile_nowrite.txt
+      --cases compact-ar,compact-tiers --draft-inside-tiers on --out $OUT/step_profile_inside.json \
+      > $OUT/step_profile_inside.txt 2>&1
+    echo "profile (drafting inside the tiers' branches) rc $?"; grep "^== \|timeline" $OUT/step_profile_inside.txt
+    tar -czf $OUT/step_traces.tgz -C /tmp traces; ls -la $OUT/step_traces.tgz
     ;;
   2) rm -f $TABLE; calibrate 1,4,16,32 420 ;;
   3)
@@ -49,6 +55,6 @@ case "$1" in
     [ -f $TABLE ] || cp dflash_jax/assets/costs/gpu.json $TABLE
     calibrate 64,128 280 ;;
   4) sweep 32,4,1 560 ;;
-  5) sweep 64,128 400 ;;
+  5) sweep 64,128 400 "${@:2}" ;;  # e.g. `5 --draft-inside-tiers on` (TAG=_inside names its files)
   *) echo "usage: $0 1|2|3|3s|4|5" >&2; exit 2 ;;
 esac

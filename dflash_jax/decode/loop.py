@@ -327,6 +327,11 @@ def verify_compact(target: TargetModel, drafter: DFlashDrafter, state: DecodeSta
                         (block, q, state.rng))
 
 
+# A parallel drafter's drafting inside each tier's branch of compact's switch (traced once per tier) instead of a
+# ``lax.cond`` of its own before it: a GPU reads each conditional's index on the host, draining its queue.
+DRAFT_INSIDE_TIERS = False
+
+
 def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, spec: LoopSpec,
                  mask_token_id: int, window: Int[Array, "B"], tier: Int[Array, ""]) -> DecodeState:
     """Draft, then verify the given windows packed into tier ``tier``: windows known before drafting
@@ -360,6 +365,9 @@ def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState
 
     if not spec.ar_step:
         return _packed_step(target, drafter, state, spec, window, tier, make_block, draft())
+    if DRAFT_INSIDE_TIERS and not drafter.config.sequential:  # one conditional a step, not two
+        return _packed_step(target, drafter, state, spec, window, tier,
+                            lambda size, _: make_block(size, draft()), None)
     skipped = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(draft))  # noqa: E731
     drafted = jax.lax.cond(tier == len(spec.tiers), skipped, draft)
     return _packed_step(target, drafter, state, spec, window, tier, make_block, drafted)
