@@ -144,6 +144,8 @@ def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--write-kernel", choices=["on", "off"], default="on",
                     help="off: compact's deferred cache write as two XLA scatters a layer (the path before "
                          "cuda.cache_write)")
+    ap.add_argument("--sequential-draft-cap", type=int,
+                    help="a sequential (DSpark) drafter's compact steps draft only this many positions")
     ap.add_argument("--draft-inside-tiers", choices=["on", "off"],
                     help="a parallel drafter's compact drafting inside each tier's branch (on) or in a lax.cond "
                          "of its own before the tier switch (off); default: the library's")
@@ -162,7 +164,9 @@ def apply_kernel_switches(args: argparse.Namespace) -> dict:
         cache_write.write_pending_or_none = lambda *a, **k: None  # noqa: E731
     from dflash_jax.decode import loop
 
+    if args.sequential_draft_cap:
+        loop._SEQ_CAP = args.sequential_draft_cap
     if args.draft_inside_tiers:
         loop.DRAFT_INSIDE_TIERS = args.draft_inside_tiers == "on"
     return dict(packed_kernel=args.packed_kernel, write_kernel=args.write_kernel,
-                draft_inside_tiers=loop.DRAFT_INSIDE_TIERS)
+                draft_inside_tiers=loop.DRAFT_INSIDE_TIERS, sequential_draft_cap=loop._SEQ_CAP)
