@@ -165,8 +165,8 @@ def apply_kernel_switches(args: argparse.Namespace) -> dict:
     from dflash_jax.decode import loop
 
     if args.sequential_draft_cap:
-        loop._SEQ_CAP = args.sequential_draft_cap
+        loop.SEQUENTIAL_DRAFT_CAP = args.sequential_draft_cap
     if args.draft_inside_tiers:
         loop.DRAFT_INSIDE_TIERS = args.draft_inside_tiers == "on"
     return dict(packed_kernel=args.packed_kernel, write_kernel=args.write_kernel,
-                draft_inside_tiers=loop.DRAFT_INSIDE_TIERS, sequential_draft_cap=loop._SEQ_CAP)
+                draft_inside_tiers=loop.DRAFT_INSIDE_TIERS, sequential_draft_cap=loop.SEQUENTIAL_DRAFT_CAP)

@@ -20,7 +20,7 @@ from test_sampling import V, chi2_pvalue, draw, exact_distribution, logits, pair
 from dflash_jax import attention, costs, generate, generation, random_drafter, speculative_generate
 from dflash_jax.attention import PackedLayout, cache_attention, packed_verify_attention
 from dflash_jax.costs import CostTable
-from dflash_jax.decode import schedule
+from dflash_jax.decode import loop, schedule
 from dflash_jax.decode.state import LoopSpec
 from dflash_jax.models.target import KVCache, PendingKV
 
@@ -390,6 +390,29 @@ def test_steps_without_drafting_are_lossless(target, runs, reference):
     assert out.stats["ar_steps"] > 0 and drafted > 0, out.stats
     assert out.stats["ar_steps"] + drafted == max(map(len, out.acceptance_lengths))
     assert "ar_steps" not in runs["compact"].stats  # TABLE has no autoregressive step time: not offered
+
+
+def test_compact_drafting_switches_stay_lossless(target, reference, monkeypatch):
+    """The GPU experiment switches of compact's drafting (off by default; a fresh program cache, so neither
+    the programs they compile nor the default ones leak across tests): a parallel drafter drafting inside each
+    tier's branch commits what drafting in its own conditional does; a sequential drafter drafting only its
+    first positions stays lossless and no window passes them."""
+    poor = oracle_drafter(target, PROMPTS, reference.token_ids, block_size=8, corrupt=0.5, seed=2)
+    run = lambda d: speculative_generate(target, d, PROMPTS, MAX_NEW, stop_token_ids=[],  # noqa: E731
+                                         verify_mode="compact", cost_table=WITH_AR)
+    default = run(poor)
+    monkeypatch.setattr(generation, "_PROGRAMS", {})
+    monkeypatch.setattr(loop, "DRAFT_INSIDE_TIERS", True)
+    inside = run(poor)
+    assert inside.token_ids == reference.token_ids and inside.stats["ar_steps"] > 0
+    assert (inside.acceptance_lengths, inside.stats["tier_steps"]) == (default.acceptance_lengths,
+                                                                       default.stats["tier_steps"])
+    monkeypatch.setattr(loop, "SEQUENTIAL_DRAFT_CAP", 2)
+    dspark = random_drafter(target, kind="dspark", block_size=5, num_layers=1, markov_rank=8, seed=4)
+    capped = speculative_generate(target, dspark, PROMPTS, MAX_NEW, stop_token_ids=[], verify_mode="compact",
+                                  cost_table=TABLE)
+    assert capped.token_ids == reference.token_ids
+    assert capped.stats["mean_window"] <= 2 + 1  # the anchor and ≤ 2 drafts (3.73 without the cap)
 
 
 def _cache_copies(text: str, shape: tuple) -> list[str]:

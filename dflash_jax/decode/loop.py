@@ -268,9 +268,9 @@ def _draft_sequential(target: TargetModel, drafter: DSparkDrafter, hidden: Float
 
     Returns drafts [B, G] (target ids), q [B, G, V] or None, confidences [B, G] or None, and the state.
     """
-    full = hidden.shape[1]
-    if _SEQ_CAP and spec.verify_mode == "compact":
-        hidden = hidden[:, :_SEQ_CAP]
+    g_all = hidden.shape[1]
+    if SEQUENTIAL_DRAFT_CAP and spec.verify_mode == "compact" and drafter.confidence_head is not None:
+        hidden = hidden[:, :SEQUENTIAL_DRAFT_CAP]
     base = drafter.base_logits(hidden, target).swapaxes(0, 1)  # [G, B, Vd]
     g, b = base.shape[:2]
     sampled = spec.sampling and spec.draft_sampling
@@ -302,9 +302,9 @@ def _draft_sequential(target: TargetModel, drafter: DSparkDrafter, hidden: Float
     conf = None
     if drafter.confidence_head is not None:
         conf = jax.nn.sigmoid(drafter.confidence_head(hidden, embeds) / drafter.temperatures(g))
-    if g < full:
-        drafts = jnp.pad(drafts, [(0, 0), (0, full - g)])
-        conf = jnp.pad(conf, [(0, 0), (0, full - g)]) if conf is not None else None
+    if g < g_all:  # past the cap: drafts 0 with confidence 0, which no window reaches
+        pad = lambda x: jnp.pad(x, [(0, 0), (0, g_all - g)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+        drafts, conf, q = pad(drafts), pad(conf), (pad(q) if q is not None else None)
     return drafts, q, conf, state
 
 
@@ -336,7 +336,10 @@ def verify_compact(target: TargetModel, drafter: DFlashDrafter, state: DecodeSta
 # A parallel drafter's drafting inside each tier's branch of compact's switch (traced once per tier) instead of a
 # ``lax.cond`` of its own before it: a GPU reads each conditional's index on the host, draining its queue.
 DRAFT_INSIDE_TIERS = False
-_SEQ_CAP = None
+# A sequential (DSpark) drafter's compact steps draft only its first SEQUENTIAL_DRAFT_CAP positions (None: all;
+# the trunk still runs over the whole block): the LM head and the left-to-right head are most of its drafting.
+# Confidences past the cap are 0, so no window reaches them. Experiment switches, both off until timed on a GPU.
+SEQUENTIAL_DRAFT_CAP: int | None = None
 
 
 def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, spec: LoopSpec,
