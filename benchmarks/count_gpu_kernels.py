@@ -44,6 +44,7 @@ from jax.experimental import topologies
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import add_kernel_switches, apply_kernel_switches  # noqa: E402
 from profile_cpu_step import compact_step, plain_step, static_step  # noqa: E402
 
 from dflash_jax import attention, cuda, load_drafter, load_target  # noqa: E402
@@ -150,7 +151,9 @@ def main() -> int:
     ap.add_argument("--drafter", default="smollm2-135m-dflash", help="a shipped drafter (assets/) or a folder")
     ap.add_argument("--programs-per-sm", type=int, help="the attention kernels' split-KV target (library: 3)")
     ap.add_argument("--out", type=Path)
+    add_kernel_switches(ap)
     args = ap.parse_args()
+    switches = apply_kernel_switches(args)
     if args.programs_per_sm:
         cuda._PROGRAMS_PER_SM = args.programs_per_sm
     attention.DENSE_WHOLE_BLOCKS = args.dense == "on"
@@ -158,7 +161,7 @@ def main() -> int:
     target = load_target("smollm2-135m", dtype="bfloat16")
     drafter = load_drafter(Path(args.drafter) if Path(args.drafter).is_dir() else _ASSETS / args.drafter, target)
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), target_device=str(device), jax=jax.__version__,
-                  drafter=args.drafter, programs_per_sm=cuda._PROGRAMS_PER_SM, dense=args.dense,
+                  drafter=args.drafter, programs_per_sm=cuda._PROGRAMS_PER_SM, dense=args.dense, **switches,
                   context=args.context, commit=subprocess.run(
                       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
                   batches={})
