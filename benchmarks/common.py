@@ -136,8 +136,8 @@ def print_profile(profile: dict, label: str) -> None:
 
 def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
     """``--packed-kernel`` / ``--write-kernel off``: compact's step without one of its GPU kernels (the path
-    before it); ``--draft-inside-tiers``: where compact drafts. For A/B runs; :func:`apply_kernel_switches`
-    applies them."""
+    before it); ``--draft-inside-tiers`` / ``--sequential-draft-cap``: how compact drafts (the switches in
+    :mod:`dflash_jax.decode.loop`). For A/B runs; :func:`apply_kernel_switches` applies them."""
     ap.add_argument("--packed-kernel", choices=["on", "off"], default="on",
                     help="off: compact's packed verify unpacks to [B, L] for the block kernel (the path before "
                          "cuda.packed_block_attention)")

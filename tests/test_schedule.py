@@ -407,6 +407,8 @@ def test_compact_drafting_switches_stay_lossless(target, reference, monkeypatch)
     assert inside.token_ids == reference.token_ids and inside.stats["ar_steps"] > 0
     assert (inside.acceptance_lengths, inside.stats["tier_steps"]) == (default.acceptance_lengths,
                                                                        default.stats["tier_steps"])
+    # The program compiled with the switch: the tier switch is its one conditional (the default has two).
+    assert [p.decode.as_text().count(" conditional(") for p in generation._PROGRAMS.values()] == [1]
     monkeypatch.setattr(loop, "SEQUENTIAL_DRAFT_CAP", 2)
     dspark = random_drafter(target, kind="dspark", block_size=5, num_layers=1, markov_rank=8, seed=4)
     capped = speculative_generate(target, dspark, PROMPTS, MAX_NEW, stop_token_ids=[], verify_mode="compact",
