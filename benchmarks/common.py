@@ -136,7 +136,7 @@ def print_profile(profile: dict, label: str) -> None:
 
 def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
     """``--packed-kernel`` / ``--write-kernel off``: compact's step without one of its GPU kernels (the path
-    before it); ``--draft-inside-tiers`` / ``--sequential-draft-cap``: how compact drafts (the switches in
+    before it); ``--sequential-draft-cap``: how a DSpark drafter's compact steps draft (the switch in
     :mod:`dflash_jax.decode.loop`). For A/B runs; :func:`apply_kernel_switches` applies them."""
     ap.add_argument("--packed-kernel", choices=["on", "off"], default="on",
                     help="off: compact's packed verify unpacks to [B, L] for the block kernel (the path before "
@@ -146,9 +146,6 @@ def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
                          "cuda.cache_write)")
     ap.add_argument("--sequential-draft-cap", type=int,
                     help="a sequential (DSpark) drafter's compact steps draft only this many positions")
-    ap.add_argument("--draft-inside-tiers", choices=["on", "off"],
-                    help="a parallel drafter's compact drafting inside each tier's branch (on) or in a lax.cond "
-                         "of its own before the tier switch (off); default: the library's")
 
 
 def apply_kernel_switches(args: argparse.Namespace) -> dict:
@@ -166,7 +163,5 @@ def apply_kernel_switches(args: argparse.Namespace) -> dict:
 
     if args.sequential_draft_cap:
         loop.SEQUENTIAL_DRAFT_CAP = args.sequential_draft_cap
-    if args.draft_inside_tiers:
-        loop.DRAFT_INSIDE_TIERS = args.draft_inside_tiers == "on"
     return dict(packed_kernel=args.packed_kernel, write_kernel=args.write_kernel,
-                draft_inside_tiers=loop.DRAFT_INSIDE_TIERS, sequential_draft_cap=loop.SEQUENTIAL_DRAFT_CAP)
+                sequential_draft_cap=loop.SEQUENTIAL_DRAFT_CAP)

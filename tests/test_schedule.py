@@ -392,23 +392,11 @@ def test_steps_without_drafting_are_lossless(target, runs, reference):
     assert "ar_steps" not in runs["compact"].stats  # TABLE has no autoregressive step time: not offered
 
 
-def test_compact_drafting_switches_stay_lossless(target, reference, monkeypatch):
-    """The GPU experiment switches of compact's drafting (off by default; a fresh program cache, so neither
-    the programs they compile nor the default ones leak across tests): a parallel drafter drafting inside each
-    tier's branch commits what drafting in its own conditional does; a sequential drafter drafting only its
-    first positions stays lossless and no window passes them."""
-    poor = oracle_drafter(target, PROMPTS, reference.token_ids, block_size=8, corrupt=0.5, seed=2)
-    run = lambda d: speculative_generate(target, d, PROMPTS, MAX_NEW, stop_token_ids=[],  # noqa: E731
-                                         verify_mode="compact", cost_table=WITH_AR)
-    default = run(poor)
+def test_capped_sequential_drafting_stays_lossless(target, reference, monkeypatch):
+    """The GPU experiment switch of compact's drafting (off by default; a fresh program cache, so neither the
+    programs it compiles nor the default ones leak across tests): a sequential drafter drafting only its first
+    positions stays lossless and no window passes them."""
     monkeypatch.setattr(generation, "_PROGRAMS", {})
-    monkeypatch.setattr(loop, "DRAFT_INSIDE_TIERS", True)
-    inside = run(poor)
-    assert inside.token_ids == reference.token_ids and inside.stats["ar_steps"] > 0
-    assert (inside.acceptance_lengths, inside.stats["tier_steps"]) == (default.acceptance_lengths,
-                                                                       default.stats["tier_steps"])
-    # The program compiled with the switch: the tier switch is its one conditional (the default has two).
-    assert [p.decode.as_text().count(" conditional(") for p in generation._PROGRAMS.values()] == [1]
     monkeypatch.setattr(loop, "SEQUENTIAL_DRAFT_CAP", 2)
     dspark = random_drafter(target, kind="dspark", block_size=5, num_layers=1, markov_rank=8, seed=4)
     capped = speculative_generate(target, dspark, PROMPTS, MAX_NEW, stop_token_ids=[], verify_mode="compact",
@@ -435,7 +423,9 @@ def test_compact_steps_update_the_caches_in_place(target, oracle, runs):
             texts[spec.verify_mode, spec.ar_step] = (programs.decode.as_text(), shape)
     assert {("static", False), ("compact", False), ("compact", True)} <= set(texts), set(texts)
     for (mode, _), (text, shape) in texts.items():
-        assert ("conditional(" in text) == (mode == "compact")
+        # compact's one conditional is its tier switch: with the AR offer too, a parallel drafter drafts inside
+        # the tiers' branches rather than in a cond of its own before them
+        assert text.count(" conditional(") == (mode == "compact"), mode
         assert _cache_copies(text, shape) == [], mode
         # No binary search as a loop (searchsorted's default, in the packed layouts and the tier lookup): on a GPU
         # each of its iterations is kernel launches, every step.

@@ -40,10 +40,6 @@ case "$1" in
       --cases ar,compact-ar,compact-tiers,compact-noar,static --keep-traces /tmp/traces \
       --out $OUT/step_profile.json > $OUT/step_profile.txt 2>&1
     echo "profile rc $?"; grep "^== \|timeline" $OUT/step_profile.txt
-    timeout 150 bash benchmarks/device_runs/bench.sh profile_gpu_step.py --batches 64 --tiers 0,-1 \
-      --cases compact-ar,compact-tiers --draft-inside-tiers on --out $OUT/step_profile_inside.json \
-      > $OUT/step_profile_inside.txt 2>&1
-    echo "profile (drafting inside the tiers' branches) rc $?"; grep "^== \|timeline" $OUT/step_profile_inside.txt
     tar -czf $OUT/step_traces.tgz -C /tmp traces; ls -la $OUT/step_traces.tgz
     ;;
   2) rm -f $TABLE; calibrate 1,4,16,32 420 ;;
@@ -55,6 +51,6 @@ case "$1" in
     [ -f $TABLE ] || cp dflash_jax/assets/costs/gpu.json $TABLE
     calibrate 64,128 280 ;;
   4) sweep 32,4,1 560 ;;
-  5) sweep 64,128 400 "${@:2}" ;;  # e.g. `5 --draft-inside-tiers on` (TAG=_inside names its files)
+  5) sweep 64,128 400 "${@:2}" ;;  # e.g. `5 --sequential-draft-cap 8` (TAG=_cap8 names its files)
   *) echo "usage: $0 1|2|3|3s|4|5" >&2; exit 2 ;;
 esac

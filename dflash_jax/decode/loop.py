@@ -333,12 +333,10 @@ def verify_compact(target: TargetModel, drafter: DFlashDrafter, state: DecodeSta
                         (block, q, state.rng))
 
 
-# A parallel drafter's drafting inside each tier's branch of compact's switch (traced once per tier) instead of a
-# ``lax.cond`` of its own before it: a GPU reads each conditional's index on the host, draining its queue.
-DRAFT_INSIDE_TIERS = False
 # A sequential (DSpark) drafter's compact steps draft only its first SEQUENTIAL_DRAFT_CAP positions (None: all;
 # the trunk still runs over the whole block): the LM head and the left-to-right head are most of its drafting.
-# Confidences past the cap are 0, so no window reaches them. Experiment switches, both off until timed on a GPU.
+# Confidences past the cap are 0, so no window reaches them. An experiment switch: on the H200 it measured within
+# noise of drafting everything (RESULTS, session 26), so it stays off.
 SEQUENTIAL_DRAFT_CAP: int | None = None
 
 
@@ -348,8 +346,10 @@ def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState
     (drafters without a confidence head; also what ``dflash-jax calibrate`` times). A parallel (DFlash)
     drafter's LM head runs over the windows only, inside the tier's branch (on a CPU the full head is a
     third of a draft's time); a sequential one drafts its whole block. With ``spec.ar_step`` the drafting is
-    skipped when the scheduler picked a plain autoregressive step (tier index K: a ``lax.cond`` that only
-    reads the drafter's cache). Drafts past a window are 0 (never verified)."""
+    skipped when the scheduler picked a plain autoregressive step (tier index K): a parallel drafter drafts
+    inside each tier's branch (traced once per tier), so a step runs one conditional, not a ``lax.cond``
+    around the drafting before the tier switch as well (H200, batches 64 / 128: compact ~4 % faster, RESULTS
+    session 26); a sequential one keeps that cond. Drafts past a window are 0 (never verified)."""
     if drafter.config.sequential:
         def draft():
             block, q, _, drafted = propose(target, drafter, state, spec, mask_token_id)
@@ -375,7 +375,7 @@ def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState
 
     if not spec.ar_step:
         return _packed_step(target, drafter, state, spec, window, tier, make_block, draft())
-    if DRAFT_INSIDE_TIERS and not drafter.config.sequential:  # one conditional a step, not two
+    if not drafter.config.sequential:
         return _packed_step(target, drafter, state, spec, window, tier,
                             lambda size, _: make_block(size, draft()), None)
     skipped = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(draft))  # noqa: E731
@@ -386,11 +386,11 @@ def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState
 def _packed_step(target, drafter, state: DecodeState, spec: LoopSpec, window, tier, make_block, drafted
                  ) -> DecodeState:
     """The compact step's packed verify, in one ``lax.switch`` over the compiled tiers (chosen per step on the
-    device; a GPU reads the branch index on the host) and, with ``spec.ar_step``, index K: a plain
-    autoregressive step (the anchors alone, window 0, no drafting: what the scheduler picks when no drafting
-    pays; the acceptance counts then fade, having observed nothing, so drafting is tried again after a while).
-    ``make_block(size, drafted)`` → (block [B, L], q, PRNG keys after drafting) runs first inside a tier's
-    branch (``drafted``: what was drafted before the switch).
+    device; on a GPU a conditional node of the step's CUDA graph, no host read: session 26's traces) and, with
+    ``spec.ar_step``, index K: a plain autoregressive step (the anchors alone, window 0, no drafting: what the
+    scheduler picks when no drafting pays; the acceptance counts then fade, having observed nothing, so
+    drafting is tried again after a while). ``make_block(size, drafted)`` → (block [B, L], q, PRNG keys after
+    drafting) runs first inside a tier's branch (``drafted``: what was drafted before the switch).
 
     The branches only read the caches: the target's new K/V come out of the switch (:class:`PendingKV`) and
     are written after it, with the drafter's context and the commit. XLA gives a conditional's branch its
