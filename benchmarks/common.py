@@ -136,7 +136,8 @@ def print_profile(profile: dict, label: str) -> None:
 
 def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
     """``--packed-kernel`` / ``--write-kernel off``: compact's step without one of its GPU kernels (the path
-    before it); ``--sequential-draft-cap``: how a DSpark drafter's compact steps draft (the switch in
+    before it); ``--packed-short-tile N``: the packed kernel's second tile for windows of ≤ N tokens;
+    ``--sequential-draft-cap``: how a DSpark drafter's compact steps draft (the switch in
     :mod:`dflash_jax.decode.loop`). For A/B runs; :func:`apply_kernel_switches` applies them."""
     ap.add_argument("--packed-kernel", choices=["on", "off"], default="on",
                     help="off: compact's packed verify unpacks to [B, L] for the block kernel (the path before "
@@ -144,6 +145,9 @@ def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--write-kernel", choices=["on", "off"], default="on",
                     help="off: compact's deferred cache write as two XLA scatters a layer (the path before "
                          "cuda.cache_write)")
+    ap.add_argument("--packed-short-tile", type=int,
+                    help="the packed verify kernel's second tile: windows of at most this many tokens run a tile "
+                         "of that many query positions (attention.PACKED_SHORT_Q_LEN)")
     ap.add_argument("--sequential-draft-cap", type=int,
                     help="a sequential (DSpark) drafter's compact steps draft only this many positions")
 
@@ -151,17 +155,18 @@ def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
 def apply_kernel_switches(args: argparse.Namespace) -> dict:
     """Turn off what :func:`add_kernel_switches`' flags say (before anything is traced); the settings, for a
     result file."""
-    if args.packed_kernel == "off":
-        from dflash_jax import attention
+    from dflash_jax import attention
+    from dflash_jax.decode import loop
 
+    if args.packed_kernel == "off":
         attention._packed_kernel_call = lambda *a, **k: None  # noqa: E731
+    if args.packed_short_tile:
+        attention.PACKED_SHORT_Q_LEN = args.packed_short_tile
     if args.write_kernel == "off":
         from dflash_jax.cuda import cache_write  # Triton's modules only here
 
         cache_write.write_pending_or_none = lambda *a, **k: None  # noqa: E731
-    from dflash_jax.decode import loop
-
     if args.sequential_draft_cap:
         loop.SEQUENTIAL_DRAFT_CAP = args.sequential_draft_cap
     return dict(packed_kernel=args.packed_kernel, write_kernel=args.write_kernel,
-                sequential_draft_cap=loop.SEQUENTIAL_DRAFT_CAP)
+                packed_short_tile=args.packed_short_tile, sequential_draft_cap=loop.SEQUENTIAL_DRAFT_CAP)

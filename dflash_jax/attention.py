@@ -501,6 +501,12 @@ class PackedLayout:
         return jnp.where(inside.reshape(inside.shape + (1,) * (y.ndim - 1)), out, jnp.zeros((), y.dtype))
 
 
+# The GPU packed kernel's second tile for short windows (cuda.packed_block_attention's ``short_q_len``; None:
+# one tile of the block's length). Off until timed on a GPU; benchmarks set it at trace time
+# (``--packed-short-tile N``).
+PACKED_SHORT_Q_LEN: int | None = None
+
+
 def _packed_kernel_call(qkv, k_cache, v_cache, layout: PackedLayout, start, window) -> jax.Array | None:
     """The GPU kernel that reads and writes the packed rows itself (:func:`dflash_jax.cuda.packed_block_attention`),
     or None: under a mesh (compact mode does not run under one yet; the block kernels' path would shard) or
@@ -516,7 +522,7 @@ def _packed_kernel_call(qkv, k_cache, v_cache, layout: PackedLayout, start, wind
 
     def local(qkv, k_cache, v_cache, cu, start):
         return cuda.packed_block_attention(qkv, k_cache, v_cache, cu, start, max_q_len=layout.block,
-                                           window=window, interpret=interpret)
+                                           short_q_len=PACKED_SHORT_Q_LEN, window=window, interpret=interpret)
 
     def reason(qkv, k_cache, v_cache, cu, start):
         return cuda.packed_block_unsupported_reason(qkv, k_cache, v_cache, max_q_len=layout.block, window=window,

@@ -214,9 +214,11 @@ def test_ragged_verify_static_windows_equal_cache_attention():
 PACKED_CASES = [
     (3, 8, 8, 2, 64, 96, jnp.float32, None, dict(num_splits=1, block_k=32)),
     (4, 16, 8, 2, 64, 160, jnp.bfloat16, 40, dict(num_splits=3, block_k=32)),  # splits + sliding window
+    (6, 16, 8, 2, 64, 96, jnp.float32, None, dict(num_splits=2, block_k=32, short_q_len=4)),  # both tiles
 ]
 if ON_GPU:
     PACKED_CASES += [(64, 16, 9, 3, 64, 512, jnp.bfloat16, None, {}),  # SmolLM2's heads, default tuning
+                     (64, 16, 9, 3, 64, 512, jnp.bfloat16, None, dict(short_q_len=4)),
                      (8, 16, 32, 8, 128, 4096, jnp.bfloat16, None, {})]
 
 
@@ -230,6 +232,8 @@ def test_packed_block_attention_matches_reference(case):
     rng = np.random.default_rng(b * 11 + s)
     wins = rng.integers(0, lmax + 1, b)
     wins[0], wins[-1] = 0, lmax  # an empty and a full window
+    if tuning.get("short_q_len"):  # windows at, under and over the short tile's length
+        wins[1:4] = [1, tuning["short_q_len"], tuning["short_q_len"] + 1]
     starts = rng.integers(0, s - lmax + 1, b)
     starts[-1] = 0  # a window with no cache before it
     layout = ref.PackedLayout.build(jnp.asarray(wins, jnp.int32), jnp.asarray(starts, jnp.int32),
@@ -250,13 +254,14 @@ def test_packed_block_attention_matches_reference(case):
 
 
 def test_packed_block_attention_lowers_to_triton():
-    """Through Pallas' Triton rules for a GPU at the embedded pair's compact tiers (64 rows × 1 / 16 tokens)."""
+    """Through Pallas' Triton rules for a GPU at the embedded pair's compact tiers (64 rows × 1 / 16 tokens; and
+    with the short windows' second tile)."""
     sds = jax.ShapeDtypeStruct
-    for b, t in ((64, 64), (64, 1024)):
+    for b, t, short in ((64, 64, None), (64, 1024, None), (64, 128, 4)):
         args = (sds((t, 9 + 2 * 3, 64), jnp.bfloat16),) + (sds((b, 512, 3, 64), jnp.bfloat16),) * 2 + (
             sds((b + 1,), jnp.int32), sds((b,), jnp.int32))
-        text = jax.jit(lambda *a: cuda.packed_block_attention(*a, max_q_len=16)).trace(*args).lower(
-            lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(lambda *a: cuda.packed_block_attention(*a, max_q_len=16, short_q_len=short)).trace(  # noqa: B023
+            *args).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text and "dflash_packed_block_attention" in text
 
 

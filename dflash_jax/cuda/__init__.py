@@ -397,31 +397,39 @@ def _padding_program(out_refs, cu_ref, r, kh, t: _Tiling, num_req: int, total: i
             _zero_rows(out_refs[0], t, cu_ref[num_req], total, kh)
 
 
-def _packed_block_kernel(qkv_ref, ck_ref, cv_ref, cu_ref, start_ref, *out_refs, t: _Tiling, num_req: int,
-                         s_len: int, window: int | None, n_heads: int):
+def _packed_block_kernel(qkv_ref, ck_ref, cv_ref, cu_ref, start_ref, *out_refs, t: _Tiling, short: _Tiling | None,
+                         num_req: int, s_len: int, window: int | None, n_heads: int):
     # qkv_ref [T, N + 2K, H] (queries, keys, values as heads): the windows packed end to end (request r's rows
     # cu[r] … cu[r+1]); ck/cv [B, S, K, H] read below start[r] (the window's first position) only. Grid (B+1,
     # K, splits): request B writes the padding rows' zeros. Program ids outside the pl.when bodies (interpret).
+    # ``short``: windows of at most short.lp tokens run a second body with that smaller tile.
     r, kh, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
-    @pl.when(r < num_req)
-    def _attend():
+    def attend(tt: _Tiling):
         q0, q_len = _request_rows(cu_ref, r, t)
         start = jnp.clip(start_ref[r], 0, s_len)
         hi = jnp.where(q_len > 0, start, 0)  # an empty window reads nothing
         lo = jnp.int32(0) if window is None else jnp.maximum(start - window + 1, 0)
-        q = _load_q(qkv_ref, t, q0, q_len, kh)  # heads kh·G … : the queries come first
-        qpos = start + jnp.arange(t.lp)
-        row_pos = _rows(t, qpos)
-        carry = _context_loop(_init_carry(t), q, ck_ref, cv_ref, r, kh, split, lo, hi, row_pos, t, causal=False,
+        q = _load_q(qkv_ref, tt, q0, q_len, kh)  # heads kh·G … : the queries come first
+        qpos = start + jnp.arange(tt.lp)
+        row_pos = _rows(tt, qpos)
+        carry = _context_loop(_init_carry(tt), q, ck_ref, cv_ref, r, kh, split, lo, hi, row_pos, tt, causal=False,
                               window=window)
-        lb = _next_pow2(max(t.lp, 16))
+        lb = _next_pow2(max(tt.lp, 16))
         kpos = start + jnp.arange(lb)
         key, value = n_heads + kh, n_heads + n_heads // t.g + kh  # this KV head's key and value heads
         carry = _own_keys(carry, q, lambda rows: qkv_ref.at[rows, key, :], lambda rows: qkv_ref.at[rows, value, :],
-                          q0, jnp.arange(lb) < q_len, kpos, row_pos, split == _live_splits(t, hi) - 1, t,
+                          q0, jnp.arange(lb) < q_len, kpos, row_pos, split == _live_splits(t, hi) - 1, tt,
                           causal=True, window=window)
-        _finish(carry, out_refs, t, split, q0, q_len, kh)
+        _finish(carry, out_refs, tt, split, q0, q_len, kh)
+
+    if short is None:
+        pl.when(r < num_req)(lambda: attend(t))
+    else:
+        real = jnp.minimum(r, num_req - 1)  # the padding program reads a real row's length, unused
+        fits = cu_ref[real + 1] - cu_ref[real] <= short.lp
+        pl.when((r < num_req) & fits)(lambda: attend(short))
+        pl.when((r < num_req) & ~fits)(lambda: attend(t))
 
     _padding_program(out_refs, cu_ref, r, kh, t, num_req, qkv_ref.shape[0])
 
@@ -593,8 +601,8 @@ def packed_block_unsupported_reason(qkv, k_cache, v_cache, *, max_q_len: int, wi
                                             interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("max_q_len", "window", "block_k", "num_splits", "min_chunk",
-                                             "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("max_q_len", "short_q_len", "window", "block_k", "num_splits",
+                                             "min_chunk", "num_warps", "num_stages", "interpret"))
 def packed_block_attention(
     qkv: jax.Array,  # [T, N + 2K, H]: queries, keys, values
     k_cache: jax.Array,  # [B, S, K, H]
@@ -603,6 +611,7 @@ def packed_block_attention(
     starts: jax.Array,  # [B] int32
     *,
     max_q_len: int,
+    short_q_len: int | None = None,
     window: int | None = None,
     block_k: int | None = None,
     num_splits: int | None = None,
@@ -618,7 +627,10 @@ def packed_block_attention(
     and back. Each row's queries, keys and values come as the heads of one operand (rotary embedding applied):
     one fusion of the projection's output writes it, where separate operands took a kernel each. Padding rows
     past ``cu_q_lens[B]`` get zeros. Same semantics as ``dflash_jax.attention.packed_verify_attention``
-    without sinks. Tuning arguments as :func:`draft_attention`."""
+    without sinks. ``short_q_len``: windows of at most that many tokens (rounded up to fill a 16-row tile) run
+    a second body of the kernel with a tile of that many query positions instead of ``max_q_len``'s (the
+    compact tiers' windows are mostly 1–4 tokens, whose ``max_q_len`` tile is mostly padding rows). Tuning
+    arguments as :func:`draft_attention`."""
     t_rows, heads, h = qkv.shape
     b, s, k, _ = k_cache.shape
     n = heads - 2 * k
@@ -627,7 +639,12 @@ def packed_block_attention(
     cu = cu_q_lens.astype(jnp.int32)
     single = t.num_splits == 1
     out_shape = jax.ShapeDtypeStruct((t_rows, n, h), qkv.dtype) if single else _partials_shape(t, t_rows, n, h)
-    kernel = functools.partial(_packed_block_kernel, t=t, num_req=b, s_len=s, window=window, n_heads=n)
+    short = None
+    if short_q_len is not None:
+        lp = _next_pow2(max(short_q_len, _cdiv(16, t.gp)))
+        short = dataclasses.replace(t, lp=lp) if lp < t.lp else None
+    kernel = functools.partial(_packed_block_kernel, t=t, short=short, num_req=b, s_len=s, window=window,
+                               n_heads=n)
     res = pl.pallas_call(kernel, out_shape=out_shape, grid=(b + 1 if single else b, k, t.num_splits),
                          interpret=interpret, compiler_params=_compiler_params(t),
                          name="dflash_packed_block_attention")(qkv, k_cache, v_cache, cu, starts.astype(jnp.int32))
