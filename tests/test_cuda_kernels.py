@@ -345,22 +345,32 @@ def test_prefill_attention_matches_reference(b, t, n, k, h, window):
 
 @pytest.mark.parametrize("dtype,w", [(jnp.float32, 5), (jnp.bfloat16, 16)])
 def test_write_pending_matches_the_scatters(dtype, w):
-    """Compact's deferred cache write in one kernel: every layer's keys and values land where PendingKV's two
-    scatters a layer put them — row b's window at its own start, a window that reaches the cache's last slot
-    included — and nothing else of the caches changes (exactly: a copy)."""
+    """Compact's deferred cache write in one kernel: every layer's keys and values land where PendingKV's gather
+    and two scatters a layer put them — row b's window, read from its packed slots, at its own start, then
+    zeros up to the width; a window that reaches the cache's last slot, an empty one and one whose tile runs
+    past the packed slots included — and nothing else of the caches changes (exactly: a copy)."""
     from dflash_jax.cuda.cache_write import write_pending, write_pending_unsupported_reason
     from dflash_jax.models.target import KVCache, PendingKV
 
     nl, b, k, h, s = 3, 4, 3, 16, 40
     rng = np.random.default_rng(w)
-    kv = _normal(rng, (b, w, nl, 2, k, h), dtype)
-    starts = jnp.asarray([0, 7, s - w, 12], jnp.int32)
+    lens = np.asarray([w, 0, 2, w - 1])
+    slots = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    t = int(lens.sum()) + 2  # two padding slots: the last window's tile reads past them, masked
+    kv = _normal(rng, (t, nl, 2, k, h), dtype)
+    starts = jnp.asarray([s - w, 7, 12, 0], jnp.int32)
     cache = KVCache(*(tuple(_normal(rng, (b, s, k, h), dtype) for _ in range(nl)) for _ in range(2)))
-    assert write_pending_unsupported_reason(kv, cache.k + cache.v, interpret=INTERPRET) is None
-    want = PendingKV(starts, kv).write(cache)
-    got_k, got_v = jax.jit(lambda *a: write_pending(*a, interpret=INTERPRET))(kv, starts, cache.k, cache.v)
+    assert write_pending_unsupported_reason(kv, cache.k + cache.v, rows=b, interpret=INTERPRET) is None
+    pending = PendingKV(starts, jnp.asarray(slots, jnp.int32), jnp.asarray(lens, jnp.int32), kv, width=w)
+    want = pending.write(cache)
+    got_k, got_v = jax.jit(lambda *a: write_pending(*a, width=w, interpret=INTERPRET))(
+        kv, pending.slots, pending.lens, starts, cache.k, cache.v)
     for got, ref_cache in zip(got_k + got_v, want.k + want.v):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(ref_cache, np.float32))
+    # the reference itself: row 2's window, then zeros, at its start; the empty row's width of zeros
+    np.testing.assert_array_equal(np.asarray(want.k[1][2, 12:14], np.float32),
+                                  np.asarray(kv[slots[2]:slots[2] + 2, 1, 0], np.float32))
+    assert not np.asarray(want.v[0][2, 14:12 + w], np.float32).any() and not np.asarray(want.k[2][1, 7:7 + w]).any()
 
 
 def test_write_pending_lowers_to_triton_and_refuses_odd_shapes():
@@ -369,13 +379,16 @@ def test_write_pending_lowers_to_triton_and_refuses_odd_shapes():
     from dflash_jax.cuda.cache_write import write_pending, write_pending_unsupported_reason
 
     sds = jax.ShapeDtypeStruct
-    kv, caches = sds((64, 16, 30, 2, 3, 64), jnp.bfloat16), (sds((64, 512, 3, 64), jnp.bfloat16),) * 60
-    assert write_pending_unsupported_reason(kv, caches, interpret=True) is None
-    text = jax.jit(lambda kv, starts, *c: write_pending(kv, starts, c[:30], c[30:])).trace(
-        kv, sds((64,), jnp.int32), *caches).lower(lowering_platforms=("cuda",)).as_text()
+    kv, caches = sds((1024, 30, 2, 3, 64), jnp.bfloat16), (sds((64, 512, 3, 64), jnp.bfloat16),) * 60
+    assert write_pending_unsupported_reason(kv, caches, rows=64, interpret=True) is None
+    rows = (sds((64,), jnp.int32),) * 3
+    text = jax.jit(lambda kv, slots, lens, starts, *c: write_pending(kv, slots, lens, starts, c[:30], c[30:],
+                                                                     width=16)).trace(
+        kv, *rows, *caches).lower(lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text and "dflash_write_pending_kv" in text
-    assert "caches" in write_pending_unsupported_reason(kv, caches[:59], interpret=True)
+    assert "caches" in write_pending_unsupported_reason(kv, caches[:59], rows=64, interpret=True)
     assert "not all" in write_pending_unsupported_reason(kv, caches[:59] + (sds((64, 256, 3, 64), jnp.bfloat16),),
-                                                         interpret=True)
-    assert "head_dim" in write_pending_unsupported_reason(sds((64, 16, 30, 2, 3, 96), jnp.bfloat16),
-                                                          (sds((64, 512, 3, 96), jnp.bfloat16),) * 60, interpret=True)
+                                                         rows=64, interpret=True)
+    assert "head_dim" in write_pending_unsupported_reason(sds((1024, 30, 2, 3, 96), jnp.bfloat16),
+                                                          (sds((64, 512, 3, 96), jnp.bfloat16),) * 60, rows=64,
+                                                          interpret=True)

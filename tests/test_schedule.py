@@ -208,7 +208,9 @@ def test_packed_layout_round_trip_and_writes():
     # block's end (masked, and overwritten before they are read); nothing else changes.
     cache = jnp.full((3, 24, 1, 1), 7.0)
     new = jnp.arange(1, 9, dtype=jnp.float32).reshape(8, 1, 1)
-    written = PendingKV.of(layout, (jnp.stack([new, -new], axis=1),)).widened(6).write(KVCache((cache,), (cache,)))
+    pending = PendingKV.of(layout, (jnp.stack([new, -new], axis=1),)).widened(6, 10)  # 2 slots of padding
+    assert pending.kv.shape == (10, 1, 2, 1, 1) and pending.width == 6
+    written = pending.write(KVCache((cache,), (cache,)))
     out = np.asarray(written.k[0])[..., 0, 0]
     assert out[0, 5:11].tolist() == [1, 2, 0, 0, 0, 0] and out[2, 3:9].tolist() == [3, 4, 5, 6, 0, 0]
     assert out[1, 9:15].tolist() == [0] * 6

@@ -1,12 +1,14 @@
 """Compact mode's deferred cache write as one GPU kernel (Pallas lowered to Triton).
 
-A compact step's tiers only read the caches; the new K/V of every layer come out of the tier switch stacked
-(:class:`dflash_jax.models.target.PendingKV`, ``[B, W, NL, 2, K, H]``) and are written after it, each row's
-``W`` slots at its own anchor ``starts[b]``. As XLA scatters that is two kernels a layer (60 for SmolLM2), each
-moving a few hundred KB: on an H200 the embedded pair's step is launch-bound, so they cost their launches, not
-their bytes. Here one kernel writes every layer's keys and values: program ``(b, l)`` copies row ``b``'s
-window of layer ``l``'s keys and values, a ``[W, H]`` tile per KV head, into that layer's caches, which are
-aliased to the outputs (written in place; nothing else of them is touched). Letters as in :mod:`dflash_jax.cuda`.
+A compact step's tiers only read the caches; the new K/V of every layer come out of the tier switch stacked and
+packed (:class:`dflash_jax.models.target.PendingKV`, ``[T, NL, 2, K, H]``) and are written after it: row ``b``'s
+window (``lens[b]`` tokens from slot ``slots[b]``), then zeros up to ``W`` tokens, at its own anchor
+``starts[b]``. As XLA that is an unpacking gather and two scatters a layer (60 for SmolLM2), each moving a few
+hundred KB: on an H200 the embedded pair's step is launch-bound, so they cost their launches, not their bytes.
+Here one kernel writes every layer's keys and values: program ``(b, l)`` copies row ``b``'s window of layer
+``l``'s keys and values, a ``[W, H]`` tile per KV head read from the packed slots, into that layer's caches,
+which are aliased to the outputs (written in place; nothing else of them is touched). Letters as in
+:mod:`dflash_jax.cuda`.
 """
 
 from __future__ import annotations
@@ -23,13 +25,13 @@ from dflash_jax.attention import _run_kernel
 from dflash_jax.cuda import _SUPPORTED_DTYPES, _next_pow2
 
 
-def _write_kernel(starts_ref, kv_ref, *refs, layers: int, w: int, wp: int, k: int, s: int):
+def _write_kernel(starts_ref, slots_ref, lens_ref, kv_ref, *refs, layers: int, w: int, wp: int, k: int, s: int):
     # refs: the 2·NL caches as inputs (never read here), then the same 2·NL caches as outputs (aliased).
     outs = refs[2 * layers:]
     b, layer = pl.program_id(0), pl.program_id(1)  # read outside the pl.when bodies (interpret mode)
-    start = starts_ref[b]
+    start, slot, n = starts_ref[b], slots_ref[b], lens_ref[b]
     rows = jnp.arange(wp)
-    live = (rows < w) & (start + rows < s)  # past the window or past the cache: not written
+    live = (rows < w) & (start + rows < s)  # past the width or past the cache: not written
     for this in range(layers):  # a program writes one layer; the layer's refs are picked statically
         @pl.when(layer == this)
         def _():
@@ -37,22 +39,22 @@ def _write_kernel(starts_ref, kv_ref, *refs, layers: int, w: int, wp: int, k: in
                 cache = outs[part * layers + this]
                 for kh in range(k):
                     # (indices as int32 scalars: interpret mode's state discharge takes no Python ints in .at)
-                    at = (b, pl.ds(0, wp), jnp.int32(this), jnp.int32(part), jnp.int32(kh), slice(None))
-                    tile = plgpu.load(kv_ref.at[at], mask=(rows < w)[:, None], other=0.0)
+                    at = (pl.ds(slot, wp), jnp.int32(this), jnp.int32(part), jnp.int32(kh), slice(None))
+                    tile = plgpu.load(kv_ref.at[at], mask=(rows < n)[:, None], other=0.0)  # zeros past the window
                     plgpu.store(cache.at[b, pl.ds(start, wp), jnp.int32(kh), :], tile.astype(cache.dtype),
                                 mask=live[:, None])
 
 
-def write_pending_unsupported_reason(kv: jax.ShapeDtypeStruct, caches: tuple, *, interpret: bool = False
+def write_pending_unsupported_reason(kv: jax.ShapeDtypeStruct, caches: tuple, *, rows: int, interpret: bool = False
                                      ) -> str | None:
-    """Why :func:`write_pending` cannot take these shapes (None: it can)."""
+    """Why :func:`write_pending` cannot take these shapes (None: it can); ``rows``: B."""
     if not interpret and jax.default_backend() != "gpu":
         return f"needs a GPU backend (have {jax.default_backend()!r}; interpret=True runs on any backend)"
-    b, w, layers, two, k, h = kv.shape
+    _, layers, two, k, h = kv.shape
     if two != 2 or len(caches) != 2 * layers:
         return f"{len(caches)} caches for {layers} layers of keys and values"
-    if len({tuple(c.shape) for c in caches}) != 1 or caches[0].shape[0] != b or caches[0].shape[2:] != (k, h):
-        return f"caches {sorted({tuple(c.shape) for c in caches})} are not all [{b}, S, {k}, {h}]"
+    if len({tuple(c.shape) for c in caches}) != 1 or caches[0].shape[0] != rows or caches[0].shape[2:] != (k, h):
+        return f"caches {sorted({tuple(c.shape) for c in caches})} are not all [{rows}, S, {k}, {h}]"
     if any(jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES for x in (kv, *caches)):
         return "dtypes other than bfloat16/float16/float32"
     if h < 16 or h > 256 or h & (h - 1):
@@ -62,40 +64,43 @@ def write_pending_unsupported_reason(kv: jax.ShapeDtypeStruct, caches: tuple, *,
     return None
 
 
-def write_pending(kv: Float[Array, "B W NL 2 K H"], starts: Int[Array, "B"], k_caches: tuple, v_caches: tuple,
-                  *, interpret: bool = False) -> tuple[tuple, tuple]:
-    """(k_caches, v_caches) with ``kv[b, i, l]`` written at slot ``starts[b] + i`` of layer ``l``'s caches —
-    what :meth:`PendingKV.write` does with two scatters a layer — in one kernel launch (the caches are
-    aliased to the outputs: written in place where the caller's buffers can be donated, as the decode
-    loop's are)."""
-    b, w, layers, _, k, _ = kv.shape
+def write_pending(kv: Float[Array, "T NL 2 K H"], slots: Int[Array, "B"], lens: Int[Array, "B"],
+                  starts: Int[Array, "B"], k_caches: tuple, v_caches: tuple, *, width: int, interpret: bool = False
+                  ) -> tuple[tuple, tuple]:
+    """(k_caches, v_caches) with row b's ``kv[slots[b] + i, l]`` for i < ``lens[b]``, then zeros, up to ``width``
+    tokens, written at slot ``starts[b] + i`` of layer ``l``'s caches — what :meth:`PendingKV.write` does with
+    a gather and two scatters a layer — in one kernel launch (the caches are aliased to the outputs: written in
+    place where the caller's buffers can be donated, as the decode loop's are)."""
+    layers, k = kv.shape[1], kv.shape[3]
     caches = tuple(k_caches) + tuple(v_caches)
-    s = caches[0].shape[1]
-    kernel = functools.partial(_write_kernel, layers=layers, w=w, wp=max(16, _next_pow2(w)), k=k, s=s)
+    b, s = caches[0].shape[:2]
+    kernel = functools.partial(_write_kernel, layers=layers, w=width, wp=max(16, _next_pow2(width)), k=k, s=s)
+    i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
     out = pl.pallas_call(kernel, out_shape=tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches),
-                         grid=(b, layers), input_output_aliases={2 + i: i for i in range(len(caches))},
+                         grid=(b, layers), input_output_aliases={4 + i: i for i in range(len(caches))},
                          interpret=interpret, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-                         name="dflash_write_pending_kv")(starts.astype(jnp.int32), kv, *caches)
+                         name="dflash_write_pending_kv")(i32(starts), i32(slots), i32(lens), kv, *caches)
     return tuple(out[:layers]), tuple(out[layers:])
 
 
-def write_pending_or_none(kv: Float[Array, "B W NL 2 K H"], starts: Int[Array, "B"], k_caches: tuple,
-                          v_caches: tuple) -> tuple[tuple, tuple] | None:
-    """:func:`write_pending` where it applies (one device: compact mode's packed verify does not run under a
-    mesh; interpret mode off a GPU, as the other ``impl="cuda"`` kernels), else None (the fallback's reason
-    logged once, by the attention kernels' dispatcher): the caller writes with XLA's scatters."""
+def write_pending_or_none(pending, k_caches: tuple, v_caches: tuple) -> tuple[tuple, tuple] | None:
+    """:func:`write_pending` of a :class:`~dflash_jax.models.target.PendingKV` where it applies (one device:
+    compact mode's packed verify does not run under a mesh; interpret mode off a GPU, as the other
+    ``impl="cuda"`` kernels), else None (the fallback's reason logged once, by the attention kernels'
+    dispatcher): the caller writes with XLA's gather and scatters."""
     mesh = jax.sharding.get_abstract_mesh()
     if not (mesh.empty or mesh.size == 1):
         return None
     interpret = jax.default_backend() != "gpu"
-    layers = len(k_caches)
+    layers, rows = len(k_caches), pending.starts.shape[0]
 
-    def local(kv, starts, *caches):
-        return write_pending(kv, starts, caches[:layers], caches[layers:], interpret=interpret)
+    def local(kv, slots, lens, starts, *caches):
+        return write_pending(kv, slots, lens, starts, caches[:layers], caches[layers:], width=pending.width,
+                             interpret=interpret)
 
-    def reason(kv, starts, *caches):
-        return write_pending_unsupported_reason(kv, caches, interpret=interpret)
+    def reason(kv, slots, lens, starts, *caches):
+        return write_pending_unsupported_reason(kv, caches, rows=rows, interpret=interpret)
 
-    args = (kv, starts, *k_caches, *v_caches)
+    args = (pending.kv, pending.slots, pending.lens, pending.starts, *k_caches, *v_caches)
     return _run_kernel("cuda", "compact's cache write", (), local, reason, args,
                        tuple((None,) * a.ndim for a in args), warn_once=True)

@@ -438,7 +438,8 @@ def _packed_forward(target, state: DecodeState, spec: LoopSpec, lens: Int[Array,
     """The target over each row's first ``lens`` block tokens packed into ``size`` slots (``width``: the longest
     window a row can have there — the attention's block): (scores [B, L] — logits, or the argmax when greedy —,
     captured features [B, L, F] or None, both zero past each window; the new K/V — and a hybrid target's
-    linear-layer records — as a :class:`PendingKV` over the whole block, so that every branch returns one shape)."""
+    linear-layer records — as a :class:`PendingKV` of the whole block's width over the largest tier's slots, so
+    that every branch returns one shape)."""
     l = spec.block_size
     layout = attention.PackedLayout.build(lens, state.anchor_pos, size, width, spec.packed_groups)
     hidden, feats, pending = target(layout.pack(block)[None], layout.positions[None], state.target_cache,
@@ -446,8 +447,9 @@ def _packed_forward(target, state: DecodeState, spec: LoopSpec, lens: Int[Array,
     logits = target.logits(hidden[0])  # [T, V]: the LM head only over the packed rows
     scored = layout.unpack(logits if spec.sampling else jnp.argmax(logits, axis=-1).astype(jnp.int32))
     widen = lambda x: jnp.pad(x, [(0, 0), (0, l - width)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+    slots = max(*spec.tiers, state.anchor.shape[0] * l)  # every tier's T fits (a dense one has B·L slots)
     return (widen(scored), widen(layout.unpack(feats[0])) if feats is not None else None,
-            pending.widened(l))
+            pending.widened(l, slots))
 
 
 def _accept(state: DecodeState, block, logits, choice, spec: LoopSpec, q, window):

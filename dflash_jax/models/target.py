@@ -49,32 +49,52 @@ def write_rows(cache: Float[Array, "B S K H"], new: Float[Array, "B T K H"], sta
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PendingKV:
-    """A packed verify's new K/V, every layer's stacked and back in each row's block (``[B, W, NL, 2, K, H]``:
-    window token i of row r at ``[r, i]``, zeros past the window; the layers inside a token, the order XLA's
-    fusion of the stack and the unpacking writes, so the GPU write kernel reads it with no transposing copy
-    between), to be written at each row's anchor
-    position ``starts`` — the static verify's row-window writes (what lies past a window, past the row's
-    length, is masked and overwritten before it is read; zeros keep NaN in padding slots out). A compiled
-    tier (a branch of a ``lax.switch``) only reads the caches and returns these; :meth:`write` stores them
-    after the conditional, in place. Stacked, a branch returns one array rather than two per layer (on a GPU
-    each is a kernel launch and a copy out of the conditional, every step). A hybrid target's linear layers
-    add their deferred ``records`` (:mod:`dflash_jax.models.hybrid`), which :meth:`write` leaves in the cache
-    for ``settle``."""
+    """A packed verify's new K/V, every layer's stacked and still packed (``[T, NL, 2, K, H]``: slot t's token,
+    the layers inside it), to be written row by row: row r's window (``lens[r]`` tokens from slot ``slots[r]``)
+    at its anchor position ``starts[r]``, then zeros up to ``width`` tokens — the static verify's row-window
+    writes (what lies past a window, past the row's length, is masked and overwritten before it is read; zeros
+    keep NaN in padding slots out). A compiled tier (a branch of a ``lax.switch``) only reads the caches and
+    returns these; :meth:`write` stores them after the conditional, in place. Stacked, a branch returns one
+    array rather than two per layer (on a GPU each is a kernel launch and a copy out of the conditional, every
+    step); packed, it writes only its T slots' K/V (unpacking them into ``[B, L]`` blocks inside the branch was
+    one select fusion writing the whole batch's blocks, 57 µs of a ~1.7 ms step at 64 rows on an H200,
+    RESULTS session 26). A hybrid target's linear layers add their deferred ``records``
+    (:mod:`dflash_jax.models.hybrid`), which :meth:`write` leaves in the cache for ``settle``."""
 
     starts: Int[Array, "B"]
-    kv: Float[Array, "B W NL 2 K H"]  # keys, values
+    slots: Int[Array, "B"]  # each row's first packed slot
+    lens: Int[Array, "B"]
+    kv: Float[Array, "T NL 2 K H"]  # keys, values
     records: tuple = ()
+    width: int = dataclasses.field(default=1, metadata=dict(static=True))  # tokens written a row
+    groups: int = dataclasses.field(default=1, metadata=dict(static=True))  # as PackedLayout's
 
     @staticmethod
     def of(layout: attention.PackedLayout, kv: tuple, records: tuple = ()) -> "PendingKV":
         """``kv``: per layer ``[T, 2, K, H]``; ``records``: per linear layer, over ``layout.block`` tokens."""
-        return PendingKV(layout.anchors, jnp.moveaxis(jax.vmap(layout.unpack)(jnp.stack(kv)), 0, 2), records)
+        return PendingKV(layout.anchors, layout.starts, layout.lens, jnp.stack(kv, axis=1), records, layout.block,
+                         layout.groups)
 
-    def widened(self, block: int) -> "PendingKV":
-        """The same writes over ``block`` ≥ W tokens a row (so that every tier, whose windows fit blocks of
-        different widths, returns one shape)."""
-        pad = [(0, 0), (0, block - self.kv.shape[1])] + [(0, 0)] * 4
-        return PendingKV(self.starts, jnp.pad(self.kv, pad), tuple(pad_record(r, block) for r in self.records))
+    def widened(self, block: int, size: int) -> "PendingKV":
+        """The same writes over ``block`` ≥ width tokens a row from ``size`` ≥ T slots (each group's slots
+        padded at their end), so that every tier, whose windows fit blocks of different widths packed into
+        different sizes, returns one shape."""
+        g, t = self.groups, self.kv.shape[0]
+        grow = (size - t) // g
+        kv = jnp.pad(self.kv.reshape(g, t // g, *self.kv.shape[1:]), [(0, 0), (0, grow)] + [(0, 0)] * 4)
+        slots = self.slots + (jnp.arange(self.slots.shape[0]) // (self.slots.shape[0] // g)) * grow
+        return PendingKV(self.starts, slots.astype(jnp.int32), self.lens, kv.reshape(size, *self.kv.shape[1:]),
+                         tuple(pad_record(r, block) for r in self.records), block, g)
+
+    def rows(self) -> Float[Array, "B W NL 2 K H"]:
+        """Each row's ``width`` tokens: its window, then zeros (each group gathers from its own slots)."""
+        g, t, b = self.groups, self.kv.shape[0], self.slots.shape[0]
+        j = jnp.arange(self.width)[None, :]
+        first = self.slots - (jnp.arange(b) // (b // g)) * (t // g)  # in the group's own slots
+        out = jax.vmap(lambda kv, f: kv[jnp.clip(f[:, None] + j, 0, t // g - 1)])(
+            self.kv.reshape(g, t // g, *self.kv.shape[1:]), first.reshape(g, b // g))
+        out = out.reshape(b, self.width, *self.kv.shape[1:])
+        return jnp.where((j < self.lens[:, None])[..., None, None, None, None], out, jnp.zeros((), out.dtype))
 
     def write(self, cache: KVCache, impl: str = "xla") -> KVCache:
         """``impl="cuda"``: one GPU kernel for every layer (:mod:`dflash_jax.cuda.cache_write`) instead of two
@@ -83,10 +103,11 @@ class PendingKV:
         if impl == "cuda":
             from dflash_jax.cuda.cache_write import write_pending_or_none  # Triton's modules only on this path
 
-            done = write_pending_or_none(self.kv, self.starts, cache.k, cache.v)
+            done = write_pending_or_none(self, cache.k, cache.v)
         if done is None:
-            done = (tuple(write_rows(c, self.kv[:, :, i, 0], self.starts) for i, c in enumerate(cache.k)),
-                    tuple(write_rows(c, self.kv[:, :, i, 1], self.starts) for i, c in enumerate(cache.v)))
+            kv = self.rows()
+            done = (tuple(write_rows(c, kv[:, :, i, 0], self.starts) for i, c in enumerate(cache.k)),
+                    tuple(write_rows(c, kv[:, :, i, 1], self.starts) for i, c in enumerate(cache.v)))
         return dataclasses.replace(cache, k=done[0], v=done[1], **({"pending": self.records} if self.records else {}))
 
 
