@@ -42,11 +42,14 @@ case "$1" in
     # the step profile: every program a compact step can run (with and without the AR offer), against plain AR
     # and static; then compact's tiers with the short tile
     timeout 200 bash benchmarks/device_runs/bench.sh profile_gpu_step.py --batches 64 --tiers 0,1,-1 \
-      --cases ar,compact-ar,compact-tiers,compact-noar,static --out $OUT/step_profile.json > $OUT/step_profile.txt 2>&1
+      --cases ar,compact-ar,compact-tiers,compact-noar,static --keep-traces /tmp/traces \
+      --out $OUT/step_profile.json > $OUT/step_profile.txt 2>&1
     echo "profile rc $?"; grep "^== \|timeline" $OUT/step_profile.txt
     timeout 120 bash benchmarks/device_runs/bench.sh profile_gpu_step.py --batches 64 --tiers 0,1,-1 \
-      --cases compact-tiers --packed-short-tile 4 --out $OUT/step_profile_short4.json > $OUT/step_profile_short4.txt 2>&1
+      --cases compact-tiers --packed-short-tile 4 --keep-traces /tmp/traces/short4 \
+      --out $OUT/step_profile_short4.json > $OUT/step_profile_short4.txt 2>&1
     echo "profile (short tile) rc $?"; grep "^== " $OUT/step_profile_short4.txt
+    tar -czf $OUT/step_traces.tgz -C /tmp traces  # benchmarks/read_step_traces.py reads it
     ;;
   2) rm -f $TABLE; calibrate 1,4,16,32 420 ;;
   3)
