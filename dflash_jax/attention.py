@@ -484,21 +484,30 @@ class PackedLayout:
 
     def unpack(self, y: Float[Array, "T *f"]) -> Float[Array, "B L *f"]:
         """Back to ``[B, L, …]``; block slots past a row's window hold zeros."""
-        t = y.shape[0]
-        b = self.starts.shape[0]
-        j = jnp.arange(self.block)[None, :]
-        inside = j < self.lens[:, None]
-        if self.dense:
-            out = y.reshape(b, self.block, *y.shape[1:])
-        elif self.groups == 1:
-            out = y[jnp.clip(self.starts[:, None] + j, 0, t - 1)]
-        else:
-            tg, bg = t // self.groups, b // self.groups
-            first = self.starts - (jnp.arange(b) // bg) * tg  # in the group's own slots
-            out = jax.vmap(lambda yg, f: yg[jnp.clip(f[:, None] + j, 0, tg - 1)])(
-                y.reshape(self.groups, tg, *y.shape[1:]), first.reshape(self.groups, bg))
-            out = out.reshape(-1, *out.shape[2:])
+        if not self.dense:
+            return gather_windows(y, self.starts, self.lens, self.block, self.groups)
+        out = y.reshape(self.starts.shape[0], self.block, *y.shape[1:])
+        inside = jnp.arange(self.block)[None, :] < self.lens[:, None]
         return jnp.where(inside.reshape(inside.shape + (1,) * (y.ndim - 1)), out, jnp.zeros((), y.dtype))
+
+
+def gather_windows(y: Float[Array, "T *f"], starts: Int[Array, "B"], lens: Int[Array, "B"], width: int,
+                   groups: int = 1) -> Float[Array, "B W *f"]:
+    """Each row's window out of packed slots: row r's ``lens[r]`` slots from slot ``starts[r]``, then zeros, to
+    ``width`` (W) tokens. With ``groups`` > 1 (:class:`PackedLayout`'s) each group gathers from its own T/groups
+    slots, so nothing crosses the devices of a dp mesh."""
+    t, b = y.shape[0], starts.shape[0]
+    j = jnp.arange(width)[None, :]
+    if groups == 1:
+        out = y[jnp.clip(starts[:, None] + j, 0, t - 1)]
+    else:
+        tg, bg = t // groups, b // groups
+        first = starts - (jnp.arange(b) // bg) * tg  # in the group's own slots
+        out = jax.vmap(lambda yg, f: yg[jnp.clip(f[:, None] + j, 0, tg - 1)])(
+            y.reshape(groups, tg, *y.shape[1:]), first.reshape(groups, bg))
+        out = out.reshape(-1, *out.shape[2:])
+    inside = j < lens[:, None]
+    return jnp.where(inside.reshape(inside.shape + (1,) * (y.ndim - 1)), out, jnp.zeros((), y.dtype))
 
 
 # The GPU packed kernel's second tile for short windows (cuda.packed_block_attention's ``short_q_len``; None:

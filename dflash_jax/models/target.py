@@ -88,13 +88,7 @@ class PendingKV:
 
     def rows(self) -> Float[Array, "B W NL 2 K H"]:
         """Each row's ``width`` tokens: its window, then zeros (each group gathers from its own slots)."""
-        g, t, b = self.groups, self.kv.shape[0], self.slots.shape[0]
-        j = jnp.arange(self.width)[None, :]
-        first = self.slots - (jnp.arange(b) // (b // g)) * (t // g)  # in the group's own slots
-        out = jax.vmap(lambda kv, f: kv[jnp.clip(f[:, None] + j, 0, t // g - 1)])(
-            self.kv.reshape(g, t // g, *self.kv.shape[1:]), first.reshape(g, b // g))
-        out = out.reshape(b, self.width, *self.kv.shape[1:])
-        return jnp.where((j < self.lens[:, None])[..., None, None, None, None], out, jnp.zeros((), out.dtype))
+        return attention.gather_windows(self.kv, self.slots, self.lens, self.width, self.groups)
 
     def write(self, cache: KVCache, impl: str = "xla") -> KVCache:
         """``impl="cuda"``: one GPU kernel for every layer (:mod:`dflash_jax.cuda.cache_write`) instead of two
