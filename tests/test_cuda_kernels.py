@@ -11,6 +11,8 @@ float32 tolerances are tight; bfloat16 ones are about 2e-2.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -392,3 +394,33 @@ def test_write_pending_lowers_to_triton_and_refuses_odd_shapes():
     assert "head_dim" in write_pending_unsupported_reason(sds((1024, 30, 2, 3, 96), jnp.bfloat16),
                                                           (sds((64, 512, 3, 96), jnp.bfloat16),) * 60, rows=64,
                                                           interpret=True)
+
+
+@pytest.mark.parametrize("t,size", [(24, 40), (300, 1024)])
+def test_place_pending_copies_the_tier_slots_only(t, size):
+    """A tier's K/V placed in the largest tier's slots by one kernel: the first T slots exactly the tier's (a
+    last tile that runs past them included), and the cache write from the placed buffer the same as from XLA's
+    zero padding — what lies past the T slots is never read. Lowered through Pallas' Triton rules."""
+    from dflash_jax.cuda.cache_write import place_pending, write_pending
+    from dflash_jax.models.target import KVCache, PendingKV
+
+    nl, b, k, h, s, w = 2, 3, 2, 16, 48, 8
+    rng = np.random.default_rng(t)
+    kv = _normal(rng, (t, nl, 2, k, h), jnp.float32)
+    placed = jax.jit(lambda kv: place_pending(kv, size, interpret=INTERPRET))(kv)
+    assert placed.shape == (size, nl, 2, k, h)
+    np.testing.assert_array_equal(np.asarray(placed[:t]), np.asarray(kv))
+    lens = jnp.asarray([w, 0, 5], jnp.int32)
+    pending = PendingKV(jnp.asarray([3, 9, s - 5], jnp.int32), jnp.asarray([0, w, t - 5], jnp.int32), lens, kv,
+                        width=w)
+    cache = KVCache(*(tuple(_normal(rng, (b, s, k, h), jnp.float32) for _ in range(nl)) for _ in range(2)))
+    padded = pending.widened(w, size)  # XLA's zeros
+    on_placed = dataclasses.replace(padded, kv=placed)
+    write = jax.jit(lambda p, c: write_pending(p.kv, p.slots, p.lens, p.starts, c.k, c.v, width=w,
+                                               interpret=INTERPRET))
+    for got, want in zip(sum(write(on_placed, cache), ()), sum(write(padded, cache), ())):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    sds = jax.ShapeDtypeStruct
+    text = jax.jit(lambda kv: place_pending(kv, 1024)).trace(sds((64, 30, 2, 3, 64), jnp.bfloat16)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text and "dflash_place_pending_kv" in text

@@ -69,22 +69,25 @@ def test_kernels_in_the_decode_loop_are_lossless(pair, reference, impl):
 
 def test_compact_verify_through_the_packed_kernel(pair, reference, monkeypatch):
     """Compact mode with the GPU kernels: every tier's packed windows go through
-    ``cuda.packed_block_attention`` and the step's new K/V into the caches through one ``write_pending``
-    kernel — both counted — and the tokens stay the reference's, with an oracle drafter whose acceptance
+    ``cuda.packed_block_attention``, each tier's new K/V into the largest tier's slots through
+    ``place_pending`` (the whole-block tier fills them: none) and into the caches through one ``write_pending``
+    kernel — all counted — and the tokens stay the reference's, with an oracle drafter whose acceptance
     lengths (so windows and tiers) vary."""
     from dflash_jax.cuda import cache_write
 
     target, _ = pair
-    calls, writes = [], []
-    kernel, write = attention._packed_kernel_call, cache_write.write_pending
+    calls, writes, placed = [], [], []
+    kernel, write, place = attention._packed_kernel_call, cache_write.write_pending, cache_write.place_pending
     monkeypatch.setattr(attention, "_packed_kernel_call", lambda *a: calls.append(a[0].shape) or kernel(*a))
     monkeypatch.setattr(cache_write, "write_pending", lambda *a, **k: writes.append(a[0].shape) or write(*a, **k))
+    monkeypatch.setattr(cache_write, "place_pending", lambda *a, **k: placed.append(a[0].shape) or place(*a, **k))
     oracle = oracle_drafter(target, PROMPTS, reference["ar"].token_ids, block_size=4, corrupt=0.3)
     out = speculative_generate(target, oracle, PROMPTS, attention_impl="cuda", verify_mode="compact",
                                cost_table=TIERED, **KW)
     assert out.token_ids == reference["ar"].token_ids
     assert len({shape[0] for shape in calls}) >= 2  # traced once per layer in each compiled tier
-    assert writes and writes[0][2] == target.config.num_layers  # one write, after the tier switch, every layer
+    assert writes and writes[0][1] == target.config.num_layers  # one write, after the tier switch, every layer
+    assert len({shape[0] for shape in placed}) >= 2 and all(shape[0] < writes[0][0] for shape in placed)
 
 
 def test_auto_keeps_float32_on_the_reference_on_gpu(monkeypatch):

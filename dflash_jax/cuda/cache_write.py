@@ -83,6 +83,50 @@ def write_pending(kv: Float[Array, "T NL 2 K H"], slots: Int[Array, "B"], lens: 
     return tuple(out[:layers]), tuple(out[layers:])
 
 
+def _place_kernel(kv_ref, out_ref, *, rows: int, tile: int):
+    i = pl.program_id(0)
+    live = (i * tile + jnp.arange(tile) < rows)[:, None]
+    tile_in = plgpu.load(kv_ref.at[pl.ds(i * tile, tile), :], mask=live, other=0.0)
+    plgpu.store(out_ref.at[pl.ds(i * tile, tile), :], tile_in, mask=live)
+
+
+def place_pending(kv: Float[Array, "T NL 2 K H"], size: int, *, interpret: bool = False
+                  ) -> Float[Array, "S NL 2 K H"]:
+    """``kv`` as the first T of ``size`` (S) slots; the others are left as the allocation found them (the writes
+    read only each row's window: :func:`write_pending`'s masked loads). Every tier of compact's switch returns
+    the largest tier's slots; XLA's pad to them wrote every slot — 23.6 MB at 64 rows of the embedded pair, 57 µs
+    of an H200's ~1.6 ms step, whatever the tier (session 27's traces) — where this copies the tier's T."""
+    t, h = kv.shape[0], kv.shape[-1]
+    per_slot = kv.size // (t * h)  # rows of H a slot: NL·2·K
+    rows, tile = t * per_slot, 256
+    out = pl.pallas_call(functools.partial(_place_kernel, rows=rows, tile=tile),
+                         out_shape=jax.ShapeDtypeStruct((size * per_slot, h), kv.dtype), grid=(pl.cdiv(rows, tile),),
+                         interpret=interpret, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+                         name="dflash_place_pending_kv")(kv.reshape(rows, h))
+    return out.reshape(size, *kv.shape[1:])
+
+
+def place_pending_or_none(kv: Float[Array, "T NL 2 K H"], size: int) -> jax.Array | None:
+    """:func:`place_pending` where it applies (one device, a power-of-two head size; interpret mode off a GPU),
+    else None: the caller pads with XLA."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not (mesh.empty or mesh.size == 1):
+        return None
+    interpret = jax.default_backend() != "gpu"
+
+    def reason(kv):
+        if not interpret and jax.default_backend() != "gpu":
+            return f"needs a GPU backend (have {jax.default_backend()!r})"
+        h = kv.shape[-1]
+        if jnp.dtype(kv.dtype) not in _SUPPORTED_DTYPES or h < 16 or h > 256 or h & (h - 1):
+            return f"{kv.dtype} K/V of head_dim {h} (needs bfloat16/float16/float32, a power of two in [16, 256])"
+        return None
+
+    return _run_kernel("cuda", "compact's K/V slots", (size,),
+                       lambda kv: place_pending(kv, size, interpret=interpret), reason, (kv,),
+                       ((None,) * kv.ndim,), warn_once=True)
+
+
 def write_pending_or_none(pending, k_caches: tuple, v_caches: tuple) -> tuple[tuple, tuple] | None:
     """:func:`write_pending` of a :class:`~dflash_jax.models.target.PendingKV` where it applies (one device:
     compact mode's packed verify does not run under a mesh; interpret mode off a GPU, as the other

@@ -449,7 +449,7 @@ def _packed_forward(target, state: DecodeState, spec: LoopSpec, lens: Int[Array,
     widen = lambda x: jnp.pad(x, [(0, 0), (0, l - width)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
     slots = max(*spec.tiers, state.anchor.shape[0] * l)  # every tier's T fits (a dense one has B·L slots)
     return (widen(scored), widen(layout.unpack(feats[0])) if feats is not None else None,
-            pending.widened(l, slots))
+            pending.widened(l, slots, spec.impl))
 
 
 def _accept(state: DecodeState, block, logits, choice, spec: LoopSpec, q, window):

@@ -75,13 +75,22 @@ class PendingKV:
         return PendingKV(layout.anchors, layout.starts, layout.lens, jnp.stack(kv, axis=1), records, layout.block,
                          layout.groups)
 
-    def widened(self, block: int, size: int) -> "PendingKV":
+    def widened(self, block: int, size: int, impl: str = "xla") -> "PendingKV":
         """The same writes over ``block`` ≥ width tokens a row from ``size`` ≥ T slots (each group's slots
         padded at their end), so that every tier, whose windows fit blocks of different widths packed into
-        different sizes, returns one shape."""
+        different sizes, returns one shape. What lies past the T slots is never read (the writes and
+        :meth:`rows` mask past each window): with ``impl="cuda"`` a kernel copies the T slots into a buffer of
+        ``size`` and leaves the rest unwritten (:func:`dflash_jax.cuda.cache_write.place_pending`), else XLA
+        pads with zeros."""
         g, t = self.groups, self.kv.shape[0]
         grow = (size - t) // g
-        kv = jnp.pad(self.kv.reshape(g, t // g, *self.kv.shape[1:]), [(0, 0), (0, grow)] + [(0, 0)] * 4)
+        kv = None
+        if impl == "cuda" and g == 1 and size > t:
+            from dflash_jax.cuda.cache_write import place_pending_or_none  # Triton's modules only on this path
+
+            kv = place_pending_or_none(self.kv, size)
+        if kv is None:
+            kv = jnp.pad(self.kv.reshape(g, t // g, *self.kv.shape[1:]), [(0, 0), (0, grow)] + [(0, 0)] * 4)
         slots = self.slots + (jnp.arange(self.slots.shape[0]) // (self.slots.shape[0] // g)) * grow
         return PendingKV(self.starts, slots.astype(jnp.int32), self.lens, kv.reshape(size, *self.kv.shape[1:]),
                          tuple(pad_record(r, block) for r in self.records), block, g)
