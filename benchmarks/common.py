@@ -136,7 +136,7 @@ def print_profile(profile: dict, label: str) -> None:
 
 def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
     """``--packed-kernel`` / ``--write-kernel off``: compact's step without one of its GPU kernels (the path
-    before it); ``--packed-short-tile N``: the packed kernel's second tile for windows of ≤ N tokens;
+    before it); ``--packed-short-tile N``: the packed kernel's second tile for windows of ≤ N tokens (0: off);
     ``--sequential-draft-cap``: how a DSpark drafter's compact steps draft (the switch in
     :mod:`dflash_jax.decode.loop`). For A/B runs; :func:`apply_kernel_switches` applies them."""
     ap.add_argument("--packed-kernel", choices=["on", "off"], default="on",
@@ -147,7 +147,7 @@ def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
                          "cuda.cache_write)")
     ap.add_argument("--packed-short-tile", type=int,
                     help="the packed verify kernel's second tile: windows of at most this many tokens run a tile "
-                         "of that many query positions (attention.PACKED_SHORT_Q_LEN)")
+                         "of that many query positions (attention.PACKED_SHORT_Q_LEN; 0: one tile)")
     ap.add_argument("--sequential-draft-cap", type=int,
                     help="a sequential (DSpark) drafter's compact steps draft only this many positions")
 
@@ -160,8 +160,8 @@ def apply_kernel_switches(args: argparse.Namespace) -> dict:
 
     if args.packed_kernel == "off":
         attention._packed_kernel_call = lambda *a, **k: None  # noqa: E731
-    if args.packed_short_tile:
-        attention.PACKED_SHORT_Q_LEN = args.packed_short_tile
+    if args.packed_short_tile is not None:
+        attention.PACKED_SHORT_Q_LEN = args.packed_short_tile or None
     if args.write_kernel == "off":
         from dflash_jax.cuda import cache_write  # Triton's modules only here
 
@@ -169,4 +169,4 @@ def apply_kernel_switches(args: argparse.Namespace) -> dict:
     if args.sequential_draft_cap:
         loop.SEQUENTIAL_DRAFT_CAP = args.sequential_draft_cap
     return dict(packed_kernel=args.packed_kernel, write_kernel=args.write_kernel,
-                packed_short_tile=args.packed_short_tile, sequential_draft_cap=loop.SEQUENTIAL_DRAFT_CAP)
+                packed_short_tile=attention.PACKED_SHORT_Q_LEN, sequential_draft_cap=loop.SEQUENTIAL_DRAFT_CAP)

@@ -511,9 +511,11 @@ def gather_windows(y: Float[Array, "T *f"], starts: Int[Array, "B"], lens: Int[A
 
 
 # The GPU packed kernel's second tile for short windows (cuda.packed_block_attention's ``short_q_len``; None:
-# one tile of the block's length). Off until timed on a GPU; benchmarks set it at trace time
-# (``--packed-short-tile N``).
-PACKED_SHORT_Q_LEN: int | None = None
+# one tile of the block's length). Windows of ≤ 4 tokens then run the 16-row tile the AR step's kernel uses:
+# the packed attention of a tier of 1 or 2 tokens a row at 64 rows 407 → 317-325 µs a step on an H200 (30
+# layers; session 27's traces), the whole-block tier's unchanged. Benchmarks set it at trace time
+# (``--packed-short-tile N``, 0: off).
+PACKED_SHORT_Q_LEN: int | None = 4
 
 
 def _packed_kernel_call(qkv, k_cache, v_cache, layout: PackedLayout, start, window) -> jax.Array | None:
