@@ -2,7 +2,7 @@
 # (carry .xfer/p2 with each; the machine must stay warm between them: the table of calls 2–3 stays in /tmp/recheck).
 #   bash benchmarks/device_runs/compact_recheck.sh 1   # the packed and cache-write kernels' tests; the packed
 #                                                      # kernel's short tile timed; step profile at batch 64 of
-#                                                      # every compact program, with the short tile too (~6 min)
+#                                                      # every compact program, with one tile too (~6 min)
 #   bash benchmarks/device_runs/compact_recheck.sh 2   # the cost table at batches 1–32 (~5 min)
 #   bash benchmarks/device_runs/compact_recheck.sh 3   # the table's 64, 128 added; sweep at batch 16 (~6 min)
 #   bash benchmarks/device_runs/compact_recheck.sh 4   # sweep at batches 32, 4, 1 (~5.5 min)
@@ -32,23 +32,24 @@ sweep() {  # sweep <batches> <seconds> [bench_schedule flags…]: AR, static and
 }
 case "$1" in
   1)
-    # the GPU tests of the packed verify kernel (its short-window tile too) and of the cache-write kernel first
+    # the GPU tests of the packed verify kernel (its short-window tile too) and of the cache-write and K/V
+    # placing kernels first
     timeout 150 python3 -m pytest -q -rf tests/test_cuda_kernels.py tests/test_kernel_dispatch.py \
-      tests/test_schedule.py -k "packed or write_pending" 2>&1 | tail -4
+      tests/test_schedule.py -k "packed or write_pending or place_pending" 2>&1 | tail -4
     # the packed kernel's short-window tile against its one tile, the kernel alone
     timeout 150 python3 benchmarks/bench_packed_tile.py --shorts 2,4 --out $OUT/packed_tile.json \
       > $OUT/packed_tile.txt 2>&1
     echo "packed tile rc $?"; grep "^|" $OUT/packed_tile.txt
     # the step profile: every program a compact step can run (with and without the AR offer), against plain AR
-    # and static; then compact's tiers with the short tile
+    # and static; then compact's tiers with one tile (the short tile is the default)
     timeout 200 bash benchmarks/device_runs/bench.sh profile_gpu_step.py --batches 64 --tiers 0,1,-1 \
       --cases ar,compact-ar,compact-tiers,compact-noar,static --keep-traces /tmp/traces \
       --out $OUT/step_profile.json > $OUT/step_profile.txt 2>&1
     echo "profile rc $?"; grep "^== \|timeline" $OUT/step_profile.txt
     timeout 120 bash benchmarks/device_runs/bench.sh profile_gpu_step.py --batches 64 --tiers 0,1,-1 \
-      --cases compact-tiers --packed-short-tile 4 --keep-traces /tmp/traces/short4 \
-      --out $OUT/step_profile_short4.json > $OUT/step_profile_short4.txt 2>&1
-    echo "profile (short tile) rc $?"; grep "^== " $OUT/step_profile_short4.txt
+      --cases compact-tiers --packed-short-tile 0 --keep-traces /tmp/traces/one_tile \
+      --out $OUT/step_profile_one_tile.json > $OUT/step_profile_one_tile.txt 2>&1
+    echo "profile (one tile) rc $?"; grep "^== " $OUT/step_profile_one_tile.txt
     tar -czf $OUT/step_traces.tgz -C /tmp traces  # benchmarks/read_step_traces.py reads it
     ;;
   2) rm -f $TABLE; calibrate 1,4,16,32 420 ;;
@@ -60,6 +61,6 @@ case "$1" in
     [ -f $TABLE ] || cp dflash_jax/assets/costs/gpu.json $TABLE
     calibrate 64,128 280 ;;
   4) sweep 32,4,1 560 ;;
-  5) sweep 64,128 400 "${@:2}" ;;  # e.g. `5 --packed-short-tile 4` (TAG=_short4 names its files)
+  5) sweep 64,128 400 "${@:2}" ;;  # e.g. `5 --packed-short-tile 0` (TAG=_one_tile names its files)
   *) echo "usage: $0 1|2|3|3s|4|5" >&2; exit 2 ;;
 esac
