@@ -401,7 +401,7 @@ def test_place_pending_copies_the_tier_slots_only(t, size):
     """A tier's K/V placed in the largest tier's slots by one kernel: the first T slots exactly the tier's (a
     last tile that runs past them included), and the cache write from the placed buffer the same as from XLA's
     zero padding — what lies past the T slots is never read. Lowered through Pallas' Triton rules."""
-    from dflash_jax.cuda.cache_write import place_pending, write_pending
+    from dflash_jax.cuda.cache_write import place_pending, place_pending_or_none, write_pending
     from dflash_jax.models.target import KVCache, PendingKV
 
     nl, b, k, h, s, w = 2, 3, 2, 16, 48, 8
@@ -424,3 +424,4 @@ def test_place_pending_copies_the_tier_slots_only(t, size):
     text = jax.jit(lambda kv: place_pending(kv, 1024)).trace(sds((64, 30, 2, 3, 64), jnp.bfloat16)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text and "dflash_place_pending_kv" in text
+    assert place_pending_or_none(jnp.zeros((8, 1, 2, 1, 96)), 16) is None  # head_dim 96: XLA's pad instead

@@ -98,7 +98,7 @@ def place_pending(kv: Float[Array, "T NL 2 K H"], size: int, *, interpret: bool 
     of an H200's ~1.6 ms step, whatever the tier (session 27's traces) — where this copies the tier's T."""
     t, h = kv.shape[0], kv.shape[-1]
     per_slot = kv.size // (t * h)  # rows of H a slot: NL·2·K
-    rows, tile = t * per_slot, 256
+    rows, tile = t * per_slot, 16384 // h  # 32 KB a bfloat16 tile, whatever the (power-of-two) head size
     out = pl.pallas_call(functools.partial(_place_kernel, rows=rows, tile=tile),
                          out_shape=jax.ShapeDtypeStruct((size * per_slot, h), kv.dtype), grid=(pl.cdiv(rows, tile),),
                          interpret=interpret, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
@@ -115,8 +115,6 @@ def place_pending_or_none(kv: Float[Array, "T NL 2 K H"], size: int) -> jax.Arra
     interpret = jax.default_backend() != "gpu"
 
     def reason(kv):
-        if not interpret and jax.default_backend() != "gpu":
-            return f"needs a GPU backend (have {jax.default_backend()!r})"
         h = kv.shape[-1]
         if jnp.dtype(kv.dtype) not in _SUPPORTED_DTYPES or h < 16 or h > 256 or h & (h - 1):
             return f"{kv.dtype} K/V of head_dim {h} (needs bfloat16/float16/float32, a power of two in [16, 256])"
