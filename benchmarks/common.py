@@ -135,9 +135,9 @@ def print_profile(profile: dict, label: str) -> None:
 
 
 def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
-    """``--packed-kernel`` / ``--write-kernel off``: compact's step without one of its GPU kernels (the path
-    before it); ``--packed-short-tile N``: the packed kernel's second tile for windows of ≤ N tokens (0: off);
-    ``--sequential-draft-cap``: how a DSpark drafter's compact steps draft (the switch in
+    """``--packed-kernel`` / ``--write-kernel`` / ``--place-kernel off``: compact's step without one of its GPU
+    kernels (the path before it); ``--packed-short-tile N``: the packed kernel's second tile for windows of ≤ N
+    tokens (0: off); ``--sequential-draft-cap``: how a DSpark drafter's compact steps draft (the switch in
     :mod:`dflash_jax.decode.loop`). For A/B runs; :func:`apply_kernel_switches` applies them."""
     ap.add_argument("--packed-kernel", choices=["on", "off"], default="on",
                     help="off: compact's packed verify unpacks to [B, L] for the block kernel (the path before "
@@ -145,6 +145,9 @@ def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--write-kernel", choices=["on", "off"], default="on",
                     help="off: compact's deferred cache write as two XLA scatters a layer (the path before "
                          "cuda.cache_write)")
+    ap.add_argument("--place-kernel", choices=["on", "off"], default="on",
+                    help="off: each compact tier pads its new K/V to the largest tier's slots with XLA (the path "
+                         "before cuda.cache_write.place_pending)")
     ap.add_argument("--packed-short-tile", type=int,
                     help="the packed verify kernel's second tile: windows of at most this many tokens run a tile "
                          "of that many query positions (attention.PACKED_SHORT_Q_LEN; 0: one tile)")
@@ -166,7 +169,11 @@ def apply_kernel_switches(args: argparse.Namespace) -> dict:
         from dflash_jax.cuda import cache_write  # Triton's modules only here
 
         cache_write.write_pending_or_none = lambda *a, **k: None  # noqa: E731
+    if args.place_kernel == "off":
+        from dflash_jax.cuda import cache_write
+
+        cache_write.place_pending_or_none = lambda *a, **k: None  # noqa: E731
     if args.sequential_draft_cap:
         loop.SEQUENTIAL_DRAFT_CAP = args.sequential_draft_cap
-    return dict(packed_kernel=args.packed_kernel, write_kernel=args.write_kernel,
+    return dict(packed_kernel=args.packed_kernel, write_kernel=args.write_kernel, place_kernel=args.place_kernel,
                 packed_short_tile=attention.PACKED_SHORT_Q_LEN, sequential_draft_cap=loop.SEQUENTIAL_DRAFT_CAP)
