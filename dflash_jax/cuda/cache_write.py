@@ -7,8 +7,9 @@ window (``lens[b]`` tokens from slot ``slots[b]``), then zeros up to ``W`` token
 hundred KB: on an H200 the embedded pair's step is launch-bound, so they cost their launches, not their bytes.
 Here one kernel writes every layer's keys and values: program ``(b, l)`` copies row ``b``'s window of layer
 ``l``'s keys and values, a ``[W, H]`` tile per KV head read from the packed slots, into that layer's caches,
-which are aliased to the outputs (written in place; nothing else of them is touched). Letters as in
-:mod:`dflash_jax.cuda`.
+which are aliased to the outputs (written in place; nothing else of them is touched). Before it, inside each
+tier's branch, :func:`place_pending` puts the tier's T slots into the largest tier's S (every branch of the
+switch returns one shape) without writing the other S − T. Letters as in :mod:`dflash_jax.cuda`.
 """
 
 from __future__ import annotations
