@@ -84,6 +84,13 @@ def write_pending(kv: Float[Array, "T NL 2 K H"], slots: Int[Array, "B"], lens: 
     return tuple(out[:layers]), tuple(out[layers:])
 
 
+def _on_a_mesh() -> bool:
+    """Traced under a mesh of several devices: compact mode's packed verify does not run there, so neither kernel
+    of this module does (the callers fall back to XLA)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not (mesh.empty or mesh.size == 1)
+
+
 def _place_kernel(kv_ref, out_ref, *, rows: int, tile: int):
     i = pl.program_id(0)
     live = (i * tile + jnp.arange(tile) < rows)[:, None]
@@ -110,8 +117,7 @@ def place_pending(kv: Float[Array, "T NL 2 K H"], size: int, *, interpret: bool 
 def place_pending_or_none(kv: Float[Array, "T NL 2 K H"], size: int) -> jax.Array | None:
     """:func:`place_pending` where it applies (one device, a power-of-two head size; interpret mode off a GPU),
     else None: the caller pads with XLA."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if not (mesh.empty or mesh.size == 1):
+    if _on_a_mesh():
         return None
     interpret = jax.default_backend() != "gpu"
 
@@ -131,8 +137,7 @@ def write_pending_or_none(pending, k_caches: tuple, v_caches: tuple) -> tuple[tu
     compact mode's packed verify does not run under a mesh; interpret mode off a GPU, as the other
     ``impl="cuda"`` kernels), else None (the fallback's reason logged once, by the attention kernels'
     dispatcher): the caller writes with XLA's gather and scatters."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if not (mesh.empty or mesh.size == 1):
+    if _on_a_mesh():
         return None
     interpret = jax.default_backend() != "gpu"
     layers, rows = len(k_caches), pending.starts.shape[0]
