@@ -137,7 +137,8 @@ def prefill(
         return_at_done=jnp.asarray(b if return_at_done is None else return_at_done, jnp.int32),
     )
     # The first token is committed like any other (it may be a stop token, or the whole budget).
-    return shard_state(commit(state, first, jnp.ones((b,), jnp.int32), record=False), spec.plan)
+    state = shard_state(commit(state, first, jnp.ones((b,), jnp.int32), record=False), spec.plan)
+    return plan_next(state, spec) if plans_ahead(state, spec) else state
 
 
 def _new_schedule(drafter: DFlashDrafter, b: int, spec: LoopSpec, step_cost) -> ScheduleState:
@@ -386,7 +387,8 @@ def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState
 def _packed_step(target, drafter, state: DecodeState, spec: LoopSpec, window, tier, make_block, drafted
                  ) -> DecodeState:
     """The compact step's packed verify, in one ``lax.switch`` over the compiled tiers (chosen per step on the
-    device; on a GPU a conditional node of the step's CUDA graph, no host read: session 26's traces) and, with
+    device; on a GPU a host-side conditional whose index is ready as the step starts where the tiers are planned
+    ahead (:func:`plans_ahead`), else a conditional node of the step's CUDA graph) and, with
     ``spec.ar_step``, index K: a plain autoregressive step (the anchors alone, window 0, no drafting: what the
     scheduler picks when no drafting pays; the acceptance counts then fade, having observed nothing, so
     drafting is tried again after a while). ``make_block(size, drafted)`` → (block [B, L], q, PRNG keys after
@@ -504,10 +506,12 @@ def cycle(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState
         return shard_state(verify(target, drafter, state, block, spec, q), spec.plan)
     sch = state.schedule
     compact = spec.verify_mode == "compact"
-    if sch.counts is not None:  # windows before drafting
+    if plans_ahead(state, spec):  # the windows this step verifies were chosen at the end of the step before
+        state = _count_tier(state, sch.tier, spec)
+        state = compact_step(target, drafter, state, spec, mask_token_id, sch.window, sch.tier)
+        return shard_state(plan_next(state, spec), spec.plan)
+    if sch.counts is not None:  # cap-accept: windows before drafting
         state, window, tier = _schedule(state, sch.counts.conditional_rates(), spec)
-        if compact:
-            return shard_state(compact_step(target, drafter, state, spec, mask_token_id, window, tier), spec.plan)
         block, q, conf, state = propose(target, drafter, state, spec, mask_token_id)
     else:
         block, q, conf, state = propose(target, drafter, state, spec, mask_token_id)
@@ -522,12 +526,40 @@ def cycle(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState
 
 def _schedule(state: DecodeState, rates: Float[Array, "B G"], spec: LoopSpec):
     """(state, windows, tier) from per-draft acceptance rates; the step counted in the tier histogram."""
+    window, tier = _admit(state, rates, spec)
+    return _count_tier(state, tier, spec), window, tier
+
+
+def _admit(state: DecodeState, rates: Float[Array, "B G"], spec: LoopSpec):
+    """(windows [B], tier index) of a step from per-draft acceptance rates (:func:`schedule.admit`)."""
+    sch, k = state.schedule, len(spec.tiers)
+    return schedule.admit(schedule.survival(rates), ~state.done, sch.step_cost[:k], tiers=spec.tiers,
+                          ar_cost=sch.step_cost[k] if spec.ar_step else None, groups=spec.packed_groups)
+
+
+def _count_tier(state: DecodeState, tier: Int[Array, ""], spec: LoopSpec) -> DecodeState:
+    """The step about to run counted in the tier histogram."""
     sch = state.schedule
-    k = len(spec.tiers)
-    window, tier = schedule.admit(schedule.survival(rates), ~state.done, sch.step_cost[:k], tiers=spec.tiers,
-                                  ar_cost=sch.step_cost[k] if spec.ar_step else None, groups=spec.packed_groups)
-    steps = sch.tier_steps + jax.nn.one_hot(tier, k + spec.ar_step, dtype=jnp.int32)[None, :]
-    return dataclasses.replace(state, schedule=dataclasses.replace(sch, tier_steps=steps)), window, tier
+    steps = sch.tier_steps + jax.nn.one_hot(tier, len(spec.tiers) + spec.ar_step, dtype=jnp.int32)[None, :]
+    return dataclasses.replace(state, schedule=dataclasses.replace(sch, tier_steps=steps))
+
+
+def plans_ahead(state: DecodeState, spec: LoopSpec) -> bool:
+    """Compact with running acceptance counts (drafters without a confidence head): the windows depend only on
+    what earlier steps committed, so each step's windows and tier are chosen at the end of the step before —
+    by then the state they depend on is final — and a step starts with its tier known. Its tier switch can then
+    run as a host-side conditional whose index is ready when the step starts (on a GPU the host reads it while
+    the GPU would idle anyway, instead of waiting for the GPU to drain in mid-step;
+    :func:`dflash_jax.generation.decode_compiler_options`). The windows and tiers are those scheduling at
+    the start of each step picks: the same tokens, the same statistics."""
+    sch = state.schedule
+    return spec.verify_mode == "compact" and spec.block_size > 1 and sch is not None and sch.counts is not None
+
+
+def plan_next(state: DecodeState, spec: LoopSpec) -> DecodeState:
+    """The next step's windows and tier into ``state.schedule`` (:func:`plans_ahead`)."""
+    window, tier = _admit(state, state.schedule.counts.conditional_rates(), spec)
+    return dataclasses.replace(state, schedule=dataclasses.replace(state.schedule, window=window, tier=tier))
 
 
 def _record_survival(state: DecodeState, conf) -> DecodeState:
@@ -610,6 +642,8 @@ def refill_fn(graphdefs, params, state, ints, floats, *, spec: LoopSpec, capacit
     new = prefill(target, drafter, prompt, lens, max_new, stops, spec, capacity, seed, sp, cost)
     state = state.replace_rows(new, ints[ints.shape[0] - batch:])
     state = shard_state(dataclasses.replace(state, return_at_done=return_at), spec.plan)
+    if plans_ahead(state, spec):  # the new rows change every row's windows (one admission over the batch)
+        state = plan_next(state, spec)
     return state, DecodeView.pack(state)
 
 
