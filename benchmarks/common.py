@@ -136,7 +136,7 @@ def print_profile(profile: dict, label: str) -> None:
 
 def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
     """``--packed-kernel`` / ``--write-kernel`` / ``--place-kernel off``: compact's step without one of its GPU
-    kernels (the path before it); ``--packed-short-tile N``: the packed kernel's second tile for windows of ≤ N
+    kernels (the path before it); ``--host-tier-switch off``: its tier switch as a CUDA-graph conditional node; ``--packed-short-tile N``: the packed kernel's second tile for windows of ≤ N
     tokens (0: off); ``--sequential-draft-cap``: how a DSpark drafter's compact steps draft (the switch in
     :mod:`dflash_jax.decode.loop`). For A/B runs; :func:`apply_kernel_switches` applies them."""
     ap.add_argument("--packed-kernel", choices=["on", "off"], default="on",
@@ -153,12 +153,16 @@ def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
                          "of that many query positions (attention.PACKED_SHORT_Q_LEN; 0: one tile)")
     ap.add_argument("--sequential-draft-cap", type=int,
                     help="a sequential (DSpark) drafter's compact steps draft only this many positions")
+    ap.add_argument("--host-tier-switch", choices=["on", "off"], default="on",
+                    help="off: compact's tier switch stays a CUDA-graph conditional node where the loop plans its "
+                         "tiers ahead (generation.HOST_TIER_SWITCH)")
 
 
 def apply_kernel_switches(args: argparse.Namespace) -> dict:
     """Turn off what :func:`add_kernel_switches`' flags say (before anything is traced); the settings, for a
     result file."""
     from dflash_jax import attention
+    from dflash_jax.cuda import graphs
     from dflash_jax.decode import loop
 
     if args.packed_kernel == "off":
@@ -175,5 +179,10 @@ def apply_kernel_switches(args: argparse.Namespace) -> dict:
         cache_write.place_pending_or_none = lambda *a, **k: None  # noqa: E731
     if args.sequential_draft_cap:
         loop.SEQUENTIAL_DRAFT_CAP = args.sequential_draft_cap
+    if args.host_tier_switch == "off":
+        from dflash_jax import generation
+
+        generation.HOST_TIER_SWITCH = False
     return dict(packed_kernel=args.packed_kernel, write_kernel=args.write_kernel, place_kernel=args.place_kernel,
-                packed_short_tile=attention.PACKED_SHORT_Q_LEN, sequential_draft_cap=loop.SEQUENTIAL_DRAFT_CAP)
+                packed_short_tile=attention.PACKED_SHORT_Q_LEN, sequential_draft_cap=loop.SEQUENTIAL_DRAFT_CAP,
+                host_tier_switch=args.host_tier_switch, tier_switch_options=graphs.without_conditional_nodes())

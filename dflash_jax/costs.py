@@ -319,7 +319,7 @@ def _step_program(job, step):
 
     state, _ = job.programs.prefill(*job.pre_args)
     fn = jax.jit(steps, donate_argnums=1).lower(job.params, state, np.int32(0), np.int32(1)).compile(
-        generation.COMPILER_OPTIONS)
+        generation.decode_compiler_options(job.spec, state))  # as the decode loop compiles its steps
     return fn, state
 
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import attention, costs
+from dflash_jax.cuda import graphs
 from dflash_jax.decode import loop, schedule
 from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.decode.state import DecodeView, LoopSpec
@@ -58,6 +59,17 @@ _COMPILE_COUNT = 0
 # compiling dominates and running is instant. Programs already compiled are kept whatever this is later set to.
 COMPILER_OPTIONS: dict[str, Any] | None = None
 ALL_CYCLES = np.int32(np.iinfo(np.int32).max)  # decode's max_cycles for "until every row is done"
+# On a GPU, a compact loop that plans its steps ahead (``loop.plans_ahead``) runs its tier switch from the host
+# instead of as a CUDA-graph conditional node (``cuda.graphs``); False keeps XLA's conditional node (A/B runs).
+HOST_TIER_SWITCH = True
+
+
+def decode_compiler_options(spec: LoopSpec, state_info) -> dict[str, Any] | None:
+    """:data:`COMPILER_OPTIONS` for a program that runs compact steps on the state ``state_info`` (a state or its
+    shapes), with the tier switch off the CUDA graphs where the step's tier is planned ahead on a GPU."""
+    if not (HOST_TIER_SWITCH and jax.default_backend() == "gpu" and loop.plans_ahead(state_info, spec)):
+        return COMPILER_OPTIONS
+    return {**(COMPILER_OPTIONS or {}), **graphs.without_conditional_nodes()} or None
 
 
 def compile_count() -> int:
@@ -84,7 +96,8 @@ def _programs(key: tuple, graphdefs: tuple, params: tuple, pre_args: tuple, spec
             if decode:
                 dec = jax.jit(functools.partial(loop.decode_fn, spec=spec, mask_token_id=mask_id), static_argnums=0,
                               donate_argnums=2).lower(graphdefs, params, pre.out_info[0],
-                                                      jax.ShapeDtypeStruct((), jnp.int32)).compile(COMPILER_OPTIONS)
+                                                      jax.ShapeDtypeStruct((), jnp.int32)).compile(
+                    decode_compiler_options(spec, pre.out_info[0]))
         programs = _PROGRAMS[key] = Programs(pre, dec, DecodeView.widths(pre.out_info[0]))
         count_compiles(1 + decode)
     return programs
