@@ -136,8 +136,9 @@ def print_profile(profile: dict, label: str) -> None:
 
 def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
     """``--packed-kernel`` / ``--write-kernel`` / ``--place-kernel off``: compact's step without one of its GPU
-    kernels (the path before it); ``--host-tier-switch off``: its tier switch as a CUDA-graph conditional node; ``--packed-short-tile N``: the packed kernel's second tile for windows of ≤ N
-    tokens (0: off); ``--sequential-draft-cap``: how a DSpark drafter's compact steps draft (the switch in
+    kernels (the path before it); ``--host-tier-switch off``: its tier switch as a CUDA-graph conditional node;
+    ``--packed-short-tile N``: the packed kernel's second tile for windows of ≤ N tokens (0: off);
+    ``--sequential-draft-cap``: how a DSpark drafter's compact steps draft (the switch in
     :mod:`dflash_jax.decode.loop`). For A/B runs; :func:`apply_kernel_switches` applies them."""
     ap.add_argument("--packed-kernel", choices=["on", "off"], default="on",
                     help="off: compact's packed verify unpacks to [B, L] for the block kernel (the path before "

@@ -29,7 +29,7 @@ sweep() {  # sweep <batches> <seconds> [bench_schedule flags…]: AR, static and
   timeout $2 bash benchmarks/device_runs/schedule.sh --cost-table $TABLE --batches $1 --max-new 128 --repeats 3 \
     --mixed-per-kind 0 "${@:3}" --out $OUT/$name.json > $OUT/$name.txt 2>&1
   echo "sweep $1 ${*:3} rc $?"; grep "^batch" $OUT/$name.txt
-  python3 -c "import json, sys; print('tier switch options:', json.load(open(sys.argv[1])).get('tier_switch_options'))" \
+  python3 -c "import json, sys; print('tier switch:', json.load(open(sys.argv[1])).get('tier_switch_options'))" \
     $OUT/$name.json
 }
 case "$1" in
