@@ -9,6 +9,7 @@ cycle at batch 64: 473 compiled kernels here, 477 launches counted on the H200 i
 memsets and host copies). Times still need the GPU (``profile_gpu_step.py``).
 
 Cases (``--cases``): ``ar`` the plain autoregressive step; ``static`` the static verify's cycle;
+``compact-cycle`` the decode loop's compact cycle (its scheduler and the plan for the next step included);
 ``compact-one-tier`` compact's whole-block tier as a program of its own (no conditional); ``compact`` the compact
 step with every tier and the step without drafting (the loop body, the drafting ``cond``'s branches and the
 tier ``switch``'s branches, each counted alone: a step runs the body, one branch of each).
@@ -45,7 +46,7 @@ from jax.experimental import topologies
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_kernel_switches, apply_kernel_switches  # noqa: E402
-from profile_cpu_step import compact_step, plain_step, static_step  # noqa: E402
+from profile_cpu_step import compact_cycle, compact_step, plain_step, static_step  # noqa: E402
 
 from dflash_jax import attention, cuda, load_drafter, load_target  # noqa: E402
 from dflash_jax.loading import _ASSETS  # noqa: E402
@@ -77,6 +78,8 @@ def build_case(case: str, target, drafter, ids):
         return plain_step(target, ids, impl="cuda")
     if case == "static":
         return static_step(target, drafter, ids, impl="cuda")
+    if case == "compact-cycle":
+        return compact_cycle(target, drafter, ids, impl="cuda")
     return compact_step(target, drafter, ids, len(ids), one_tier=case == "compact-one-tier",
                         ar_step=case == "compact", impl="cuda")
 
@@ -141,6 +144,24 @@ def count(comps: dict, name: str, label: str, out: list) -> tuple[int, collectio
     return n, kinds
 
 
+def before_conditional(comps: dict, entry: str) -> int | None:
+    """Kernels the decode loop's body runs before its first conditional, in XLA's schedule (the optimized
+    program lists instructions in the order they run): on a GPU what the host waits for before it can read a
+    host-side switch's index. None without a loop or a conditional."""
+    loops = [re.search(r"body=%?([\w.\-]+)", line) for line in comps[entry] if " while(" in line]
+    if not loops:
+        return None
+    n = 0
+    for line in comps[loops[0].group(1)]:
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*? ([a-z][\w\-]*)\(", line)
+        if not m or m.group(2) in FREE:
+            continue
+        if m.group(2) == "conditional":
+            return n
+        n += 1
+    return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", default="64")
@@ -173,7 +194,9 @@ def main() -> int:
             count(comps, entry, "", parts)
             result["batches"].setdefault(str(batch), {})[case] = [
                 dict(part=label, kernels=n, kinds=dict(kinds.most_common())) for label, n, kinds in parts]
-            print(f"== b{batch} {case}", flush=True)
+            early = before_conditional(comps, entry)
+            print(f"== b{batch} {case}" + ("" if early is None else f" ({early} kernels before the loop body's "
+                                                                    "first conditional)"), flush=True)
             for label, n, kinds in parts:
                 print(f"  {label}: {n} kernels ({', '.join(f'{k} ×{c}' for k, c in kinds.most_common(6))})",
                       flush=True)

@@ -30,7 +30,7 @@ import numpy as np
 from jax.profiler import ProfileData
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash_jax import attention, generation, load_pair  # noqa: E402
+from dflash_jax import attention, costs, generation, load_pair  # noqa: E402
 from dflash_jax.costs import CostTable  # noqa: E402
 from dflash_jax.decode import loop  # noqa: E402
 
@@ -82,6 +82,25 @@ def compact_step(target, drafter, ids, batch: int, *, ar_step: bool = True, one_
         t, d = loop._merge(graphs, params)
         window = jnp.full((batch,), (jnp.asarray(spec.tiers + (batch,), jnp.int32) // batch - 1)[tier], jnp.int32)
         return _same_positions(loop.compact_step(t, d, s, spec, d.config.mask_token_id, window, tier), s)
+    return job, step
+
+
+def compact_cycle(target, drafter, ids, *, ar_step: bool = True, **spec_changes):
+    """The decode loop's compact cycle as decoding runs it: the step with the tier and windows planned at the
+    end of the step before, and the plan for the next one (the scheduler included); the shipped cost table of
+    this backend (without its autoregressive step where ``ar_step`` is False), so the scheduler picks the tiers
+    decoding would (the ``tier`` argument is unused)."""
+    table = costs.shipped_table(jax.default_backend())
+    job = generation.prepare(target, drafter, ids, max_new_tokens=64, block_size=16, stop_token_ids=[],
+                             verify_mode="compact", decode=False,
+                             cost_table=table if ar_step else dataclasses.replace(table, ar_ms={}))
+    spec = dataclasses.replace(job.spec, **spec_changes)
+    job = dataclasses.replace(job, spec=spec)
+    graphs = (job.target.split().static, job.drafter.split().static)
+
+    def step(params, s, tier):
+        t, d = loop._merge(graphs, params)
+        return _same_positions(loop.cycle(t, d, s, spec, d.config.mask_token_id), s)
     return job, step
 
 

@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_kernel_switches, apply_kernel_switches, device_profile  # noqa: E402
-from profile_cpu_step import compact_step, plain_step, static_step, step_loop  # noqa: E402
+from profile_cpu_step import compact_cycle, compact_step, plain_step, static_step, step_loop  # noqa: E402
 
 from dflash_jax import attention, load_drafter, load_target  # noqa: E402
 from dflash_jax.loading import _ASSETS  # noqa: E402
@@ -69,7 +69,9 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=400)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--cases", default="ar,compact-ar,compact-tiers,static")
+    ap.add_argument("--cases", default="ar,compact-ar,compact-tiers,static",
+                    help="ar, compact-ar, compact-tiers, compact-noar, compact-one-tier, compact-cycle (the "
+                         "decode loop's cycle with its scheduler, the library's cost table, no AR offer), static")
     ap.add_argument("--tiers", help="compact-tiers: only these tier indices (e.g. 0,-1; default: every tier)")
     add_kernel_switches(ap)
     ap.add_argument("--dense", choices=["on", "off"], default="on",
@@ -114,6 +116,11 @@ def main() -> int:
         if "compact-one-tier" in wanted:
             job, step = compact_step(target, drafter, ids, batch, ar_step=False, one_tier=True)
             cases[f"compact, whole-block tier only (no conditional): {job.spec.tiers[-1]}"] = (job, step, 0)
+        if "compact-cycle" in wanted:
+            # No AR offer: on random ids the counts soon say drafting does not pay, and the cycle would profile
+            # compact's autoregressive branch; without it the scheduler picks (small) drafted tiers.
+            cases["compact cycle (scheduler included, no AR offer)"] = (
+                *compact_cycle(target, drafter, ids, ar_step=False), 0)
         if "static" in wanted:
             cases["static cycle"] = (*static_step(target, drafter, ids), 0)
         out = result["batches"][batch] = {}
