@@ -113,8 +113,8 @@ def step_loop(job, step, tier: int):
         return jax.lax.while_loop(lambda c: c[1] < n, lambda c: (step(params, c[0], tier), c[1] + 1),
                                   (state, jnp.zeros((), jnp.int32)))[0]
 
-    fn = jax.jit(run, donate_argnums=1).lower(job.params, state, np.int32(0), np.int32(1)).compile(
-        generation.decode_compiler_options(job.spec, state))  # as the decode loop compiles its steps
+    lowered = jax.jit(run, donate_argnums=1).lower(job.params, state, np.int32(0), np.int32(1))
+    fn = generation.compile_steps(lowered, job.spec, state)  # as the decode loop compiles its steps
     return fn, jax.block_until_ready(fn(job.params, state, np.int32(tier), np.int32(2)))
 
 

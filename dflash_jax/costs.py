@@ -318,8 +318,8 @@ def _step_program(job, step):
                                   (state, jnp.zeros((), jnp.int32)))[0]
 
     state, _ = job.programs.prefill(*job.pre_args)
-    fn = jax.jit(steps, donate_argnums=1).lower(job.params, state, np.int32(0), np.int32(1)).compile(
-        generation.decode_compiler_options(job.spec, state))  # as the decode loop compiles its steps
+    lowered = jax.jit(steps, donate_argnums=1).lower(job.params, state, np.int32(0), np.int32(1))
+    fn = generation.compile_steps(lowered, job.spec, state)  # as the decode loop compiles its steps
     return fn, state
 
 

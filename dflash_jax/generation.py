@@ -72,6 +72,18 @@ def decode_compiler_options(spec: LoopSpec, state_info) -> dict[str, Any] | None
     return {**(COMPILER_OPTIONS or {}), **graphs.without_conditional_nodes()} or None
 
 
+def compile_steps(lowered: jax.stages.Lowered, spec: LoopSpec, state_info) -> jax.stages.Compiled:
+    """``lowered`` (a program running decode steps on ``state_info``) compiled with
+    :func:`decode_compiler_options`, or with :data:`COMPILER_OPTIONS` should this XLA refuse those."""
+    options = decode_compiler_options(spec, state_info)
+    try:
+        return lowered.compile(options)
+    except Exception:  # noqa: BLE001 — e.g. an XLA that names its command-buffer types otherwise
+        if options is COMPILER_OPTIONS:
+            raise
+        return lowered.compile(COMPILER_OPTIONS)
+
+
 def compile_count() -> int:
     """How many programs this process has compiled (tests use it to prove there are no recompiles)."""
     return _COMPILE_COUNT
@@ -94,10 +106,10 @@ def _programs(key: tuple, graphdefs: tuple, params: tuple, pre_args: tuple, spec
                           static_argnums=0).lower(graphdefs, *pre_args).compile(COMPILER_OPTIONS)
             dec = None
             if decode:
-                dec = jax.jit(functools.partial(loop.decode_fn, spec=spec, mask_token_id=mask_id), static_argnums=0,
-                              donate_argnums=2).lower(graphdefs, params, pre.out_info[0],
-                                                      jax.ShapeDtypeStruct((), jnp.int32)).compile(
-                    decode_compiler_options(spec, pre.out_info[0]))
+                lowered = jax.jit(functools.partial(loop.decode_fn, spec=spec, mask_token_id=mask_id),
+                                  static_argnums=0, donate_argnums=2).lower(graphdefs, params, pre.out_info[0],
+                                                                           jax.ShapeDtypeStruct((), jnp.int32))
+                dec = compile_steps(lowered, spec, pre.out_info[0])
         programs = _PROGRAMS[key] = Programs(pre, dec, DecodeView.widths(pre.out_info[0]))
         count_compiles(1 + decode)
     return programs

@@ -74,3 +74,13 @@ def test_only_a_compact_loop_that_plans_ahead_on_a_gpu_drops_conditional_nodes(m
     assert generation.decode_compiler_options(cap, counted) == {"xla_cpu_enable_fast_math": False}
     monkeypatch.setattr(generation, "HOST_TIER_SWITCH", False)
     assert generation.decode_compiler_options(compact, counted) == {"xla_cpu_enable_fast_math": False}
+
+
+def test_options_this_xla_refuses_fall_back_to_its_defaults(monkeypatch):
+    lowered = jax.jit(lambda x: x * 2).lower(jax.ShapeDtypeStruct((4,), "float32"))
+    spec = LoopSpec(block_size=8, new_capacity=16, capture=(), verify_mode="compact")
+    monkeypatch.setattr(generation, "decode_compiler_options", lambda *a: {graphs.OPTION: "NOT_A_TYPE"})
+    with pytest.raises(Exception, match="NOT_A_TYPE"):  # the options reach XLA, which refuses them…
+        lowered.compile({graphs.OPTION: "NOT_A_TYPE"})
+    compiled = generation.compile_steps(lowered, spec, None)  # …and the program compiles without them
+    assert compiled(jax.numpy.ones(4)).tolist() == [2.0] * 4
