@@ -70,6 +70,71 @@ def test_admission_is_the_best_window_assignment(b, g):
         assert rate_of(windows, surv, active, tiers, step_cost) == pytest.approx(want, rel=1e-5), (case, windows)
 
 
+def test_descending_rank_is_a_stable_sort_s():
+    x = jnp.asarray([0.5, 0.9, 0.5, -1.0, 0.0, 0.9, 0.5, 0.0], jnp.float32)
+    want = np.argsort(np.argsort(-np.asarray(x), kind="stable"), kind="stable")
+    assert schedule.descending_rank(x).tolist() == want.tolist()
+
+
+def admit_by_sorting(surv, active, step_cost, *, tiers, ar_cost=None):
+    """The admission as first written: every k from a sort of all drafts, the first best rate."""
+    b, g = surv.shape
+    n = active.sum().astype(jnp.int32)
+    flat = jnp.where(active[:, None], surv, -1.0).reshape(-1)
+    order = jnp.argsort(-flat, stable=True)
+    k = jnp.arange(b * g + 1, dtype=jnp.int32)
+    gain = n + jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.maximum(flat[order], 0.0))])
+    rate = jnp.where(k <= n * g, gain / step_cost[schedule.tier_index(n + k, tiers)], -jnp.inf)
+    chosen = jnp.argmax(rate).astype(jnp.int32)
+    tier = schedule.tier_index(n + chosen, tiers)
+    if ar_cost is not None:
+        skip = n / ar_cost > rate[chosen]
+        chosen, tier = jnp.where(skip, 0, chosen), jnp.where(skip, len(tiers), tier)
+    admitted = jnp.zeros((b * g,), bool).at[order].set(k[:-1] < chosen)
+    return admitted.reshape(b, g).sum(1).astype(jnp.int32), tier
+
+
+@pytest.mark.parametrize("b,g", [(3, 4), (16, 15), (64, 15)])
+def test_admission_matches_the_sorted_search(b, g):
+    """Against every k of the sorted drafts (batches past brute force): the same rate — the same windows but
+    where a draft's survival is too small to move a float32 sum (the sorted search then stops before it; it
+    costs nothing in the same tier) or two tiers' rates tie to rounding."""
+    tiers = schedule.tiers_for(b, g + 1)
+    new = fast_jit(lambda s, a, c, ar: schedule.admit(s, a, c, tiers=tiers, ar_cost=ar))
+    old = fast_jit(lambda s, a, c, ar: admit_by_sorting(s, a, c, tiers=tiers, ar_cost=ar))
+    rng = np.random.default_rng(b * 100 + g)
+    same = 0
+    for case in range(40):
+        conf = rng.uniform(0.0, 1.0, (b, g)) ** rng.uniform(0.2, 3)
+        if case % 4 == 0:
+            conf[:, 1:] = conf[:, :1]  # ties along a row
+        if case % 5 == 1:
+            conf[rng.random((b, g)) < 0.2] = 0.0  # survivals of exactly 0
+        surv = schedule.survival(jnp.asarray(conf, jnp.float32))
+        active = jnp.asarray(rng.random(b) < (0.0 if case == 7 else 0.8))
+        cost = jnp.asarray(np.cumsum(rng.uniform(0, 1, len(tiers)) * rng.uniform(0, 2)) + 1.0, jnp.float32)
+        if case % 6 == 0:
+            cost = jnp.ones(len(tiers), jnp.float32)  # verifying is free
+        rising = case % 8 != 3
+        if not rising:  # a table that is not monotone: some tiers hold no k at all and must not be picked
+            cost = jnp.asarray(rng.uniform(1.0, 2.0, len(tiers)), jnp.float32)
+        ar = jnp.float32(rng.uniform(0.3, 3.0))
+        (w, t), (w0, t0) = new(surv, active, cost, ar), old(surv, active, cost, ar)
+        assert (np.asarray(w)[~np.asarray(active)] == 0).all() and (np.asarray(w) <= g).all()
+        if rising and int(t) < len(tiers):  # the fewest drafts for the gain: none of survival 0
+            assert (np.asarray(w) <= np.sum(np.asarray(surv) > 0, axis=1)).all(), case
+
+        def rate(windows, tier):  # float64, as brute_force_best counts it
+            if int(tier) == len(tiers):
+                return float(np.sum(active)) / float(ar)
+            gain = float(np.sum(active)) + sum(float(np.asarray(surv, np.float64)[r, :x].sum())
+                                               for r, x in enumerate(np.asarray(windows)))
+            return gain / float(cost[int(tier)])
+        assert rate(w, t) == pytest.approx(rate(w0, t0), rel=1e-5, abs=1e-6), case
+        same += int(np.array_equal(w, w0) and int(t) == int(t0))
+    assert same >= 30  # most cases pick the very same windows
+
+
 def test_admission_extremes():
     tiers = schedule.tiers_for(2, 4)  # (2, 4, 8)
     admit = fast_jit(schedule.admit, tiers=tiers)

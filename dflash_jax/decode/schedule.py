@@ -121,23 +121,39 @@ def admit(surv: Float[Array, "B G"], active: Bool[Array, "B"], step_cost: Float[
         drafted = (tier < k) & active.reshape(groups, -1).any(axis=1)
         tier = jnp.where(drafted.any(), jnp.max(jnp.where(drafted, tier, 0)), k if ar_cost is not None else 0)
         return windows.reshape(-1), tier.astype(jnp.int32)
+    # Admitting the k best drafts (by survival, across the batch) buys n + (their survivals' sum) tokens for the
+    # step cost of the tier holding n + k tokens; the best k maximises that rate. Within one tier the cost is
+    # flat and the gain only grows with k, so each tier's best k is the most it holds: K candidates, not B·G.
+    # Each draft's place in the descending order comes from comparing every pair (B·G ≤ a few thousand), not
+    # from a sort: on a GPU a handful of fused reductions instead of a sort, its gathers, a cumulative sum and
+    # a scatter — the scheduler runs every step, between the commit and the loop's next step.
     b, g = surv.shape
-    n_active = active.sum().astype(jnp.int32)
-    flat = jnp.where(active[:, None], surv, -1.0).reshape(-1)  # inactive rows sort last, never admitted
-    order = jnp.argsort(-flat, stable=True)  # row-major index: equal survivals keep draft order within a row
-    best = flat[order]
-    k = jnp.arange(b * g + 1, dtype=jnp.int32)
-    gain = n_active + jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(jnp.maximum(best, 0.0))])
-    cost = step_cost[tier_index(n_active + k, tiers)]
-    rate = jnp.where(k <= n_active * g, gain / cost, -jnp.inf)
-    chosen = jnp.argmax(rate).astype(jnp.int32)
-    tier = tier_index(n_active + chosen, tiers)
+    n = active.sum().astype(jnp.int32)
+    flat = jnp.where(active[:, None], surv, -1.0).reshape(-1)  # [B·G]; inactive rows rank last, never admitted
+    rank = descending_rank(flat)
+    positive = jnp.maximum(flat, 0.0)
+    sizes = jnp.asarray(tiers, jnp.int32)
+    # Tier t runs steps of n + k tokens for k in [lo_t, hi_t] (the largest tier: everything past the others).
+    lo = jnp.maximum(jnp.concatenate([jnp.zeros((1,), jnp.int32), sizes[:-1] + 1 - n]), 0)
+    hi = jnp.minimum(sizes - n, n * g).at[-1].set(n * g)
+    gain = n + jnp.sum(jnp.where(rank[None, :] < hi[:, None], positive[None, :], 0.0), axis=1)  # [K]
+    rate = jnp.where(lo <= hi, gain / step_cost, -jnp.inf)
+    tier = jnp.argmax(rate).astype(jnp.int32)
+    # The fewest drafts with that gain: drafts of survival 0 add nothing (they rank after every positive one).
+    chosen = jnp.clip(jnp.sum(flat > 0, dtype=jnp.int32), lo[tier], hi[tier])
     if ar_cost is not None:
-        skip = n_active / ar_cost > rate[chosen]
+        skip = n / ar_cost > rate[tier]
         chosen, tier = jnp.where(skip, 0, chosen), jnp.where(skip, len(tiers), tier)
-    admitted = jnp.zeros((b * g,), bool).at[order].set(k[:-1] < chosen)
-    windows = admitted.reshape(b, g).sum(1).astype(jnp.int32)
+    windows = (rank < chosen).reshape(b, g).sum(1).astype(jnp.int32)
     return windows, tier
+
+
+def descending_rank(x: Float[Array, "N"]) -> Int[Array, "N"]:
+    """Each element's index in ``x`` sorted in descending order, ties in index order (a stable sort's):
+    ``argsort(argsort(-x, stable=True))``, from all N² comparisons in one reduction."""
+    i = jnp.arange(x.shape[0])
+    ahead = (x[None, :] > x[:, None]) | ((x[None, :] == x[:, None]) & (i[None, :] < i[:, None]))
+    return jnp.sum(ahead, axis=1, dtype=jnp.int32)
 
 
 # A smaller tier is compiled only if its step costs at least this much less than the next larger tier kept (and
