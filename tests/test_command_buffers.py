@@ -61,6 +61,7 @@ def test_the_types_are_xla_s_own_and_follow_xla_flags():
 
 def test_only_a_compact_loop_that_plans_ahead_on_a_gpu_drops_conditional_nodes(monkeypatch):
     compact = LoopSpec(block_size=8, new_capacity=16, capture=(), verify_mode="compact")
+    sampled = LoopSpec(block_size=8, new_capacity=16, capture=(), verify_mode="compact", sampling=True)
     counted = types.SimpleNamespace(schedule=types.SimpleNamespace(counts=object()))
     confident = types.SimpleNamespace(schedule=types.SimpleNamespace(counts=None))  # a DSpark drafter's
     monkeypatch.setattr(graphs, "command_buffer_types", lambda: ["CONDITIONAL", "FUSION"])
@@ -69,7 +70,10 @@ def test_only_a_compact_loop_that_plans_ahead_on_a_gpu_drops_conditional_nodes(m
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert generation.decode_compiler_options(compact, counted) == {"xla_cpu_enable_fast_math": False,
                                                                     graphs.OPTION: "FUSION"}
-    assert generation.decode_compiler_options(compact, confident) == {"xla_cpu_enable_fast_math": False}
+    assert generation.decode_compiler_options(compact, confident)[graphs.OPTION] == "FUSION"  # drafts planned too
+    assert generation.decode_compiler_options(sampled, counted)[graphs.OPTION] == "FUSION"
+    # Sampled drafts with confidences are not planned ahead (q would have to be carried): the node stays.
+    assert generation.decode_compiler_options(sampled, confident) == {"xla_cpu_enable_fast_math": False}
     cap = LoopSpec(block_size=8, new_capacity=16, capture=(), verify_mode="cap-accept")
     assert generation.decode_compiler_options(cap, counted) == {"xla_cpu_enable_fast_math": False}
     monkeypatch.setattr(generation, "HOST_TIER_SWITCH", False)

@@ -97,6 +97,12 @@ def test_a_dspark_pool_is_lossless_and_reports_calibration(target, stop, referen
                                cost_table=TABLE, batch_size=4)
     assert out.token_ids == reference.token_ids and out.stats["refills"] >= 2
     assert len(out.stats["predicted_survival"]) == 7 and 1 <= out.stats["predicted_tau"] <= 8
+    # Compact drafts each step at the end of the one before, a refill drafts its pool again: cap-accept (which
+    # drafts at each step's start) schedules and commits the same.
+    cap = speculative_generate(target, dspark, PROMPTS, MAX_NEW, stop_token_ids=[stop], verify_mode="cap-accept",
+                               cost_table=TABLE, batch_size=4)
+    assert cap.acceptance_lengths == out.acceptance_lengths
+    assert cap.stats["predicted_survival"] == out.stats["predicted_survival"]
 
 
 def test_refills_reuse_their_programs(target, oracle, stop, runs):

@@ -508,6 +508,19 @@ def test_dspark_confidences_schedule_compact_and_cap_accept_alike(target, refere
         assert out.token_ids == reference.token_ids
     assert outs[0].acceptance_lengths == outs[1].acceptance_lengths
     assert outs[0].stats["tier_steps"] == outs[1].stats["tier_steps"]
+    # Compact drafts each step at the end of the one before (loop.plans_ahead): the same survival recorded.
+    assert outs[0].stats["predicted_survival"] == outs[1].stats["predicted_survival"]
+    # …with no copy of a cache for it (the drafting reads the caches the step before just wrote)
+    for key, programs in generation._PROGRAMS.items():
+        spec = next((k for k in key if isinstance(k, LoopSpec)), None)
+        state = programs.prefill.out_info[0]
+        if spec is not None and spec.verify_mode == "compact" and state.schedule.counts is None:  # confidences
+            text = programs.decode.as_text()
+            assert _cache_copies(text, state.target_cache.k[0].shape) == []
+            assert _cache_copies(text, state.draft_cache.k[0].shape) == []
+            break
+    else:
+        raise AssertionError("no compact program of the DSpark drafter")
 
 
 def test_sampled_compact_matches_target_distribution(pair, logits):

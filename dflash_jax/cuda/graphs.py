@@ -5,8 +5,9 @@ branches are child graphs. On an H100 such a node cost a compact step ~0.13 ms a
 28: compact's autoregressive branch 0.19 ms dearer than the plain autoregressive step with the node, 0.05 ms
 without). Without the node XLA runs the switch from the host: it copies the branch index to the host, waits for
 it, and launches the chosen branch as a graph of its own — cheap when the index is ready as the step starts
-(the compact loop plans each step's tier at the end of the step before: ``decode.loop.plans_ahead``), and as
-dear as the node when the index comes out of the step itself (the host then waits for the GPU to drain).
+(the compact loop plans each step's tier at the end of the step before: ``decode.loop.plans_ahead``); where the
+index comes out of the step itself, decoding measured no faster than with the node (the host waits for the GPU
+to drain).
 
 :func:`without_conditional_nodes` keeps every other command type XLA would record (its defaults, or what
 ``XLA_FLAGS`` asked for): read from the compile options XLA itself would use.

@@ -88,12 +88,14 @@ def prefill(
     sampling_params: sampling.SamplingParams | None = None,
     step_cost: Float[Array, "K"] | None = None,
     return_at_done: Int[Array, ""] | None = None,
+    plan: bool = True,
 ) -> DecodeState:
     """Target over the (right-padded) prompts; first token; drafter context for all prompt positions.
 
     ``seed``: the PRNG seed (needed when ``spec.sampling``; row ``b`` draws from the ``b``-th key of its split);
     ``sampling_params``: per-row settings; ``step_cost``: the scheduler's cost per tier (scheduled modes);
-    ``return_at_done``: see :attr:`DecodeState.return_at_done` (default: all rows).
+    ``return_at_done``: see :attr:`DecodeState.return_at_done` (default: all rows); ``plan``: plan the first
+    step where the loop plans ahead (:func:`plans_ahead`; a refill plans once the new rows are in place).
     """
     b, p = prompt.shape
     rng = jax.random.split(jax.random.key(seed), b) if spec.sampling else None
@@ -138,7 +140,9 @@ def prefill(
     )
     # The first token is committed like any other (it may be a stop token, or the whole budget).
     state = shard_state(commit(state, first, jnp.ones((b,), jnp.int32), record=False), spec.plan)
-    return plan_next(state, spec) if plans_ahead(state, spec) else state
+    if plan and plans_ahead(state, spec):
+        state = plan_next(target, drafter, state, spec, drafter.config.mask_token_id)
+    return state
 
 
 def _new_schedule(drafter: DFlashDrafter, b: int, spec: LoopSpec, step_cost) -> ScheduleState:
@@ -508,8 +512,12 @@ def cycle(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState
     compact = spec.verify_mode == "compact"
     if plans_ahead(state, spec):  # the windows this step verifies were chosen at the end of the step before
         state = _count_tier(state, sch.tier, spec)
-        state = compact_step(target, drafter, state, spec, mask_token_id, sch.window, sch.tier)
-        return shard_state(plan_next(state, spec), spec.plan)
+        if sch.block is None:  # windows from the counts: a DFlash drafter drafts in the tier's branch
+            state = compact_step(target, drafter, state, spec, mask_token_id, sch.window, sch.tier)
+        else:  # drafted at the end of the step before, windows from the drafts' confidences
+            state = _record_survival(state, sch.conf)
+            state = verify_compact(target, drafter, state, sch.block, spec, None, sch.window, sch.tier)
+        return shard_state(plan_next(target, drafter, state, spec, mask_token_id), spec.plan)
     if sch.counts is not None:  # cap-accept: windows before drafting
         state, window, tier = _schedule(state, sch.counts.conditional_rates(), spec)
         block, q, conf, state = propose(target, drafter, state, spec, mask_token_id)
@@ -545,21 +553,34 @@ def _count_tier(state: DecodeState, tier: Int[Array, ""], spec: LoopSpec) -> Dec
 
 
 def plans_ahead(state: DecodeState, spec: LoopSpec) -> bool:
-    """Compact with running acceptance counts (drafters without a confidence head): the windows depend only on
-    what earlier steps committed, so each step's windows and tier are chosen at the end of the step before —
-    by then the state they depend on is final — and a step starts with its tier known. Its tier switch can then
-    run as a host-side conditional whose index is ready when the step starts (on a GPU the host reads it while
-    the GPU would idle anyway, instead of waiting for the GPU to drain in mid-step;
-    :func:`dflash_jax.generation.decode_compiler_options`). The windows and tiers are those scheduling at
-    the start of each step picks: the same tokens, the same statistics."""
+    """Compact steps planned at the end of the step before: everything a step's windows depend on — the
+    running acceptance counts (drafters without a confidence head) or the drafts' confidences (with one: the
+    drafts are then made there too) — is final once the step before has committed, so a step starts with its
+    tier known. Its tier switch can then run as a host-side conditional whose index is ready when the step
+    starts (on a GPU the host reads it while the GPU would idle anyway, instead of waiting for the GPU to drain
+    in mid-step; :func:`dflash_jax.generation.decode_compiler_options`). The same computations in another
+    order: the same drafts, windows, tokens and statistics. Not for sampled drafts with confidences (their
+    distribution q, [B, G, V], would have to be carried)."""
     sch = state.schedule
-    return spec.verify_mode == "compact" and spec.block_size > 1 and sch is not None and sch.counts is not None
+    return (spec.verify_mode == "compact" and spec.block_size > 1 and sch is not None
+            and (sch.counts is not None or not spec.sampling))
 
 
-def plan_next(state: DecodeState, spec: LoopSpec) -> DecodeState:
-    """The next step's windows and tier into ``state.schedule`` (:func:`plans_ahead`)."""
-    window, tier = _admit(state, state.schedule.counts.conditional_rates(), spec)
-    return dataclasses.replace(state, schedule=dataclasses.replace(state.schedule, window=window, tier=tier))
+def plan_next(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, spec: LoopSpec,
+              mask_token_id: int) -> DecodeState:
+    """The next step's windows and tier (and, with a confidence head, its drafts) into ``state.schedule``
+    (:func:`plans_ahead`)."""
+    if state.schedule.counts is not None:
+        window, tier = _admit(state, state.schedule.counts.conditional_rates(), spec)
+        return dataclasses.replace(state, schedule=dataclasses.replace(state.schedule, window=window, tier=tier))
+    # The barrier keeps the drafting as it was at the start of a step: otherwise XLA merges each drafter
+    # layer's K/V projection of the drafts with the one of the context just committed (same weights), which
+    # splits the drafter's fused projections into more GEMMs (deviceless H200 compile at 64 rows: 35 instead
+    # of 30 in the loop's body).
+    block, _, conf, state = propose(target, drafter, jax.lax.optimization_barrier(state), spec, mask_token_id)
+    window, tier = _admit(state, conf, spec)
+    return dataclasses.replace(state, schedule=dataclasses.replace(state.schedule, window=window, tier=tier,
+                                                                   block=block, conf=conf))
 
 
 def _record_survival(state: DecodeState, conf) -> DecodeState:
@@ -639,11 +660,11 @@ def refill_fn(graphdefs, params, state, ints, floats, *, spec: LoopSpec, capacit
     target, drafter = _merge(graphdefs, params)
     prompt, lens, max_new, stops, seed, sp, cost, return_at = unpack_inputs(ints, floats, spec, batch, prompt_len,
                                                                             num_stops)
-    new = prefill(target, drafter, prompt, lens, max_new, stops, spec, capacity, seed, sp, cost)
+    new = prefill(target, drafter, prompt, lens, max_new, stops, spec, capacity, seed, sp, cost, plan=False)
     state = state.replace_rows(new, ints[ints.shape[0] - batch:])
     state = shard_state(dataclasses.replace(state, return_at_done=return_at), spec.plan)
     if plans_ahead(state, spec):  # the new rows change every row's windows (one admission over the batch)
-        state = plan_next(state, spec)
+        state = plan_next(target, drafter, state, spec, drafter.config.mask_token_id)
     return state, DecodeView.pack(state)
 
 

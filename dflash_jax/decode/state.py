@@ -55,10 +55,13 @@ class ScheduleState:
     verify_tokens: Int[Array, "B"]  # Σ over the row's active cycles of its verified tokens (window + anchor)
     untrimmed: Int[Array, "B"]  # cap-accept: Σ of a + 1 had the whole block been committable
     tier_steps: Int[Array, "B K"]  # steps run at each tier, then AR steps if offered (the same in every row)
-    # Compact with running counts: the next step's windows and tier, chosen at the end of the step before
-    # (:func:`dflash_jax.decode.loop.plan_next`); None otherwise
+    # Compact, planned ahead (:func:`dflash_jax.decode.loop.plans_ahead`): the next step's windows and tier,
+    # chosen at the end of the step before; for a drafter with a confidence head also its drafts (block
+    # [anchor, d_1 … d_G]) and their confidences. None otherwise.
     window: Int[Array, "B"] | None = None
     tier: Int[Array, ""] | None = None
+    block: Int[Array, "B L"] | None = None
+    conf: Float[Array, "B G"] | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -92,8 +95,8 @@ class DecodeState:
     def replace_rows(self, new: "DecodeState", rows: Int[Array, "R"]) -> "DecodeState":
         """This state with rows ``rows`` replaced by the rows of ``new`` (a state of R rows made by the same
         program settings; indices past the batch are dropped). Batch-wide fields stay: the stop ids, the cost
-        table, the tier histogram (the same in every row: it keeps counting the pool's steps), and the planned
-        windows and tier (stale: the caller plans again, :func:`dflash_jax.decode.loop.refill_fn`)."""
+        table, the tier histogram (the same in every row: it keeps counting the pool's steps), and the plan for
+        the next step (stale: the caller plans again, :func:`dflash_jax.decode.loop.refill_fn`)."""
         put = lambda old, x: old.at[rows].set(x, mode="drop")  # noqa: E731
         per_row = lambda old, x: None if old is None else jax.tree.map(put, old, x)  # noqa: E731
         fields = ("tokens", "num_new", "max_new", "anchor", "anchor_pos", "done", "acc_lens", "num_cycles",
