@@ -61,7 +61,8 @@ def test_the_types_are_xla_s_own_and_follow_xla_flags():
 
 def test_only_a_compact_loop_that_plans_ahead_on_a_gpu_drops_conditional_nodes(monkeypatch):
     compact = LoopSpec(block_size=8, new_capacity=16, capture=(), verify_mode="compact")
-    sampled = LoopSpec(block_size=8, new_capacity=16, capture=(), verify_mode="compact", sampling=True)
+    sampled = LoopSpec(block_size=8, new_capacity=16, capture=(), verify_mode="compact", sampling=True,
+                       draft_sampling=True)
     counted = types.SimpleNamespace(schedule=types.SimpleNamespace(counts=object()))
     confident = types.SimpleNamespace(schedule=types.SimpleNamespace(counts=None))  # a DSpark drafter's
     monkeypatch.setattr(graphs, "command_buffer_types", lambda: ["CONDITIONAL", "FUSION"])

@@ -510,6 +510,11 @@ def test_dspark_confidences_schedule_compact_and_cap_accept_alike(target, refere
     assert outs[0].stats["tier_steps"] == outs[1].stats["tier_steps"]
     # Compact drafts each step at the end of the one before (loop.plans_ahead): the same survival recorded.
     assert outs[0].stats["predicted_survival"] == outs[1].stats["predicted_survival"]
+    # Sampling the target (drafts still greedy, planned ahead): the same draws with the same seed.
+    sampled = [speculative_generate(target, dspark, PROMPTS, MAX_NEW, stop_token_ids=[], verify_mode=m,
+                                    cost_table=TABLE, temperature=1.0, seed=7) for m in ("compact", "cap-accept")]
+    assert sampled[0].token_ids == sampled[1].token_ids != reference.token_ids
+    assert sampled[0].acceptance_lengths == sampled[1].acceptance_lengths
     # …with no copy of a cache for it (the drafting reads the caches the step before just wrote)
     for key, programs in generation._PROGRAMS.items():
         spec = next((k for k in key if isinstance(k, LoopSpec)), None)

@@ -559,11 +559,11 @@ def plans_ahead(state: DecodeState, spec: LoopSpec) -> bool:
     tier known. Its tier switch can then run as a host-side conditional whose index is ready when the step
     starts (on a GPU the host reads it while the GPU would idle anyway, instead of waiting for the GPU to drain
     in mid-step; :func:`dflash_jax.generation.decode_compiler_options`). The same computations in another
-    order: the same drafts, windows, tokens and statistics. Not for sampled drafts with confidences (their
-    distribution q, [B, G, V], would have to be carried)."""
+    order: the same drafts, windows, tokens and statistics. Not for drafts sampled from a drafter with a
+    confidence head (``draft_sampling``: their distribution q, [B, G, V], would have to be carried)."""
     sch = state.schedule
     return (spec.verify_mode == "compact" and spec.block_size > 1 and sch is not None
-            and (sch.counts is not None or not spec.sampling))
+            and (sch.counts is not None or not spec.draft_sampling))
 
 
 def plan_next(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, spec: LoopSpec,
