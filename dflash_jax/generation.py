@@ -60,7 +60,8 @@ _COMPILE_COUNT = 0
 COMPILER_OPTIONS: dict[str, Any] | None = None
 ALL_CYCLES = np.int32(np.iinfo(np.int32).max)  # decode's max_cycles for "until every row is done"
 # On a GPU, a compact loop that plans its steps ahead (``loop.plans_ahead``) runs its tier switch from the host
-# instead of as a CUDA-graph conditional node (``cuda.graphs``); False keeps XLA's conditional node (A/B runs).
+# instead of as a CUDA-graph conditional node (``cuda.graphs``); False keeps XLA's conditional node (A/B runs;
+# read when a program is compiled, like COMPILER_OPTIONS).
 HOST_TIER_SWITCH = True
 
 
