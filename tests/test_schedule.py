@@ -70,7 +70,9 @@ def test_admission_is_the_best_window_assignment(b, g):
         assert rate_of(windows, surv, active, tiers, step_cost) == pytest.approx(want, rel=1e-5), (case, windows)
 
 
-def test_descending_rank_is_a_stable_sort_s():
+@pytest.mark.parametrize("compare_all_max", [schedule.RANK_COMPARE_ALL_MAX, 0])  # all pairs compared; a sort
+def test_descending_rank_is_a_stable_sort_s(compare_all_max, monkeypatch):
+    monkeypatch.setattr(schedule, "RANK_COMPARE_ALL_MAX", compare_all_max)
     x = jnp.asarray([0.5, 0.9, 0.5, -1.0, 0.0, 0.9, 0.5, 0.0], jnp.float32)
     want = np.argsort(np.argsort(-np.asarray(x), kind="stable"), kind="stable")
     assert schedule.descending_rank(x).tolist() == want.tolist()
@@ -94,11 +96,13 @@ def admit_by_sorting(surv, active, step_cost, *, tiers, ar_cost=None):
     return admitted.reshape(b, g).sum(1).astype(jnp.int32), tier
 
 
-@pytest.mark.parametrize("b,g", [(3, 4), (16, 15), (64, 15)])
-def test_admission_matches_the_sorted_search(b, g):
+@pytest.mark.parametrize("b,g,compare_all_max", [(3, 4, None), (16, 15, 0), (64, 15, None)])  # 0: ranks by sorting
+def test_admission_matches_the_sorted_search(b, g, compare_all_max, monkeypatch):
     """Against every k of the sorted drafts (batches past brute force): the same rate — the same windows but
     where a draft's survival is too small to move a float32 sum (the sorted search then stops before it; it
     costs nothing in the same tier) or two tiers' rates tie to rounding."""
+    if compare_all_max is not None:
+        monkeypatch.setattr(schedule, "RANK_COMPARE_ALL_MAX", compare_all_max)
     tiers = schedule.tiers_for(b, g + 1)
     new = fast_jit(lambda s, a, c, ar: schedule.admit(s, a, c, tiers=tiers, ar_cost=ar))
     old = fast_jit(lambda s, a, c, ar: admit_by_sorting(s, a, c, tiers=tiers, ar_cost=ar))
