@@ -573,6 +573,22 @@ def test_verify_mode_errors(target, oracle):
 # Cost tables
 # --------------------------------------------------------------------------------------------------
 
+def test_a_shipped_table_of_another_device_is_pointed_out_once(monkeypatch, caplog):
+    costs._note_other_device.cache_clear()
+    monkeypatch.setattr(costs, "_device_kind", lambda: "NVIDIA H100 80GB HBM3")
+    with caplog.at_level(logging.WARNING, logger="dflash_jax"):
+        for _ in range(2):
+            assert costs.resolve(None, "gpu").device == "NVIDIA H200"
+    assert [r.getMessage() for r in caplog.records].count(
+        "the shipped step cost table was measured on NVIDIA H200, this is NVIDIA H100 80GB HBM3: `dflash-jax "
+        "calibrate --config <pair>` measures one here (compact mode schedules with it)") == 1
+    caplog.clear()
+    monkeypatch.setattr(costs, "_device_kind", lambda: "NVIDIA H200")
+    with caplog.at_level(logging.WARNING, logger="dflash_jax"):
+        costs.resolve(None, "gpu")
+    assert not caplog.records
+
+
 def test_cost_table_interpolation_and_files(tmp_path):
     table = CostTable("cpu", "x", "float32", "p", 16, 64, {1: {1: 1.0, 16: 4.0}, 4: {1: 2.0, 16: 10.0}})
     assert table.step_costs(1, (1, 16)).tolist() == [1.0, 4.0]
