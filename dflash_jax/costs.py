@@ -197,9 +197,7 @@ def resolve(table: "CostTable | str | Path | None", backend: str, attached: dict
             raise CostTableError(f"{table} has no table for the {backend} backend (it has {sorted(tables)}): run "
                                  f"`dflash-jax calibrate` on this machine")
         return tables[backend]
-    if attached and backend in attached:
-        return attached[backend]
-    table = shipped_table(backend)
+    table = attached[backend] if attached and backend in attached else shipped_table(backend)
     _note_other_device(table.device, _device_kind())
     return table
 
@@ -213,12 +211,12 @@ def _device_kind() -> str:
 
 @functools.cache
 def _note_other_device(measured_on: str, here: str) -> None:
-    """Once per process and device: the shipped table was timed on another device. Its tiers still run, but
-    the scheduler's windows follow that device's costs (an H100's steps are not an H200's scaled: RESULTS.md,
-    session 28), so a table measured here schedules better."""
+    """Once per process and device: the table found for the pair (or shipped) was timed on another device.
+    Its tiers still run, but the scheduler's windows follow that device's costs (an H100's steps are not an
+    H200's scaled: RESULTS.md, session 28), so a table measured here schedules better."""
     if measured_on and here and measured_on != here:
-        log.warning("the shipped step cost table was measured on %s, this is %s: `dflash-jax calibrate "
-                    "--config <pair>` measures one here (compact mode schedules with it)", measured_on, here)
+        log.warning("the step cost table was measured on %s, this is %s: `dflash-jax calibrate --config <pair>` "
+                    "measures one here (compact mode schedules with it)", measured_on, here)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -580,8 +580,8 @@ def test_a_shipped_table_of_another_device_is_pointed_out_once(monkeypatch, capl
         for _ in range(2):
             assert costs.resolve(None, "gpu").device == "NVIDIA H200"
     assert [r.getMessage() for r in caplog.records].count(
-        "the shipped step cost table was measured on NVIDIA H200, this is NVIDIA H100 80GB HBM3: `dflash-jax "
-        "calibrate --config <pair>` measures one here (compact mode schedules with it)") == 1
+        "the step cost table was measured on NVIDIA H200, this is NVIDIA H100 80GB HBM3: `dflash-jax calibrate "
+        "--config <pair>` measures one here (compact mode schedules with it)") == 1
     caplog.clear()
     monkeypatch.setattr(costs, "_device_kind", lambda: "NVIDIA H200")
     with caplog.at_level(logging.WARNING, logger="dflash_jax"):
