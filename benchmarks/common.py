@@ -186,4 +186,5 @@ def apply_kernel_switches(args: argparse.Namespace) -> dict:
         generation.HOST_TIER_SWITCH = False
     return dict(packed_kernel=args.packed_kernel, write_kernel=args.write_kernel, place_kernel=args.place_kernel,
                 packed_short_tile=attention.PACKED_SHORT_Q_LEN, sequential_draft_cap=loop.SEQUENTIAL_DRAFT_CAP,
-                host_tier_switch=args.host_tier_switch, tier_switch_options=graphs.without_conditional_nodes())
+                host_tier_switch=args.host_tier_switch,  # the options a GPU's planned tier switch compiles with
+                tier_switch_options=graphs.without_conditional_nodes() if args.host_tier_switch == "on" else {})
