@@ -44,26 +44,26 @@ def _same_positions(out, s):
 # state, tier)); ``spec_changes`` override the prepared LoopSpec's fields (e.g. impl="cuda"). The jobs compile
 # the prefill only: the steps run in programs of their own.
 
-def plain_step(target, ids, **spec_changes):
-    job = generation.prepare(target, None, ids, max_new_tokens=64, stop_token_ids=[], block_size=1, decode=False)
-    spec, graphs = dataclasses.replace(job.spec, **spec_changes), (job.target.split().static, None)
+def _cycle(target, drafter, ids, spec_changes: dict, *, block_size: int = 16, **prepare_kw):
+    """(job, step): the decode loop's cycle (``loop.cycle``) on a job prepared with ``prepare_kw``, whose spec,
+    with ``spec_changes``, is the step's."""
+    job = generation.prepare(target, drafter, ids, max_new_tokens=64, block_size=block_size, stop_token_ids=[],
+                             decode=False, **prepare_kw)
+    job = dataclasses.replace(job, spec=dataclasses.replace(job.spec, **spec_changes))
+    graphs = (job.target.split().static, job.drafter.split().static if job.drafter is not None else None)
 
     def step(params, s, tier):
         t, d = loop._merge(graphs, params)
-        return _same_positions(loop.cycle(t, d, s, spec, 0), s)
+        return _same_positions(loop.cycle(t, d, s, job.spec, d.config.mask_token_id if d is not None else 0), s)
     return job, step
+
+
+def plain_step(target, ids, **spec_changes):
+    return _cycle(target, None, ids, spec_changes, block_size=1)
 
 
 def static_step(target, drafter, ids, **spec_changes):
-    job = generation.prepare(target, drafter, ids, max_new_tokens=64, block_size=16, stop_token_ids=[],
-                             verify_mode="static", decode=False)
-    spec = dataclasses.replace(job.spec, **spec_changes)
-    graphs = (job.target.split().static, job.drafter.split().static)
-
-    def step(params, s, tier):
-        t, d = loop._merge(graphs, params)
-        return _same_positions(loop.cycle(t, d, s, spec, d.config.mask_token_id), s)
-    return job, step
+    return _cycle(target, drafter, ids, spec_changes, verify_mode="static")
 
 
 def compact_step(target, drafter, ids, batch: int, *, ar_step: bool = True, one_tier: bool = False,
@@ -91,17 +91,8 @@ def compact_cycle(target, drafter, ids, *, ar_step: bool = True, **spec_changes)
     this backend (without its autoregressive step where ``ar_step`` is False), so the scheduler picks the tiers
     decoding would (the ``tier`` argument is unused)."""
     table = costs.shipped_table(jax.default_backend())
-    job = generation.prepare(target, drafter, ids, max_new_tokens=64, block_size=16, stop_token_ids=[],
-                             verify_mode="compact", decode=False,
-                             cost_table=table if ar_step else dataclasses.replace(table, ar_ms={}))
-    spec = dataclasses.replace(job.spec, **spec_changes)
-    job = dataclasses.replace(job, spec=spec)
-    graphs = (job.target.split().static, job.drafter.split().static)
-
-    def step(params, s, tier):
-        t, d = loop._merge(graphs, params)
-        return _same_positions(loop.cycle(t, d, s, spec, d.config.mask_token_id), s)
-    return job, step
+    return _cycle(target, drafter, ids, spec_changes, verify_mode="compact",
+                  cost_table=table if ar_step else dataclasses.replace(table, ar_ms={}))
 
 
 def step_loop(job, step, tier: int):

@@ -257,10 +257,9 @@ def measure(target, drafter, *, batches=(1, 4, 16, 32, 64, 128), block_size: int
             progress(f"batch {b:4d}: " + "  ".join(f"{n}/row {ms:.2f} ms" for n, ms in row.items())
                      + f"  autoregressive {ar_ms[b]:.2f} ms"
                      + (f"  static {static_ms[b]:.2f} ms" if time_static else ""))
-    device = jax.devices()[0]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
-    return CostTable(jax.default_backend(), getattr(device, "device_kind", str(device)),
+    return CostTable(jax.default_backend(), _device_kind(),
                      str(target.model.dtype), pair or target.name, block, context, step_ms,
                      f"{datetime.date.today().isoformat()} {commit}".strip(), ar_ms, static_ms)
 
