@@ -188,6 +188,24 @@ def _run_kernel(impl: str, op: str, key: tuple, local: Callable, reason_of: Call
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
 
 
+def read_after(x: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A layer's cache operands for the attention reference, made to depend on the layer's input ``x`` (on CPUs;
+    elsewhere returned as they are). Used by the drafted steps' layers: the packed verify and the drafter.
+
+    XLA:CPU lays each layer's cache out afresh for the attention GEMMs (a transposing copy of the whole cache).
+    With nothing tying those copies to their layers its runtime, which runs operations as soon as their operands
+    are ready, starts every layer's copy at the start of a drafted step, beside the drafter, where each costs ~3×
+    as much (its output out of cache by the time its layer reads it): 18 ms of a 75 ms step at ``make demo``'s
+    batch, 9 ms when each copy waits for its layer (``benchmarks/RESULTS.md``, session 29; the plain decode step
+    orders them well without it, and tied there runs ~1 % slower). An optimization barrier does not order them
+    (XLA:CPU drops it first), so each cache gets a zero computed from ``x`` added: exact (``isfinite`` is 0 or
+    1, times 0), and the add fuses into the copy. Only the attention's read is tied: a layer's cache stays."""
+    if jax.default_backend() != "cpu":
+        return k_cache, v_cache
+    zero = jnp.isfinite(x[(slice(0, 1),) * x.ndim]).astype(k_cache.dtype).reshape(()) * 0
+    return k_cache + zero, v_cache + zero
+
+
 def _grouped_scores(q: Float[Array, "B T N H"], k: Float[Array, "B S K H"]) -> Float[Array, "B K G T S"]:
     b, t, n, h = q.shape
     kh = k.shape[2]

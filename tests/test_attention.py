@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from conftest import ZLAB
 from dflash_jax import load_drafter, load_target
-from dflash_jax.attention import cache_attention, draft_attention
+from dflash_jax.attention import cache_attention, draft_attention, read_after
 from dflash_jax.config import default_target_layer_ids, drafter_config_from_hf, read_config_json
 
 
@@ -69,6 +70,24 @@ def test_cache_attention_matches_causal_mask():
     out = cache_attention(q, k, v, qpos)
     vis = np.arange(s)[None, None, :] <= np.asarray(qpos)[:, :, None]
     np.testing.assert_allclose(np.asarray(out), naive(q, k, v, vis), atol=2e-5)
+
+
+def test_read_after_ties_the_caches_to_the_layer_input_exactly():
+    """The drafted steps' cache reads wait for their layer on CPUs (a zero computed from the layer's input is
+    added): the values are the caches' own whatever the input holds (NaN, ±inf: a poisoned padding slot must not
+    reach the cache; a −0 may read as +0, which no dot product tells apart); the jaxpr shows the dependence the
+    CPU runtime orders by."""
+    k, v = rand(3, (2, 5, 2, 4)), rand(4, (2, 5, 2, 4))
+    k = k.at[0, 0, 0, 0].set(-0.0)
+    for first in (1.5, np.nan, np.inf, -np.inf):
+        x = rand(5, (2, 3, 8)).at[0, 0, 0].set(first)
+        tk, tv = jax.jit(read_after)(x, k, v)
+        np.testing.assert_array_equal(np.asarray(tk), np.asarray(k))
+        np.testing.assert_array_equal(np.asarray(tv), np.asarray(v))
+    jaxpr = jax.make_jaxpr(read_after)(x, k, v).jaxpr
+    x_var = jaxpr.invars[0]
+    assert any(x_var in e.invars for e in jaxpr.eqns), "the caches do not depend on the layer input"
+    assert all(o not in jaxpr.invars[1:] for o in jaxpr.outvars)
 
 
 def test_drafter_config_variants(tmp_path):

@@ -43,6 +43,7 @@ class DraftAttention(nnx.Module):
         b, t, _ = x_hat.shape
         q = apply_rope(self.q_norm(self.q_proj(x_hat).reshape(b, t, self.n, self.h)), cos, sin)
         blk_k, blk_v = self.kv(x_hat, cos, sin)
+        ctx_k, ctx_v = attention.read_after(x_hat, ctx_k, ctx_v)
         out = attention.draft_attention(q, ctx_k, ctx_v, blk_k, blk_v, positions, ctx_len,
                                         causal=self.causal, window=self.window, impl=impl)
         return self.o_proj(out.reshape(b, t, self.n * self.h))

@@ -87,7 +87,8 @@ class GatedAttention(nnx.Module):
         k = apply_partial_rope(self.k_norm(self.k_proj(x).reshape(b, t, self.k, self.h)), cos, sin)
         v = self.v_proj(x).reshape(b, t, self.k, self.h)
         if packed is not None:  # as target.Attention: the cache is only read; the new K/V are returned
-            out, new_kv = attention.packed_verify(q, k, v, k_cache, v_cache, packed, impl=impl)
+            out, new_kv = attention.packed_verify(q, k, v, *attention.read_after(x, k_cache, v_cache), packed,
+                                                  impl=impl)
             k_cache = v_cache = new_kv
         elif prefill:  # as target.Attention: the prompt's own keys, then stored
             out = attention.prefill_attention(q, k, v, positions, impl=impl)

@@ -147,7 +147,8 @@ class Attention(nnx.Module):
         q, k, v = self.project_qkv(x, cos, sin)
         extra = dict(sinks=None if self.sinks is None else self.sinks[...], window=self.window)
         if packed is not None:  # x is [1, T, D]: verify windows packed end to end; the cache is only read
-            out, new_kv = attention.packed_verify(q, k, v, k_cache, v_cache, packed, impl=impl, **extra)
+            out, new_kv = attention.packed_verify(q, k, v, *attention.read_after(x, k_cache, v_cache), packed,
+                                                  impl=impl, **extra)
             k_cache = v_cache = new_kv  # the new entries, for PendingKV
         elif prefill:
             # Empty cache: attend over the prompt's own keys (slot j = position j), then store them. Prefill is
