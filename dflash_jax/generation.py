@@ -61,8 +61,14 @@ COMPILER_OPTIONS: dict[str, Any] | None = None
 ALL_CYCLES = np.int32(np.iinfo(np.int32).max)  # decode's max_cycles for "until every row is done"
 # On a GPU, a compact loop that plans its steps ahead (``loop.plans_ahead``) runs its tier switch from the host
 # instead of as a CUDA-graph conditional node (``cuda.graphs``); False keeps XLA's conditional node (A/B runs;
-# read when a program is compiled, like COMPILER_OPTIONS).
+# part of the program cache's key, :func:`trace_switches`).
 HOST_TIER_SWITCH = True
+
+
+def trace_switches() -> tuple:
+    """The module switches that change what a program traces to or how it compiles (benchmarks' A/B runs set
+    them between calls): part of the program cache's key, so flipping one compiles afresh."""
+    return (HOST_TIER_SWITCH, attention.PACKED_SHORT_Q_LEN, attention.DENSE_WHOLE_BLOCKS, loop.SEQUENTIAL_DRAFT_CAP)
 
 
 def decode_compiler_options(spec: LoopSpec, state_info) -> dict[str, Any] | None:
@@ -374,7 +380,7 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
         params, ints, floats)
     shapes = dict(batch=b, prompt_len=host.prompt.shape[1], num_stops=len(host.stops))
     key = (spec, host.capacity, mask_id, tuple(shapes.values()), tsplit.structure,
-           dsplit.structure if dsplit else None, jax.config.jax_default_matmul_precision, decode)
+           dsplit.structure if dsplit else None, jax.config.jax_default_matmul_precision, decode, trace_switches())
     t0 = time.perf_counter()
     programs = _programs(key, graphdefs, params, pre_args, spec, dict(capacity=host.capacity, **shapes), mask_id,
                          decode)

@@ -230,6 +230,17 @@ def test_auto_is_compact_where_the_table_times_static_s_step(monkeypatch):
     assert got[0] == "static"
 
 
+def test_a_flipped_trace_switch_is_a_program_of_its_own(monkeypatch):
+    """Benchmarks flip module switches between calls (A/B in one process): each setting gets its own program."""
+    keys = []
+    monkeypatch.setattr(generation, "_programs", lambda key, *a, **kw: keys.append(key))
+    target = tiny_target()
+    for short in (4, 0, 4):
+        monkeypatch.setattr(attention, "PACKED_SHORT_Q_LEN", short)
+        generation.prepare(target, None, [[1, 2, 3]], max_new_tokens=4, block_size=1)
+    assert keys[0] != keys[1] and keys[0] == keys[2]
+
+
 def test_acceptance_counts_pool_rows_and_see_only_the_window():
     counts = schedule.AcceptanceCounts.zeros(2, 3)
     prior = schedule.PRIOR_ACCEPT / (schedule.PRIOR_ACCEPT + schedule.PRIOR_REJECT)
