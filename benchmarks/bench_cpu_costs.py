@@ -13,6 +13,9 @@ with the embedded pair, and the ideas measured against it. Parts (``--parts``, d
 * ``attention`` — the decode attention reference as it is (grouped einsums) against contracting the cache
   as it lies (every query head × every KV head, the diagonal kept): 30 layers alone, and the embedded
   target's batch-1 decode from a 600-token prompt with each.
+* ``cache_reads`` — ``make demo``'s batch decoded with the drafted steps' cache reads tied to their layers
+  (``attention.read_after``, the default) and untied (``attention.TIE_CPU_CACHE_READS = False``), and
+  autoregressively: decode seconds of each run and the medians' ratios to autoregressive.
 
 The forms compared within a part run interleaved, so that a noisy machine moves them alike.
 
@@ -41,7 +44,7 @@ from dflash_jax import attention, costs, generate, load_pair, speculative_genera
 from dflash_jax.cli import DEMO_PROMPTS  # noqa: E402
 from dflash_jax.train import data  # noqa: E402
 
-PARTS = ("steps", "matmul", "block", "vocab", "attention")
+PARTS = ("steps", "matmul", "block", "vocab", "attention", "cache_reads")
 
 
 def interleaved(fns: dict, args_of: dict, reps: int) -> dict[str, float]:
@@ -225,6 +228,33 @@ def part_attention(target, reps: int) -> dict:
     return dict(isolated=rows, decode_s=decode_s, decode_ms_per_token=per_token)
 
 
+def part_cache_reads(target, drafter, reps: int) -> dict:
+    kw = dict(max_new_tokens=96)  # the demo's
+
+    def speculative(tied: bool) -> float:
+        attention.TIE_CPU_CACHE_READS = tied  # a program cache key of its own (generation.trace_switches)
+        return speculative_generate(target, drafter, DEMO_PROMPTS, **kw).stats["decode_s"]
+
+    def autoregressive() -> float:
+        return generate(target, DEMO_PROMPTS, **kw).stats["decode_s"]
+
+    runs = {"tied": speculative, "untied": speculative, "autoregressive": autoregressive}
+    args = {"tied": (True,), "untied": (False,), "autoregressive": ()}
+    for name, f in runs.items():  # compiles, and a CPU's first run of a program sets up its kernels
+        f(*args[name])
+    decode_s = {name: [] for name in runs}
+    for _ in range(reps):
+        for name, f in runs.items():
+            decode_s[name].append(f(*args[name]))
+    attention.TIE_CPU_CACHE_READS = True
+    median = {name: statistics.median(t) for name, t in decode_s.items()}
+    for name, t in decode_s.items():
+        print(f"  {name:15s} decode {median[name]:.3f} s (median of {reps}), ÷ AR "
+              f"{median['autoregressive'] / median[name]:.3f}", flush=True)
+    return dict(decode_s=decode_s, median_s=median,
+                vs_autoregressive={name: median["autoregressive"] / median[name] for name in ("tied", "untied")})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=",".join(PARTS))
@@ -249,6 +279,8 @@ def main() -> None:
             result[part] = part_vocab(target)
         elif part == "attention":
             result[part] = part_attention(target, args.reps)
+        elif part == "cache_reads":
+            result[part] = part_cache_reads(target, drafter, args.reps)
         else:
             sys.exit(f"unknown part {part!r} (parts: {', '.join(PARTS)})")
         if args.out:  # after every part: an interrupted run keeps what it measured

@@ -188,6 +188,11 @@ def _run_kernel(impl: str, op: str, key: tuple, local: Callable, reason_of: Call
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
 
 
+# False: the drafted steps' cache reads are not tied to their layers (read_after; A/B runs:
+# benchmarks/ab_cpu_cache_reads.py).
+TIE_CPU_CACHE_READS = True
+
+
 def read_after(x: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> tuple[jax.Array, jax.Array]:
     """A layer's cache operands for the attention reference, made to depend on the layer's input ``x`` (on CPUs;
     elsewhere returned as they are). Used by the drafted steps' layers: the packed verify and the drafter.
@@ -200,7 +205,7 @@ def read_after(x: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> tuple[ja
     orders them well without it, and tied there runs ~1 % slower). An optimization barrier does not order them
     (XLA:CPU drops it first), so each cache gets a zero computed from ``x`` added: exact (``isfinite`` is 0 or
     1, times 0), and the add fuses into the copy. Only the attention's read is tied: a layer's cache stays."""
-    if jax.default_backend() != "cpu":
+    if not TIE_CPU_CACHE_READS or jax.default_backend() != "cpu":
         return k_cache, v_cache
     zero = jnp.isfinite(x[(slice(0, 1),) * x.ndim]).astype(k_cache.dtype).reshape(()) * 0
     return k_cache + zero, v_cache + zero

@@ -68,7 +68,8 @@ HOST_TIER_SWITCH = True
 def trace_switches() -> tuple:
     """The module switches that change what a program traces to or how it compiles (benchmarks' A/B runs set
     them between calls): part of the program cache's key, so flipping one compiles afresh."""
-    return (HOST_TIER_SWITCH, attention.PACKED_SHORT_Q_LEN, attention.DENSE_WHOLE_BLOCKS, loop.SEQUENTIAL_DRAFT_CAP)
+    return (HOST_TIER_SWITCH, attention.PACKED_SHORT_Q_LEN, attention.DENSE_WHOLE_BLOCKS, loop.SEQUENTIAL_DRAFT_CAP,
+            attention.TIE_CPU_CACHE_READS)
 
 
 def decode_compiler_options(spec: LoopSpec, state_info) -> dict[str, Any] | None:
