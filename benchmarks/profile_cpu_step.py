@@ -143,9 +143,12 @@ def main() -> int:
                          "3 its whole-block tier, 4 the static cycle (default: all)")
     ap.add_argument("--dense", choices=["on", "off"], default="on",
                     help="off: compact's whole-block tier packs its windows as the smaller tiers do")
+    ap.add_argument("--tie-cache-reads", choices=["on", "off"], default="on",
+                    help="off: the drafted steps' cache reads not tied to their layers (attention.read_after)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     attention.DENSE_WHOLE_BLOCKS = args.dense == "on"
+    attention.TIE_CPU_CACHE_READS = args.tie_cache_reads == "on"
     target, drafter = load_pair("smollm2-135m")
     ids = np.random.default_rng(0).integers(0, target.config.vocab_size, (args.batch, args.context)).tolist()
     job, step = compact_step(target, drafter, ids, args.batch)
@@ -156,7 +159,7 @@ def main() -> int:
              "static cycle": (*static_step(target, drafter, ids), 0)}
     cases = {name: case for i, (name, case) in enumerate(cases.items()) if args.cases is None or i in args.cases}
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=jax.devices()[0].device_kind, batch=args.batch,
-                  dense=args.dense,
+                  dense=args.dense, tie_cache_reads=args.tie_cache_reads,
                   context=args.context, commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                                                               capture_output=True, text=True).stdout.strip(),
                   cases={})
