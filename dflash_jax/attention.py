@@ -189,20 +189,21 @@ def _run_kernel(impl: str, op: str, key: tuple, local: Callable, reason_of: Call
 
 
 # False: the drafted steps' cache reads are not tied to their layers (read_after; A/B runs:
-# benchmarks/ab_cpu_cache_reads.py).
+# `bench_cpu_costs.py --parts cache_reads`, `profile_cpu_step.py --tie-cache-reads off`).
 TIE_CPU_CACHE_READS = True
 
 
 def read_after(x: jax.Array, k_cache: jax.Array, v_cache: jax.Array) -> tuple[jax.Array, jax.Array]:
     """A layer's cache operands for the attention reference, made to depend on the layer's input ``x`` (on CPUs;
-    elsewhere returned as they are). Used by the drafted steps' layers: the packed verify and the drafter.
+    elsewhere returned as they are). Used where compact's drafted steps read caches: the packed verify, the drafter.
 
     XLA:CPU lays each layer's cache out afresh for the attention GEMMs (a transposing copy of the whole cache).
     With nothing tying those copies to their layers its runtime, which runs operations as soon as their operands
     are ready, starts every layer's copy at the start of a drafted step, beside the drafter, where each costs ~3×
-    as much (its output out of cache by the time its layer reads it): 18 ms of a 75 ms step at ``make demo``'s
-    batch, 9 ms when each copy waits for its layer (``benchmarks/RESULTS.md``, session 29; the plain decode step
-    orders them well without it, and tied there runs ~1 % slower). An optimization barrier does not order them
+    as much (its output out of cache by the time its layer reads it): 18 ms of thread time in a 75 ms step at
+    ``make demo``'s batch, 10 ms when each copy waits for its layer, and that batch decodes ~3–5 % faster
+    (``benchmarks/RESULTS.md``, session 29; the plain decode step orders them well without it, and tied there
+    ran ~2 % slower). An optimization barrier does not order them
     (XLA:CPU drops it first), so each cache gets a zero computed from ``x`` added: exact (``isfinite`` is 0 or
     1, times 0), and the add fuses into the copy. Only the attention's read is tied: a layer's cache stays."""
     if not TIE_CPU_CACHE_READS or jax.default_backend() != "cpu":
