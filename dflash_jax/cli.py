@@ -154,11 +154,12 @@ def _calibrate(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     print(f"Timing one compact step per tier on {jax.devices()[0].device_kind} ({target.model.dtype}), "
           f"context {args.context}, batches {batches} …", flush=True)
-    table = costs.measure(target, drafter, batches=batches, block_size=args.block_size, context=args.context,
-                          repeats=args.repeats, pair=Path(pair_file).stem if pair_file else Path(args.target).name,
-                          progress=lambda line: print(line, flush=True))
     out = Path(args.out) if args.out else costs.tables_path(pair_file)
-    table = costs.save_table(out, table)
+    for b in batches:  # each batch's row written as soon as it is timed: an interrupted calibration keeps them
+        table = costs.measure(target, drafter, batches=(b,), block_size=args.block_size, context=args.context,
+                              repeats=args.repeats, pair=Path(pair_file).stem if pair_file else Path(args.target).name,
+                              progress=lambda line: print(line, flush=True))
+        table = costs.save_table(out, table)  # merged with the rows timed before (same pair, machine, settings)
     png = costs.plot(table, out.with_name(f"{out.name.removesuffix('.json')}.{table.backend}.png"))
     print(f"wrote the {table.backend} table (batches {', '.join(map(str, sorted(table.step_ms)))}) to {out} and "
           f"its plot to {png}")

@@ -652,6 +652,27 @@ def test_calibrate_command_writes_a_table_and_its_plot(tmp_path, capsys):
     assert "wrote the cpu table" in capsys.readouterr().out
 
 
+def test_an_interrupted_calibration_keeps_the_batches_it_timed(tmp_path, monkeypatch):
+    """Each batch's row is in the costs file as soon as it is timed: a calibration stopped during its second batch
+    leaves the first (and the rows an earlier run of the same measurement timed)."""
+    from dflash_jax.cli import main
+
+    out = tmp_path / "pair.costs.json"
+    costs.save_table(out, CostTable("cpu", costs._device_kind(), "float32", "target", 4, 16, {8: {1: 9.0, 4: 9.5}}))
+
+    def measure(target, drafter, *, batches, **kw):
+        if batches == (2,):
+            raise KeyboardInterrupt
+        rows = {b: {1: 1.0, 4: 2.0} for b in batches}
+        return CostTable("cpu", costs._device_kind(), "float32", "target", 4, 16, rows)
+
+    monkeypatch.setattr(costs, "measure", measure)
+    with pytest.raises(KeyboardInterrupt):
+        main(["calibrate", "--target", str(ZLAB / "target"), "--drafter", str(ZLAB / "drafter"), "--batches", "1,2",
+              "--context", "16", "--out", str(out), "--no-compile-cache"])
+    assert sorted(costs.load_tables(out)["cpu"].step_ms) == [1, 8]
+
+
 def test_cost_table_explains_break_even():
     """The demo's explanation when speculative decoding is slower: drafted-step costs in AR steps, read from the
     table at the batch (interpolated), or nothing without an AR column."""
