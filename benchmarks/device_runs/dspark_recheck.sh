@@ -4,7 +4,7 @@
 # shrinks the sequential head's per-draft [B, R] × [R, Vd] products and the drafts' logits by a third.
 # Carry .xfer/p2 (it assembles the GGUF) with the DSpark drafter tracked and the DFlash one and benchmarks/results
 # stashed (~66 MB). ≤ 8 files come back: the second run's plots are dropped.
-#   export BENCH_COMMIT=<HEAD>; bash benchmarks/device_runs/dspark_recheck.sh      (~7–9 minutes)
+#   export BENCH_COMMIT=<HEAD>; bash benchmarks/device_runs/dspark_recheck.sh      (379 s on an H100)
 source benchmarks/device_runs/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 run() {  # run <name> <seconds> [bench_schedule flags…]
