@@ -129,7 +129,7 @@ def earlier_table(path: Path, batch: int) -> costs.CostTable:
     """The cost table in ``path``: a costs file, or an earlier run's JSON (the table it timed at ``batch``)."""
     raw = json.loads(path.read_text())
     if "batches" not in raw:
-        return costs.load_tables(path)[jax.default_backend()]
+        return costs.resolve(path, jax.default_backend())
     if str(batch) not in raw["batches"]:
         raise SystemExit(f"{path} timed no table at batch {batch} (it has {sorted(raw['batches'], key=int)})")
     return costs.CostTable.from_json(raw["batches"][str(batch)]["cost_table"], f"{path} [batch {batch}]")

@@ -361,7 +361,7 @@ def main() -> int:
     elif args.cost_table:
         for d in drafters.values():
             d.cost_tables = costs.load_tables(args.cost_table)
-        result["cost_table"] = drafter.cost_tables[jax.default_backend()].to_json()
+        result["cost_table"] = costs.resolve(None, jax.default_backend(), drafter.cost_tables).to_json()
     if args.demo:
         result["demo"] = demo_case(target, drafters, args.max_new, args.repeats, tuple(args.modes.split(",")))
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -293,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--context", type=int, default=256, help="tokens in each row's cache while timing")
     cal.add_argument("--repeats", type=int, default=20, help="timed steps per tier, run in 3 calls (the median of their per-step times is kept)")
     cal.add_argument("--block-size", type=int, help="default: the drafter's trained verify width")
-    cal.add_argument("--out", help="costs file to write (default: configs/<pair>.costs.json, one table per backend; "
+    cal.add_argument("--out", help="costs file to write (default: configs/<pair>.costs.json, one table per backend "
+                                   "(and per device kind beside it); "
                                    "batches measured before for the same pair and settings are kept)")
     cal.set_defaults(func=_calibrate)
     rank = sub.add_parser("draft-vocab", parents=[common],

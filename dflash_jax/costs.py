@@ -4,10 +4,12 @@ A table holds, for a (target, drafter) pair on one machine, the time of one deco
 verify, accept, commit — at each packed-verify tier: ``step_ms[batch][tokens per row]``, where a tier of
 ``batch`` rows verifies ``batch × tokens per row`` tokens (:func:`schedule.tiers_for`). ``dflash-jax
 calibrate --config <pair>`` measures it (:func:`measure`) and writes ``<pair>.costs.json`` next to the pair's
-YAML, one table per backend; :func:`dflash_jax.load_pair` picks up the one for this backend. Without one,
-the table shipped for the backend (``dflash_jax/assets/costs/<backend>.json``, the embedded pair measured on
-our machines) is used: the scheduler only compares costs of one batch shape, so a table's shape matters more
-than its absolute figures.
+YAML: one table per backend under the backend's name (``"gpu"``), and beside it, under ``"gpu@<device kind>"``,
+the tables of other devices of that backend (an H100's steps are not an H200's scaled: RESULTS.md, session 28);
+:func:`dflash_jax.load_pair` picks up the file, and :func:`pick` takes this device's table from it, else the
+backend's. Without one, the table shipped for the backend (``dflash_jax/assets/costs/<backend>.json``, the
+embedded pair measured on our machines) is used: the scheduler only compares costs of one batch shape, so a
+table's shape matters more than its absolute figures.
 """
 
 from __future__ import annotations
@@ -146,8 +148,13 @@ def tables_path(pair_yaml: str | Path) -> Path:
     return p.with_name(p.stem + ".costs.json")
 
 
+def device_key(backend: str, device: str) -> str:
+    """A costs file's key for a table of ``device`` beside its backend's own (``"gpu@NVIDIA H100 80GB HBM3"``)."""
+    return f"{backend}@{device}"
+
+
 def load_tables(path: str | Path) -> dict[str, CostTable]:
-    """backend → table, from a costs file (missing file: empty)."""
+    """key → table, from a costs file (missing file: empty); keys are backends, or :func:`device_key`."""
     path = Path(path)
     if not path.is_file():
         return {}
@@ -157,48 +164,72 @@ def load_tables(path: str | Path) -> dict[str, CostTable]:
         raise CostTableError(f"{path}: invalid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise CostTableError(f"{path}: expected a mapping of backend → table")
-    return {backend: CostTable.from_json(t, f"{path} [{backend}]") for backend, t in raw.items()}
+    tables = {key: CostTable.from_json(t, f"{path} [{key}]") for key, t in raw.items()}
+    for key, table in tables.items():
+        if key not in (table.backend, device_key(table.backend, table.device)):
+            raise CostTableError(f"{path} [{key}]: holds a table of the {table.backend} backend measured on "
+                                 f"{table.device!r}: its key must be {table.backend!r} or "
+                                 f"{device_key(table.backend, table.device)!r}")
+    return tables
+
+
+def pick(tables: dict[str, CostTable] | None, backend: str, device: str) -> CostTable | None:
+    """The table measured on ``device`` if ``tables`` has one, else the backend's (None: neither)."""
+    tables = tables or {}
+    return tables.get(device_key(backend, device)) or tables.get(backend)
 
 
 def save_table(path: str | Path, table: CostTable) -> CostTable:
-    """Put ``table`` in the costs file ``path`` as its backend's: added to the table there if that is the same
-    measurement (:meth:`CostTable.merged_into`), else in its place. Returns the table written."""
+    """Put ``table`` in the costs file ``path``: as its backend's, unless that one was measured on another
+    device, whose table stays (this one then goes beside it, under :func:`device_key`). Added to the table
+    of its key if that is the same measurement (:meth:`CostTable.merged_into`), else in its place. Returns the
+    table written."""
     path = Path(path)
     tables = load_tables(path)
-    if table.backend in tables:
-        table = table.merged_into(tables[table.backend])
-    tables[table.backend] = table
+    own = tables.get(table.backend)
+    key = table.backend if own is None or own.device == table.device else device_key(table.backend, table.device)
+    if key in tables:
+        table = table.merged_into(tables[key])
+    tables[key] = table
     path.write_text(json.dumps({k: v.to_json() for k, v in tables.items()}, indent=1) + "\n")
     return table
 
 
-@functools.cache
 def shipped_table(backend: str) -> CostTable:
-    """The table shipped for ``backend`` (a GPU's for a backend we have none for)."""
+    """The table shipped for ``backend`` (this device's if one is shipped; a GPU's for a backend we have none
+    for)."""
+    return _shipped_table(backend, _device_kind())
+
+
+@functools.cache
+def _shipped_table(backend: str, device: str) -> CostTable:
     for name in (backend, "gpu"):
-        tables = load_tables(SHIPPED / f"{name}.json")
-        if tables:
+        table = pick(load_tables(SHIPPED / f"{name}.json"), name, device)
+        if table:
             if name != backend:
                 log.info("no step cost table is shipped for the %s backend: using the GPU's", backend)
-            return next(iter(tables.values()))
+            return table
     raise CostTableError(f"no shipped cost table in {SHIPPED}")
 
 
 def resolve(table: "CostTable | str | Path | None", backend: str, attached: dict | None = None) -> CostTable:
-    """The table to schedule with: the one given (or read from a costs file), else the pair's for this backend
-    (``attached``: what :func:`dflash_jax.load_pair` found next to the pair), else the shipped one."""
+    """The table to schedule with: the one given (or this device's / backend's in a costs file), else the
+    pair's for this device or backend (``attached``: what :func:`dflash_jax.load_pair` found next to the pair),
+    else the shipped one."""
     if isinstance(table, CostTable):
         return table
+    here = _device_kind()
     if table is not None:
         tables = load_tables(table)
         if not tables:
             raise CostTableError(f"cost table {table} does not exist")
-        if backend not in tables:
+        found = pick(tables, backend, here)
+        if found is None:
             raise CostTableError(f"{table} has no table for the {backend} backend (it has {sorted(tables)}): run "
                                  f"`dflash-jax calibrate` on this machine")
-        return tables[backend]
-    table = attached[backend] if attached and backend in attached else shipped_table(backend)
-    _note_other_device(table.device, _device_kind())
+        return found
+    table = pick(attached, backend, here) or shipped_table(backend)
+    _note_other_device(table.device, here)
     return table
 
 

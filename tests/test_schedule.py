@@ -631,9 +631,41 @@ def test_cost_table_interpolation_and_files(tmp_path):
     assert costs.shipped_table("tpu").backend == "gpu"  # none measured on a TPU yet
     # A pair's own tables sit next to its config: the DSpark pair ships its H200 table (static's step timed).
     from dflash_jax.pairs import load_pair_config
+    # Its H200 table, and beside it the H100's (session 31).
     dspark = costs.load_tables(costs.tables_path(load_pair_config("smollm2-135m-dspark").path))
-    assert sorted(dspark) == ["gpu"] and dspark["gpu"].pair == "smollm2-135m-dspark"
-    assert sorted(dspark["gpu"].static_ms) == sorted(dspark["gpu"].step_ms) == [1, 4, 16, 32, 64, 128]
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert sorted(dspark) == ["gpu", f"gpu@{h100}"] and dspark["gpu"].device == "NVIDIA H200"
+    for table in dspark.values():
+        assert table.pair == "smollm2-135m-dspark"
+        assert sorted(table.static_ms) == sorted(table.step_ms) == [1, 4, 16, 32, 64, 128]
+    assert costs.pick(dspark, "gpu", h100).device == h100 and costs.pick(dspark, "gpu", "NVIDIA A100").device \
+        == "NVIDIA H200" and costs.pick(dspark, "cpu", h100) is None
+
+
+def test_a_costs_file_keeps_each_device_s_table(tmp_path, monkeypatch, caplog):
+    """A calibration on another device of the backend goes beside the backend's table (which stays), and each
+    device schedules with its own; a device without one takes the backend's, and is told so."""
+    path = tmp_path / "pair.costs.json"
+    h200 = CostTable("gpu", "H200", "bfloat16", "p", 16, 64, {1: {1: 0.5, 16: 0.6}})
+    h100 = dataclasses.replace(h200, device="H100", step_ms={1: {1: 0.7, 16: 0.9}})
+    costs.save_table(path, h200)
+    costs.save_table(path, h100)
+    costs.save_table(path, dataclasses.replace(h100, step_ms={4: {1: 1.0, 16: 1.5}}))  # more H100 batches
+    tables = costs.load_tables(path)
+    assert sorted(tables) == ["gpu", "gpu@H100"] and tables["gpu"] == h200
+    assert tables["gpu@H100"].step_ms == {1: {1: 0.7, 16: 0.9}, 4: {1: 1.0, 16: 1.5}}
+    costs._note_other_device.cache_clear()
+    for here, expected in (("H100", tables["gpu@H100"]), ("H200", h200), ("A100", h200)):
+        monkeypatch.setattr(costs, "_device_kind", lambda: here)
+        with caplog.at_level(logging.WARNING, logger="dflash_jax"):
+            assert costs.resolve(str(path), "gpu") == expected
+            assert costs.resolve(None, "gpu", tables) == expected
+        assert ("measured on H200, this is A100" in caplog.text) == (here == "A100")
+    # a table filed under another device's key is refused
+    raw = json.loads(path.read_text())
+    path.write_text(json.dumps({"gpu@A100": raw["gpu@H100"]}))
+    with pytest.raises(costs.CostTableError, match="its key must be 'gpu' or 'gpu@H100'"):
+        costs.load_tables(path)
 
 
 def test_calibrate_command_writes_a_table_and_its_plot(tmp_path, capsys):
