@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import sys
 import textwrap
 
@@ -160,8 +161,11 @@ def _calibrate(args: argparse.Namespace) -> int:
                               repeats=args.repeats, pair=Path(pair_file).stem if pair_file else Path(args.target).name,
                               progress=lambda line: print(line, flush=True))
         table = costs.save_table(out, table)  # merged with the rows timed before (same pair, machine, settings)
-    png = costs.plot(table, out.with_name(f"{out.name.removesuffix('.json')}.{table.backend}.png"))
-    print(f"wrote the {table.backend} table (batches {', '.join(map(str, sorted(table.step_ms)))}) to {out} and "
+    backend_table = costs.load_tables(out)[table.backend]  # this device's, or another's that it went beside
+    key = table.backend if backend_table.device == table.device else costs.device_key(table.backend, table.device)
+    slug = re.sub(r"[^\w.@-]+", "_", key)
+    png = costs.plot(table, out.with_name(f"{out.name.removesuffix('.json')}.{slug}.png"))
+    print(f"wrote the {key} table (batches {', '.join(map(str, sorted(table.step_ms)))}) to {out} and "
           f"its plot to {png}")
     return 0
 

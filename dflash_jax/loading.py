@@ -90,7 +90,7 @@ class Drafter(_Handle):
     name: str = "drafter"
     trained: bool = True
     mesh: Mesh | None = None
-    cost_tables: dict | None = None  # backend → dflash_jax.costs.CostTable measured for this pair (load_pair)
+    cost_tables: dict | None = None  # backend (or "backend@device") → costs.CostTable for this pair (load_pair)
 
     @property
     def config(self) -> DrafterConfig:

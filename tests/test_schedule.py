@@ -705,6 +705,26 @@ def test_an_interrupted_calibration_keeps_the_batches_it_timed(tmp_path, monkeyp
     assert sorted(costs.load_tables(out)["cpu"].step_ms) == [1, 8]
 
 
+def test_a_calibration_on_another_device_goes_beside_the_backend_s_table(tmp_path, monkeypatch, capsys):
+    """`dflash-jax calibrate` where the costs file's table for the backend is another device's: that one stays,
+    this device's is keyed by its kind, and its plot is named after the key."""
+    from dflash_jax.cli import main
+
+    out = tmp_path / "pair.costs.json"
+    other = CostTable("cpu", "Other CPU", "float32", "target", 4, 16, {8: {1: 9.0, 4: 9.5}})
+    costs.save_table(out, other)
+    monkeypatch.setattr(costs, "_device_kind", lambda: "Some CPU")
+    monkeypatch.setattr(costs, "measure", lambda target, drafter, *, batches, **kw: CostTable(
+        "cpu", "Some CPU", "float32", "target", 4, 16, {b: {1: 1.0, 4: 2.0} for b in batches}))
+    assert main(["calibrate", "--target", str(ZLAB / "target"), "--drafter", str(ZLAB / "drafter"), "--batches", "1",
+                 "--context", "16", "--out", str(out), "--no-compile-cache"]) == 0
+    tables = costs.load_tables(out)
+    assert sorted(tables) == ["cpu", "cpu@Some CPU"] and tables["cpu"] == other
+    assert sorted(tables["cpu@Some CPU"].step_ms) == [1]
+    assert (tmp_path / "pair.costs.cpu@Some_CPU.png").is_file()
+    assert "wrote the cpu@Some CPU table" in capsys.readouterr().out
+
+
 def test_cost_table_explains_break_even():
     """The demo's explanation when speculative decoding is slower: drafted-step costs in AR steps, read from the
     table at the batch (interpolated), or nothing without an AR column."""
