@@ -629,9 +629,9 @@ def test_cost_table_interpolation_and_files(tmp_path):
     assert costs.shipped_table("cpu").backend == "cpu"  # the shipped defaults
     assert costs.shipped_table("gpu").device == "NVIDIA H200"
     assert costs.shipped_table("tpu").backend == "gpu"  # none measured on a TPU yet
-    # A pair's own tables sit next to its config: the DSpark pair ships its H200 table (static's step timed).
+    # A pair's own tables sit next to its config: the DSpark pair ships its H200 table and, beside it, an H100's
+    # (static's step timed in both).
     from dflash_jax.pairs import load_pair_config
-    # Its H200 table, and beside it the H100's (session 31).
     dspark = costs.load_tables(costs.tables_path(load_pair_config("smollm2-135m-dspark").path))
     h100 = "NVIDIA H100 80GB HBM3"
     assert sorted(dspark) == ["gpu", f"gpu@{h100}"] and dspark["gpu"].device == "NVIDIA H200"
