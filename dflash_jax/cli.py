@@ -161,8 +161,7 @@ def _calibrate(args: argparse.Namespace) -> int:
                               repeats=args.repeats, pair=Path(pair_file).stem if pair_file else Path(args.target).name,
                               progress=lambda line: print(line, flush=True))
         table = costs.save_table(out, table)  # merged with the rows timed before (same pair, machine, settings)
-    backend_table = costs.load_tables(out)[table.backend]  # this device's, or another's that it went beside
-    key = table.backend if backend_table.device == table.device else costs.device_key(table.backend, table.device)
+    key = costs.table_key(costs.load_tables(out), table)  # "gpu", or "gpu@<device>" beside another device's
     slug = re.sub(r"[^\w.@-]+", "_", key)
     png = costs.plot(table, out.with_name(f"{out.name.removesuffix('.json')}.{slug}.png"))
     print(f"wrote the {key} table (batches {', '.join(map(str, sorted(table.step_ms)))}) to {out} and "

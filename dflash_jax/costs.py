@@ -179,6 +179,13 @@ def pick(tables: dict[str, CostTable] | None, backend: str, device: str) -> Cost
     return tables.get(device_key(backend, device)) or tables.get(backend)
 
 
+def table_key(tables: dict[str, CostTable], table: CostTable) -> str:
+    """``table``'s key among ``tables`` (a costs file's): its backend's, unless the backend's table there is
+    another device's; then :func:`device_key`."""
+    own = tables.get(table.backend)
+    return table.backend if own is None or own.device == table.device else device_key(table.backend, table.device)
+
+
 def save_table(path: str | Path, table: CostTable) -> CostTable:
     """Put ``table`` in the costs file ``path``: as its backend's, unless that one was measured on another
     device, whose table stays (this one then goes beside it, under :func:`device_key`). Added to the table
@@ -186,8 +193,7 @@ def save_table(path: str | Path, table: CostTable) -> CostTable:
     table written."""
     path = Path(path)
     tables = load_tables(path)
-    own = tables.get(table.backend)
-    key = table.backend if own is None or own.device == table.device else device_key(table.backend, table.device)
+    key = table_key(tables, table)
     if key in tables:
         table = table.merged_into(tables[key])
     tables[key] = table
