@@ -1,0 +1,99 @@
+"""Run-time tuning: every knob that changes what a decode program traces or how it compiles, as frozen values.
+
+There are no module-level switches in the library: a knob lives here, reaches the code that reads it as an
+argument (the loop's static spec carries :class:`Tuning`; model and kernel calls carry :class:`Kernels`), and is
+therefore part of the program cache's key. Tests and benchmarks change a knob by passing a different value
+(``speculative_generate(..., tuning=Tuning(kernels=KernelTuning(packed_kernel=False)))``), never by assigning a
+module attribute.
+
+This module is a leaf: it imports nothing from :mod:`dflash_jax`, so every layer can take these values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+
+def _frozen_options(options: dict[str, Any] | None) -> tuple[tuple[str, Any], ...] | None:
+    return None if options is None else tuple(sorted(options.items()))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTuning:
+    """Knobs read where a model or kernel is traced (attention, packed verify, cache writes, MoE, delta rule)."""
+
+    # Kernels that may be turned off one by one (A/B runs): the packed-verify attention kernel, the pending-KV
+    # cache-write kernel and the pending-KV placement kernel (GPU).
+    packed_kernel: bool = True
+    write_kernel: bool = True
+    place_kernel: bool = True
+    # Packed verify: windows of at most this many query tokens run the short-query kernel tile (None: never).
+    packed_short_q_len: int | None = 4
+    # Packed verify on the XLA path: a step whose every window is whole runs the dense whole-block attention.
+    dense_whole_blocks: bool = True
+    # Bucket lookups compare every value against every edge up to this many comparisons (else a binary search).
+    compare_all_max: int = 1 << 22
+    # On the CPU, reads of the cache right after a write are tied to the write (XLA otherwise copies the cache).
+    tie_cpu_cache_reads: bool = True
+    # Backends whose one-row matmuls are padded to two rows (a faster GEMV path on GPUs).
+    pad_single_row_on: tuple[str, ...] = ("gpu",)
+    # MoE: the grouped-expert kernel on these backends for calls of at most ``moe_kernel_max_tokens`` tokens;
+    # the grouped (sorted) XLA form on the backends of ``moe_grouped_on`` beyond that, else dense experts.
+    moe_kernels_on: tuple[str, ...] = ("gpu", "tpu")
+    moe_kernel_max_tokens: int = 64
+    moe_grouped_on: tuple[str, ...] = ()
+    # GPU kernels' split-KV concurrency target (programs per SM; 0 = the kernel's own default).
+    programs_per_sm: int = 0
+    # Delta rule (linear attention): prefill chunk length.
+    delta_rule_chunk: int = 64
+    # Run GPU-only kernels in Pallas interpret mode on any backend (tests on the CPU).
+    interpret: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    """What a model or kernel call is told about kernels: the attention implementation every op honours
+    (``"xla"``, ``"pallas"`` for TPU, ``"cuda"`` for GPU; already resolved from ``"auto"``) and the knobs."""
+
+    impl: str = "xla"
+    tuning: KernelTuning = KernelTuning()
+
+
+def _env_ratio() -> float:
+    return float(os.environ.get("DFLASH_JAX_AUTO_COMPACT_RATIO", 1.35))
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Every run-time knob; the decode settings carry one, and it is part of every program's cache key."""
+
+    kernels: KernelTuning = KernelTuning()
+    # Verify mode "auto" without the static step in the cost table: compact where the whole-block step costs at
+    # least this many times the one-token step ($DFLASH_JAX_AUTO_COMPACT_RATIO; "inf": auto is always static).
+    auto_compact_ratio: float = dataclasses.field(default_factory=_env_ratio)
+    # On a GPU, a compact loop that plans its steps ahead switches tiers from the host instead of a CUDA-graph
+    # conditional node.
+    host_tier_switch: bool = True
+    # A sequential (DSpark) drafter's compact steps draft only this many positions (None: all).
+    sequential_draft_cap: int | None = None
+    # The scheduler ranks candidate windows by comparing all pairs up to this many rows × drafts.
+    rank_compare_all_max: int = 2048
+    # Prompts longer than this are prefilled in chunks of this many positions.
+    prefill_chunk: int = 1024
+    # XLA compile options for the prefill and decode programs (sorted (name, value) pairs; None: XLA's defaults).
+    compiler_options: tuple[tuple[str, Any], ...] | None = None
+
+    def with_compiler_options(self, options: dict[str, Any] | None) -> "Tuning":
+        return dataclasses.replace(self, compiler_options=_frozen_options(options))
+
+    def compiler_options_dict(self) -> dict[str, Any] | None:
+        return None if self.compiler_options is None else dict(self.compiler_options)
+
+    def replace(self, **changes) -> "Tuning":
+        """A copy with ``changes``; kernel knobs may be given by name too (``packed_kernel=False``)."""
+        kernel_fields = {f.name for f in dataclasses.fields(KernelTuning)}
+        kern = {k: changes.pop(k) for k in list(changes) if k in kernel_fields}
+        out = dataclasses.replace(self, **changes)
+        return dataclasses.replace(out, kernels=dataclasses.replace(out.kernels, **kern)) if kern else out
