@@ -13,6 +13,7 @@ from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.decode.schedule import AcceptanceCounts
 from dflash_jax.sharding import Plan, mesh_size
 from dflash_jax.models.target import KVCache
+from dflash_jax.tuning import Kernels, Tuning
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,12 @@ class LoopSpec:
     verify_mode: str = "static"  # see dflash_jax.decode.schedule: "static", "compact" or "cap-accept"
     tiers: tuple[int, ...] = ()  # compiled packed-verify sizes (scheduled modes; the last is B·L)
     ar_step: bool = False  # compact: the scheduler may also pick a plain autoregressive step (tier index K)
+    tuning: Tuning = Tuning()  # every run-time knob (dflash_jax.tuning): part of the program's key
+
+    @property
+    def kernels(self) -> Kernels:
+        """What the models' and kernels' calls are told: the attention implementation and the kernel knobs."""
+        return Kernels(self.impl, self.tuning.kernels)
 
     @property
     def scheduled(self) -> bool:
