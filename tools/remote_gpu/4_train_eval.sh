@@ -1,5 +1,5 @@
 # Train with time budget TB (stop at STOP s), then optionally eval (EVAL=1) and the batch-32 idle run (IDLE=1).
-source benchmarks/device_runs/env.sh
+source tools/remote_gpu/env.sh
 TB=$1; STOP=$2; EVAL=$3; IDLE=$4
 sed -i "s/time_budget_s: .*/time_budget_s: $TB/" $CFG
 if [ "$TB" != 0 ]; then

@@ -7,7 +7,7 @@ PY=${PY:-.venv/bin/python}
 mkdir -p runs/device .xfer .whl
 $PY -m dflash_jax.cli train --config configs/smollm2-135m.yaml --stages prompts --out-dir runs/prep --no-progress
 gzip -9 -c runs/prep/prompts.jsonl > runs/device/prompts.jsonl.gz
-$PY benchmarks/device_runs/make_run_config.py --data-seed "${DATA_SEED:-0}"
+$PY tools/remote_gpu/make_run_config.py --data-seed "${DATA_SEED:-0}"
 G=$($PY -c "from dflash_jax.loading import embedded_gguf_path; print(embedded_gguf_path())")
 split -b 36500000 -a 1 --numeric-suffixes=0 "$G" .xfer/p
 $PY -m pip download --quiet --no-deps "gguf==$($PY -c 'import importlib.metadata as m; print(m.version("gguf"))')" -d .whl

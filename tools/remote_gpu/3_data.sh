@@ -1,7 +1,7 @@
 # Self-distillation for DATA_S seconds: chunks run in a seeded random order, so the chunks finished sample
 # every prompt source and length; they are merged into data.npz (marked incomplete) for the train stage.
 # (Run 6 stopped this stage with `timeout` and merged the parts itself; --stop-after-s does both since.)
-source benchmarks/device_runs/env.sh
+source tools/remote_gpu/env.sh
 DATA_S=$1
 if [ ! -f $M ]; then  # an earlier call of this session (bench.sh) may have assembled it
   mkdir -p /tmp/model && cat /tmp/xfer/p0 /tmp/xfer/p1 .xfer/p2 > $M || exit 1

@@ -3,8 +3,8 @@
 # carries (64 MiB) even before a GGUF part. `stash.sh out PATH…` untracks PATH here (git rm --cached) and
 # ignores it (.git/info/exclude), so the call sends neither; the files stay on this disk. `stash.sh in` tracks
 # everything stashed again. Never commit while something is stashed (git status shows it as deleted).
-#   bash benchmarks/device_runs/stash.sh out dflash_jax/assets/smollm2-135m-dspark   # before calls 1–3
-#   bash benchmarks/device_runs/stash.sh in                                          # after the session
+#   bash tools/remote_gpu/stash.sh out dflash_jax/assets/smollm2-135m-dspark   # before calls 1–3
+#   bash tools/remote_gpu/stash.sh in                                          # after the session
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 LIST=.git/dflash-stashed

@@ -1,23 +1,23 @@
 # Compact against static and AR on the GPU after a change to compact's step, in five calls after calls 1 and 2
 # (carry .xfer/p2 with each; the machine must stay warm between them: the table of calls 2–3 stays in /tmp/recheck).
-#   bash benchmarks/device_runs/compact_recheck.sh 1   # the packed and cache-write kernels' tests; the packed
+#   bash tools/remote_gpu/compact_recheck.sh 1   # the packed and cache-write kernels' tests; the packed
 #                                                      # kernel's short tile timed; step profile at batch 64 of
 #                                                      # every compact program, with one tile too (~6 min)
-#   bash benchmarks/device_runs/compact_recheck.sh 2   # the cost table at batches 1–32 (~5 min)
-#   bash benchmarks/device_runs/compact_recheck.sh 3   # the table's 64, 128 added; sweep at batch 16 (~6 min)
-#   bash benchmarks/device_runs/compact_recheck.sh 4   # sweep at batches 32, 4, 1 (~5.5 min)
-#   bash benchmarks/device_runs/compact_recheck.sh 5   # sweep at batches 64, 128 (~3.5 min)
-#   bash benchmarks/device_runs/compact_recheck.sh 3s  # instead of 2 and 3 where only batches 64, 128 changed:
+#   bash tools/remote_gpu/compact_recheck.sh 2   # the cost table at batches 1–32 (~5 min)
+#   bash tools/remote_gpu/compact_recheck.sh 3   # the table's 64, 128 added; sweep at batch 16 (~6 min)
+#   bash tools/remote_gpu/compact_recheck.sh 4   # sweep at batches 32, 4, 1 (~5.5 min)
+#   bash tools/remote_gpu/compact_recheck.sh 5   # sweep at batches 64, 128 (~3.5 min)
+#   bash tools/remote_gpu/compact_recheck.sh 3s  # instead of 2 and 3 where only batches 64, 128 changed:
 #                                                      # the shipped table with 64, 128 re-timed (~3 min)
 # The table holds compact's tiers, the step without drafting and the static verify's step (compact runs static's
 # program where none of its tiers saves on it). Everything lands in $OUT; merge cal.costs.json into
 # dflash_jax/assets/costs/gpu.json if it is to ship.
-source benchmarks/device_runs/env.sh
+source tools/remote_gpu/env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT /tmp/recheck
 TABLE=/tmp/recheck/cal.costs.json
 calibrate() {  # calibrate <batches> <seconds>: adds the batches' rows to $TABLE
   [ -f $TABLE ] && cp $TABLE $OUT/cal.costs.json
-  timeout $2 bash benchmarks/device_runs/schedule.sh --calibrate --skip-sweep --mixed-per-kind 0 \
+  timeout $2 bash tools/remote_gpu/schedule.sh --calibrate --skip-sweep --mixed-per-kind 0 \
     --batches $1 --out $OUT/cal.json > $OUT/cal_${1//,/_}.txt 2>&1
   echo "calibrate $1 rc $?"; grep "^batch\|calibrated" $OUT/cal_${1//,/_}.txt
   cp $OUT/cal.costs.json $TABLE
@@ -26,7 +26,7 @@ sweep() {  # sweep <batches> <seconds> [bench_schedule flags…]: AR, static and
           # with $TABLE (3 passes a mode interleaved, medians: a pass at 64 rows is ~0.5 s, read to ~2 % alone)
   [ -f $TABLE ] || { echo "no $TABLE: run phases 2 and 3 on this machine first"; exit 1; }
   local name=sweep_${1//,/_}$TAG
-  timeout $2 bash benchmarks/device_runs/schedule.sh --cost-table $TABLE --batches $1 --max-new 128 --repeats 3 \
+  timeout $2 bash tools/remote_gpu/schedule.sh --cost-table $TABLE --batches $1 --max-new 128 --repeats 3 \
     --mixed-per-kind 0 "${@:3}" --out $OUT/$name.json > $OUT/$name.txt 2>&1
   echo "sweep $1 ${*:3} rc $?"; grep "^batch" $OUT/$name.txt
   python3 -c "import json, sys; print('tier switch:', json.load(open(sys.argv[1])).get('tier_switch_options'))" \
@@ -44,15 +44,15 @@ case "$1" in
     echo "packed tile rc $?"; grep "^|" $OUT/packed_tile.txt
     # the step profile: every program a compact step can run (with and without the AR offer), against plain AR
     # and static; then compact's tiers with one tile (the short tile is the default)
-    timeout 200 bash benchmarks/device_runs/bench.sh profile_gpu_step.py --batches 64 --tiers 0,1,-1 \
+    timeout 200 bash tools/remote_gpu/bench.sh tools/profile_gpu_step.py --batches 64 --tiers 0,1,-1 \
       --cases ar,compact-ar,compact-tiers,compact-noar,static --keep-traces /tmp/traces \
       --out $OUT/step_profile.json > $OUT/step_profile.txt 2>&1
     echo "profile rc $?"; grep "^== \|timeline" $OUT/step_profile.txt
-    timeout 120 bash benchmarks/device_runs/bench.sh profile_gpu_step.py --batches 64 --tiers 0,1,-1 \
+    timeout 120 bash tools/remote_gpu/bench.sh tools/profile_gpu_step.py --batches 64 --tiers 0,1,-1 \
       --cases compact-tiers --packed-short-tile 0 --keep-traces /tmp/traces/one_tile \
       --out $OUT/step_profile_one_tile.json > $OUT/step_profile_one_tile.txt 2>&1
     echo "profile (one tile) rc $?"; grep "^== " $OUT/step_profile_one_tile.txt
-    tar -czf $OUT/step_traces.tgz -C /tmp traces  # benchmarks/read_step_traces.py reads it
+    tar -czf $OUT/step_traces.tgz -C /tmp traces  # benchmarks/tools/read_step_traces.py reads it
     ;;
   2) rm -f $TABLE; calibrate 1,4,16,32 420 ;;
   3)
