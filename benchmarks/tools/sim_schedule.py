@@ -15,7 +15,7 @@ only the autoregressive steps a batch needs are counted.
 What this is for: trying scheduler and tier changes against the GPU's costs while no GPU is lent. It runs the
 models in float32 (a CPU's bf16 is slow), so acceptance can differ a little from the GPU's bf16 runs.
 
-    python benchmarks/sim_schedule.py --drafter smollm2-135m-dspark \\
+    python benchmarks/tools/sim_schedule.py --drafter smollm2-135m-dspark \\
         --measured benchmarks/results/2026-12-05_s22_schedule_dspark_unrolled_b64_128_h200.json --out sim.json
     (``--measured``'s sweep supplies the table it scheduled with; ``--cost-table`` gives another.)
 """
@@ -30,7 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, bench_schedule
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_schedule import DEFAULT_PROMPTS, evaluation_ids, sweep_prompts  # noqa: E402
 from dflash_jax import costs, generation, load_drafter, load_target, speculative_generate  # noqa: E402

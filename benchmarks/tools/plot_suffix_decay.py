@@ -4,9 +4,9 @@ the acceptance-length histograms that the training pipeline's eval stage writes 
 the tokens a cycle commits) or ``eval_tau.py`` (``PATH#LABEL``: one drafter of its output); a third row draws
 the histograms themselves (the share of cycles committing each number of tokens).
 
-    python benchmarks/plot_suffix_decay.py --run DFlash=benchmarks/results/2026-12-01_train7_h200.json \
+    python benchmarks/tools/plot_suffix_decay.py --run DFlash=benchmarks/results/2026-12-01_train7_h200.json \
         --run DSpark=eval.json --out suffix_decay.png
-    python benchmarks/plot_suffix_decay.py --run DFlash=tau.json#DFlash --run DSpark=tau.json#DSpark --out s.png
+    python benchmarks/tools/plot_suffix_decay.py --run DFlash=tau.json#DFlash --run DSpark=tau.json#DSpark --out s.png
 """
 
 from __future__ import annotations

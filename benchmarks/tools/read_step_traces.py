@@ -6,7 +6,7 @@ kernel time against that case's, grouped (the Pallas kernels by name, GEMMs, cop
 The profiler's own step times are not read: under CUPTI a step of a graph with conditional nodes is traced at
 several times its untraced wall time (RESULTS.md, session 26), so only the kernels' durations are used.
 
-    python benchmarks/read_step_traces.py traces.tgz --base b64_plain_ar_step --top 15
+    python benchmarks/tools/read_step_traces.py traces.tgz --base b64_plain_ar_step --top 15
 """
 
 from __future__ import annotations

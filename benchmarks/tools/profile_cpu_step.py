@@ -7,7 +7,7 @@ Each step runs ``--steps`` times in one ``lax.while_loop`` call (as decoding run
 thunk times are summed over the profile's XLA threads (two worker threads on a 2-core machine, so the sums can
 exceed the wall time) and grouped by thunk name without its numeric suffix.
 
-    python benchmarks/profile_cpu_step.py --out benchmarks/results/<date>_cpu_step_profile.json
+    python benchmarks/tools/profile_cpu_step.py --out benchmarks/results/<date>_cpu_step_profile.json
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.profiler import ProfileData
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 from dflash_jax import attention, costs, generation, load_pair  # noqa: E402
 from dflash_jax.costs import CostTable  # noqa: E402
 from dflash_jax.decode import loop  # noqa: E402

