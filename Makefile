@@ -21,9 +21,8 @@ demo: $(STAMP)
 	$(VENV)/bin/dflash-jax demo
 
 # Two pytest-xdist workers, one per core, each test file on one worker (its module fixtures and compiled
-# programs shared), the longest files first (tests/conftest.py: pytest_xdist_make_scheduler): ~5–7 minutes of
-# pytest time on this 2-core machine (277–424 s in fresh clones on 2026-12-05/06; its speed varies), one OpenMP
-# thread per worker.
+# programs shared), the longest files first (tests/conftest.py: pytest_xdist_make_scheduler), one OpenMP thread
+# per worker. Budget: 10 minutes on a 2-core machine (the latest time: benchmarks/README.md, "Test suite").
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
