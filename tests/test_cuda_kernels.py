@@ -21,6 +21,7 @@ import pytest
 from conftest import fast_jit
 from dflash_jax.cuda import attention as cuda
 from dflash_jax.kernels import attention as ref
+from dflash_jax.kernels import packed
 from dflash_jax.tuning import Kernels
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -239,7 +240,7 @@ def test_packed_block_attention_matches_reference(case):
         wins[1:4] = [1, tuning["short_q_len"], tuning["short_q_len"] + 1]
     starts = rng.integers(0, s - lmax + 1, b)
     starts[-1] = 0  # a window with no cache before it
-    layout = ref.PackedLayout.build(jnp.asarray(wins, jnp.int32), jnp.asarray(starts, jnp.int32),
+    layout = packed.PackedLayout.build(jnp.asarray(wins, jnp.int32), jnp.asarray(starts, jnp.int32),
                                     int(wins.sum()) + 3, lmax)
     valid = np.asarray(layout.valid)[:, None, None]
     q = _normal(rng, (layout.valid.shape[0], n, h), dtype, 1.5)
@@ -247,7 +248,7 @@ def test_packed_block_attention_matches_reference(case):
     kc, vc = _normal(rng, (b, s, k, h), dtype), _normal(rng, (b, s, k, h), dtype)
     qkv = jnp.concatenate([q, kv.reshape(-1, 2 * k, h)], axis=1)  # heads: queries, keys, values
     with jax.default_matmul_precision("highest"):
-        want = fast_jit(ref.packed_verify_attention, window=window)(qkv, kc, vc, layout)
+        want = fast_jit(packed.packed_verify_attention, window=window)(qkv, kc, vc, layout)
     nan_pad = jnp.asarray(np.where(valid, np.asarray(qkv, np.float32), np.nan).astype(qkv.dtype))
     out = fast_jit(cuda.packed_block_attention, max_q_len=lmax, window=window, interpret=INTERPRET, **tuning)(
         nan_pad, _poison(kc, starts), _poison(vc, starts), layout.cu_q_lens, jnp.asarray(starts, jnp.int32))
