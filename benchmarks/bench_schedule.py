@@ -316,7 +316,7 @@ def main() -> int:
                     help="no run: one spectrum (--out, a .png) of the sweeps in these result files, batch by batch")
     ap.add_argument("--out", type=Path, default=Path("schedule.json"))
     args = ap.parse_args()
-    switches = apply_kernel_switches(args)
+    tuning, switches = apply_kernel_switches(args)  # TODO: pass tuning= to the generate calls below
     if args.programs_per_sm:
         cuda._PROGRAMS_PER_SM = args.programs_per_sm  # read when a kernel is traced
     if args.make_prompts:

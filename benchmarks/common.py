@@ -151,40 +151,31 @@ def add_kernel_switches(ap: argparse.ArgumentParser) -> None:
                          "before cuda.cache_write.place_pending)")
     ap.add_argument("--packed-short-tile", type=int,
                     help="the packed verify kernel's second tile: windows of at most this many tokens run a tile "
-                         "of that many query positions (attention.PACKED_SHORT_Q_LEN; 0: one tile)")
+                         "of that many query positions (KernelTuning.packed_short_q_len; 0: one tile)")
     ap.add_argument("--sequential-draft-cap", type=int,
                     help="a sequential (DSpark) drafter's compact steps draft only this many positions")
     ap.add_argument("--host-tier-switch", choices=["on", "off"], default="on",
                     help="off: compact's tier switch stays a CUDA-graph conditional node where the loop plans its "
-                         "tiers ahead (generation.HOST_TIER_SWITCH)")
+                         "tiers ahead (Tuning.host_tier_switch)")
 
 
-def apply_kernel_switches(args: argparse.Namespace) -> dict:
-    """Turn off what :func:`add_kernel_switches`' flags say (before anything is traced); the settings, for a
-    result file."""
-    from dflash_jax import attention
+def apply_kernel_switches(args: argparse.Namespace, **changes) -> tuple["Tuning", dict]:
+    """The :class:`dflash_jax.tuning.Tuning` that :func:`add_kernel_switches`' flags (and ``changes``: more knobs
+    by name, e.g. ``programs_per_sm=4``) say — pass it as ``tuning=`` to the library's calls, whose program cache
+    keys on it — and the settings, for a result file."""
     from dflash_jax.cuda import graphs
-    from dflash_jax.decode import loop
+    from dflash_jax.tuning import Tuning
 
-    if args.packed_kernel == "off":
-        attention._packed_kernel_call = lambda *a, **k: None  # noqa: E731
+    knobs = dict(packed_kernel=args.packed_kernel == "on", write_kernel=args.write_kernel == "on",
+                 place_kernel=args.place_kernel == "on", host_tier_switch=args.host_tier_switch == "on")
     if args.packed_short_tile is not None:
-        attention.PACKED_SHORT_Q_LEN = args.packed_short_tile or None
-    if args.write_kernel == "off":
-        from dflash_jax.cuda import cache_write  # Triton's modules only here
-
-        cache_write.write_pending_or_none = lambda *a, **k: None  # noqa: E731
-    if args.place_kernel == "off":
-        from dflash_jax.cuda import cache_write
-
-        cache_write.place_pending_or_none = lambda *a, **k: None  # noqa: E731
+        knobs["packed_short_q_len"] = args.packed_short_tile or None
     if args.sequential_draft_cap:
-        loop.SEQUENTIAL_DRAFT_CAP = args.sequential_draft_cap
-    if args.host_tier_switch == "off":
-        from dflash_jax import generation
-
-        generation.HOST_TIER_SWITCH = False
-    return dict(packed_kernel=args.packed_kernel, write_kernel=args.write_kernel, place_kernel=args.place_kernel,
-                packed_short_tile=attention.PACKED_SHORT_Q_LEN, sequential_draft_cap=loop.SEQUENTIAL_DRAFT_CAP,
-                host_tier_switch=args.host_tier_switch,  # the options a GPU's planned tier switch compiles with
-                tier_switch_options=graphs.without_conditional_nodes() if args.host_tier_switch == "on" else {})
+        knobs["sequential_draft_cap"] = args.sequential_draft_cap
+    tuning = Tuning().replace(**knobs, **changes)
+    return tuning, dict(packed_kernel=args.packed_kernel, write_kernel=args.write_kernel,
+                        place_kernel=args.place_kernel, packed_short_tile=tuning.kernels.packed_short_q_len,
+                        sequential_draft_cap=tuning.sequential_draft_cap, host_tier_switch=args.host_tier_switch,
+                        # the options a GPU's planned tier switch compiles with
+                        tier_switch_options=graphs.without_conditional_nodes() if args.host_tier_switch == "on"
+                        else {}, **changes)

@@ -11,7 +11,7 @@ import textwrap
 
 from pathlib import Path
 
-from dflash_jax.attention import IMPLS
+from dflash_jax.kernels import IMPLS
 from dflash_jax.decode.schedule import VERIFY_MODES
 
 DEMO_PROMPTS = [

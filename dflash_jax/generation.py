@@ -19,13 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import attention, costs
+from dflash_jax import costs
 from dflash_jax.cuda import graphs
 from dflash_jax.decode import loop, schedule
 from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.decode.state import DecodeView, LoopSpec
+from dflash_jax.kernels import resolve_impl
 from dflash_jax.loading import Drafter, Target, as_drafter, as_target
 from dflash_jax.tokenizer import TokenizerMissingError
+from dflash_jax.tuning import Tuning
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
@@ -68,8 +70,7 @@ HOST_TIER_SWITCH = True
 def trace_switches() -> tuple:
     """The module switches that change what a program traces to or how it compiles (benchmarks' A/B runs set
     them between calls): part of the program cache's key, so flipping one compiles afresh."""
-    return (HOST_TIER_SWITCH, attention.PACKED_SHORT_Q_LEN, attention.DENSE_WHOLE_BLOCKS, loop.SEQUENTIAL_DRAFT_CAP,
-            attention.TIE_CPU_CACHE_READS)
+    return (HOST_TIER_SWITCH, loop.SEQUENTIAL_DRAFT_CAP)
 
 
 def decode_compiler_options(spec: LoopSpec, state_info) -> dict[str, Any] | None:
@@ -261,13 +262,13 @@ class Job:
 @functools.lru_cache(maxsize=256)
 def _loop_spec(block_size: int, new_cap: int, capture: tuple, impl: str, sampled: bool, draft_sampling: bool,
                top_k: bool, top_p: bool, mesh, target_cfg, drafter_cfg, verify_mode: str = "static",
-               tiers: tuple = (), ar_step: bool = False) -> LoopSpec:
+               tiers: tuple = (), ar_step: bool = False, tuning: Tuning = Tuning()) -> LoopSpec:
     from dflash_jax import sharding as shd
 
     return LoopSpec(block_size=block_size, new_capacity=new_cap, capture=capture, impl=impl,
                     prefill_chunk=PREFILL_CHUNK, sampling=sampled, draft_sampling=sampled and draft_sampling,
                     top_k=top_k, top_p=top_p, plan=shd.make_plan(mesh, target_cfg, drafter_cfg),
-                    verify_mode=verify_mode, tiers=tiers, ar_step=ar_step)
+                    verify_mode=verify_mode, tiers=tiers, ar_step=ar_step, tuning=tuning)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,7 +333,7 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
             stop_token_ids=None, attention_impl: str = "auto", temperature=None, top_k=None, top_p=None,
             seed: int = 0, draft_sampling: bool = False, pad_batch_to: int | None = None,
             verify_mode: str = "auto", cost_table=None, pool: PoolShape | None = None,
-            return_at_done: int | None = None, decode: bool = True) -> Job:
+            return_at_done: int | None = None, decode: bool = True, tuning: Tuning = Tuning()) -> Job:
     """Validate and bucket one batch of token-id prompts. ``max_new_tokens``: one value or one per row.
 
     ``pad_batch_to`` adds finished dummy rows so that every batch of a run has the same compiled shape;
@@ -363,10 +364,10 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
                               (sp.temperature, sp.top_k, sp.top_p)))
 
     spec = _loop_spec(block_size, host.new_cap, tuple(drafter.config.target_layer_ids) if drafter is not None else (),
-                      attention.resolve_impl(attention_impl, target.model.dtype), sampled, bool(draft_sampling),
+                      resolve_impl(attention_impl, target.model.dtype), sampled, bool(draft_sampling),
                       sampled and bool((flags.top_k > 0).any()), sampled and bool((flags.top_p < 1).any()),
                       target.mesh, cfg, drafter.config.layers if drafter is not None else None, verify_mode, tiers,
-                      ar_step)
+                      ar_step, tuning)
     tsplit = target.split()
     dsplit = drafter.split() if drafter is not None else None
     mask_id = drafter.config.mask_token_id if drafter is not None else 0
@@ -601,6 +602,7 @@ def speculative_generate(
     verify_mode: str = "auto",
     cost_table=None,
     batch_size: int | None = None,
+    tuning: Tuning = Tuning(),
 ) -> GenerationOutput:
     """Lossless DFlash speculative decoding: greedy output identical to :func:`generate`, sampled output with
     exactly the target's distribution — with fewer target calls.
@@ -625,7 +627,7 @@ def speculative_generate(
     return _run(target, drafter, prompts, max_new_tokens=max_new_tokens, block_size=block_size,
                 stop_token_ids=stop_token_ids, chat=chat_template, attention_impl=attention_impl,
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, draft_sampling=draft_sampling,
-                verify_mode=verify_mode, cost_table=cost_table, batch_size=batch_size)
+                verify_mode=verify_mode, cost_table=cost_table, batch_size=batch_size, tuning=tuning)
 
 
 def generate(

@@ -327,7 +327,7 @@ class OracleDrafter(DFlashDrafter):
         self.table = nnx.Variable(jnp.asarray(table, jnp.int32))  # [B, S]
         self.vocab = vocab
 
-    def __call__(self, block_embeds, positions, cache, ctx_len, *, impl="xla"):
+    def __call__(self, block_embeds, positions, cache, ctx_len, *, kernels=None):
         return jnp.take_along_axis(self.table[...], positions, axis=1)  # token ids, not hidden states
 
     def draft_logits(self, hidden, target):
@@ -361,7 +361,7 @@ class ContentOracleDrafter(OracleDrafter):
         super().__init__(cfg, table, vocab)
         self.embedding = nnx.Variable(jnp.asarray(embedding))  # [V, D]: the target's
 
-    def __call__(self, block_embeds, positions, cache, ctx_len, *, impl="xla"):
+    def __call__(self, block_embeds, positions, cache, ctx_len, *, kernels=None):
         e = self.embedding[...]
         dist = ((block_embeds[:, :1, None, :] - e[None, None]) ** 2).sum(-1)[:, 0]  # [B, V]
         anchor = jnp.argmin(dist, axis=-1)

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ZLAB
 from dflash_jax import load_drafter, load_target
-from dflash_jax.attention import cache_attention, draft_attention, read_after
+from dflash_jax.kernels.attention import cache_attention, draft_attention, read_after
 from dflash_jax.config import default_target_layer_ids, drafter_config_from_hf, read_config_json
 
 

@@ -1,4 +1,4 @@
-"""dflash_jax.cuda kernels against the jnp references in dflash_jax.attention.
+"""dflash_jax.cuda kernels against the jnp references in dflash_jax.kernels.
 
 One file for both places: on a CPU backend the kernels run in Pallas interpret mode on small shapes; on a GPU
 backend they are compiled through Triton and a few larger (Qwen3-8B-like, S = 4096) cases are added.
@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 
 from conftest import fast_jit
-from dflash_jax import attention as ref
-from dflash_jax import cuda
+from dflash_jax.cuda import attention as cuda
+from dflash_jax.kernels import attention as ref
+from dflash_jax.kernels import packed
+from dflash_jax.tuning import Kernels
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
@@ -238,7 +240,7 @@ def test_packed_block_attention_matches_reference(case):
         wins[1:4] = [1, tuning["short_q_len"], tuning["short_q_len"] + 1]
     starts = rng.integers(0, s - lmax + 1, b)
     starts[-1] = 0  # a window with no cache before it
-    layout = ref.PackedLayout.build(jnp.asarray(wins, jnp.int32), jnp.asarray(starts, jnp.int32),
+    layout = packed.PackedLayout.build(jnp.asarray(wins, jnp.int32), jnp.asarray(starts, jnp.int32),
                                     int(wins.sum()) + 3, lmax)
     valid = np.asarray(layout.valid)[:, None, None]
     q = _normal(rng, (layout.valid.shape[0], n, h), dtype, 1.5)
@@ -246,7 +248,7 @@ def test_packed_block_attention_matches_reference(case):
     kc, vc = _normal(rng, (b, s, k, h), dtype), _normal(rng, (b, s, k, h), dtype)
     qkv = jnp.concatenate([q, kv.reshape(-1, 2 * k, h)], axis=1)  # heads: queries, keys, values
     with jax.default_matmul_precision("highest"):
-        want = fast_jit(ref.packed_verify_attention, window=window)(qkv, kc, vc, layout)
+        want = fast_jit(packed.packed_verify_attention, window=window)(qkv, kc, vc, layout)
     nan_pad = jnp.asarray(np.where(valid, np.asarray(qkv, np.float32), np.nan).astype(qkv.dtype))
     out = fast_jit(cuda.packed_block_attention, max_q_len=lmax, window=window, interpret=INTERPRET, **tuning)(
         nan_pad, _poison(kc, starts), _poison(vc, starts), layout.cu_q_lens, jnp.asarray(starts, jnp.int32))
@@ -315,7 +317,7 @@ def test_float32_dots_follow_the_default_matmul_precision():
 def test_splits_only_where_the_programs_leave_sms_idle_or_the_cache_is_long(monkeypatch):
     """Split-KV: ~3 programs an SM below one program an SM; once the grid fills the SMs, only caches long enough
     for chunks of FILLED_MIN_CHUNK rows are split (a split's extra pass and merge cost more on short caches)."""
-    monkeypatch.setattr(cuda, "_num_sms", lambda: 132)
+    monkeypatch.setattr(cuda, "num_sms", lambda: 132)
     kw = dict(rows=16, n=9, k=3, h=64, dtype=jnp.bfloat16, block_k=None, num_splits=None,
               min_chunk=cuda.DEFAULT_MIN_CHUNK, num_warps=None, num_stages=None)
     splits = lambda programs, s: cuda._make_tiling(programs=programs, s=s, **kw).num_splits  # noqa: E731
@@ -335,9 +337,9 @@ def test_prefill_attention_matches_reference(b, t, n, k, h, window):
     rng = np.random.default_rng(t + n)
     q, kk, v = (_normal(rng, (b, t, heads, h), jnp.bfloat16) for heads in (n, k, k))
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    got = jax.jit(lambda *a: ref.prefill_attention(*a, impl="cuda", window=window))(q, kk, v, positions)
-    want = jax.jit(lambda *a: ref.cache_attention(*a, impl="xla", window=window))(q, kk, v, positions)
-    assert "cudnn" in jax.jit(lambda *a: ref.prefill_attention(*a, impl="cuda", window=window)).lower(
+    got = jax.jit(lambda *a: ref.prefill_attention(*a, kernels=Kernels("cuda"), window=window))(q, kk, v, positions)
+    want = jax.jit(lambda *a: ref.cache_attention(*a, window=window))(q, kk, v, positions)
+    assert "cudnn" in jax.jit(lambda *a: ref.prefill_attention(*a, kernels=Kernels("cuda"), window=window)).lower(
         q, kk, v, positions).as_text().lower()
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=TOL[jnp.bfloat16],
                                rtol=TOL[jnp.bfloat16])
@@ -401,7 +403,7 @@ def test_place_pending_copies_the_tier_slots_only(t, size):
     """A tier's K/V placed in the largest tier's slots by one kernel: the first T slots exactly the tier's (a
     last tile that runs past them included), and the cache write from the placed buffer the same as from XLA's
     zero padding — what lies past the T slots is never read. Lowered through Pallas' Triton rules."""
-    from dflash_jax.cuda.cache_write import place_pending, place_pending_or_none, write_pending
+    from dflash_jax.cuda.cache_write import place_pending, place_pending_kernel, write_pending
     from dflash_jax.models.target import KVCache, PendingKV
 
     nl, b, k, h, s, w = 2, 3, 2, 16, 48, 8
@@ -424,4 +426,4 @@ def test_place_pending_copies_the_tier_slots_only(t, size):
     text = jax.jit(lambda kv: place_pending(kv, 1024)).trace(sds((64, 30, 2, 3, 64), jnp.bfloat16)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text and "dflash_place_pending_kv" in text
-    assert place_pending_or_none(jnp.zeros((8, 1, 2, 1, 96)), 16) is None  # head_dim 96: XLA's pad instead
+    assert place_pending_kernel(jnp.zeros((8, 1, 2, 1, 96)), 16, kernels=Kernels("cuda")) is None  # head_dim 96: XLA's pad instead

@@ -21,6 +21,7 @@ from dflash_jax.config import HybridConfig
 from dflash_jax.cuda import delta_rule as dr
 from dflash_jax.models import linear_attention as la
 from dflash_jax.models.hybrid import HybridTargetModel
+from dflash_jax.tuning import Kernels, KernelTuning
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
@@ -178,28 +179,28 @@ def _tiny_hybrid(seed: int = 0) -> HybridTargetModel:
     return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, state))
 
 
-def _scripted(model, ids, impl):
+def _scripted(model, ids, kernels):
     """Right-padded prefill (7 / 5 tokens: the kernel's lengths), a deferred 4-token verify settled after 4 / 2
     tokens (its record, k per key head), then a single-token step (no lengths). Logits and final states."""
     at = lambda p, t: p[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # noqa: E731
     tok = lambda pos: jnp.take_along_axis(ids, pos, axis=1)  # noqa: E731
     cache = model.new_cache(2, 16)
     p = jnp.asarray([7, 5], jnp.int32)
-    h, _, cache = model(ids[:, :7], at(jnp.zeros((2,), jnp.int32), 7), cache, prefill=True, lengths=p, impl=impl)
+    h, _, cache = model(ids[:, :7], at(jnp.zeros((2,), jnp.int32), 7), cache, prefill=True, lengths=p, kernels=kernels)
     out = [model.logits(h)]
-    h, _, cache = model(tok(at(p, 4)), at(p, 4), cache, defer=True, impl=impl)
+    h, _, cache = model(tok(at(p, 4)), at(p, 4), cache, defer=True, kernels=kernels)
     out.append(model.logits(h))
     kept = jnp.asarray([4, 2], jnp.int32)
     cache = model.settle(cache, kept)
     p = p + kept
-    h, _, cache = model(tok(p[:, None]), p[:, None], cache, impl=impl)
+    h, _, cache = model(tok(p[:, None]), p[:, None], cache, kernels=kernels)
     return out + [model.logits(h)], cache.recurrent, cache.conv
 
 
 def test_hybrid_model_through_the_kernel(monkeypatch):
     """impl="cuda" with the kernel (interpret mode here) gives the XLA path's logits, tokens and linear states
-    through prefill with lengths, a deferred verify + settle and a decode step; without KERNEL_INTERPRET a CPU
-    keeps the jnp path for impl="cuda"."""
+    through prefill with lengths, a deferred verify + settle and a decode step; without the ``interpret`` knob a
+    CPU keeps the jnp path for impl="cuda"."""
     model = _tiny_hybrid()
     graphdef, state = nnx.split(model)
     ids = np.random.default_rng(1).integers(0, 64, size=(2, 14)).astype(np.int32)
@@ -207,15 +208,15 @@ def test_hybrid_model_through_the_kernel(monkeypatch):
     real = dr.packed_delta_rule_block
     monkeypatch.setattr(dr, "packed_delta_rule_block", lambda *a, **kw: calls.append(kw["advance"]) or real(*a, **kw))
 
-    def run(state, ids, impl):
-        return _scripted(nnx.merge(graphdef, state), ids, impl)
+    def run(state, ids, kernels):
+        return _scripted(nnx.merge(graphdef, state), ids, kernels)
 
     if not ON_GPU:  # impl="cuda" on a CPU without the switch: the jnp path, no kernel
-        jax.eval_shape(lambda s, i: run(s, i, "cuda"), state, ids)
+        jax.eval_shape(lambda s, i: run(s, i, Kernels("cuda")), state, ids)
         assert calls == []
-    monkeypatch.setattr(la, "KERNEL_INTERPRET", True)
-    (want, want_rec, want_conv), (got, got_rec, got_conv) = (jax.device_get(fast_jit(run, impl=impl)(state, ids))
-                                                             for impl in ("xla", "cuda"))
+    interpret = KernelTuning(interpret=True)
+    (want, want_rec, want_conv), (got, got_rec, got_conv) = (
+        jax.device_get(fast_jit(run, kernels=Kernels(impl, interpret))(state, ids)) for impl in ("xla", "cuda"))
     assert calls == [True, True, False, False, True, True]  # both linear layers: prefill, verify (record), step
     # The prefill's padding positions (row 1's last two) differ by design: there the kernel's state stops at the
     # row's length (the chunked prefill's meaning), the jnp block form's runs on. Nothing reads them.

@@ -51,7 +51,7 @@ class OracleDSpark(DSparkDrafter):
         super().__init__(cfg, rngs=nnx.Rngs(0))
         self.table = nnx.Variable(jnp.asarray(table, jnp.int32))
 
-    def __call__(self, block_embeds, positions, cache, ctx_len, *, impl="xla"):
+    def __call__(self, block_embeds, positions, cache, ctx_len, *, kernels=None):
         return jnp.take_along_axis(self.table[...], positions + 1, axis=1)
 
     def draft_logits(self, hidden, target):

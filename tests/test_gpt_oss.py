@@ -27,9 +27,12 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from conftest import random_prompts
-from dflash_jax import attention, generate, generation, load_target, random_drafter, speculative_generate
+from dflash_jax import generate, generation, load_target, random_drafter, speculative_generate
 from dflash_jax.config import ConfigError, model_config_from_hf, rope_attention_factor
 from dflash_jax.models import gpt_oss, moe
+from dflash_jax.kernels import attention
+from dflash_jax.kernels import moe as kmoe
+from dflash_jax.tuning import Kernels
 from dflash_jax.models.layers import rope_inv_freq
 
 VOCAB, LAYERS, EXPERTS, TOP_K, WINDOW = 128, 2, 8, 2, 4
@@ -164,7 +167,7 @@ def test_grouped_experts_match_a_numpy_reference():
 
     def grouped(x):
         w, idx = gpt_oss.route(x, router, bias, TOP_K)
-        return idx, moe.experts_grouped(x, w, idx, gate, up, down, biases=tuple(biases), act=act)
+        return idx, kmoe.experts_grouped(x, w, idx, gate, up, down, biases=tuple(biases), act=act)
 
     idx, out = compiled(grouped, x)(x)
     assert np.bincount(np.asarray(idx).ravel()).max() > 1  # the grouped path really groups
@@ -195,7 +198,7 @@ def test_kernel_impls_take_sinks_and_windows(caplog):
     q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((1, 2, 4, 8), (1, 6, 2, 8), (1, 6, 2, 8)))
     pos, sinks = jnp.asarray([[4, 5]]), jnp.asarray(rng.normal(size=4), jnp.float32)
     with caplog.at_level(logging.WARNING, logger="dflash_jax"):  # one compile for all three (logs: at trace)
-        ref, out, gpu = compiled(lambda *a: [attention.cache_attention(*a, impl=impl, sinks=sinks, window=3)
+        ref, out, gpu = compiled(lambda *a: [attention.cache_attention(*a, kernels=Kernels(impl), sinks=sinks, window=3)
                                              for impl in ("xla", "pallas", "cuda")], q, k, v, pos)(q, k, v, pos)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(gpu, ref)

@@ -21,6 +21,8 @@ tensor; Qwen3.5-MoE as a wrapper around transformers' fused expert layout; Qwen3
 
 from __future__ import annotations
 
+import functools
+
 import json
 import logging
 
@@ -41,6 +43,7 @@ from dflash_jax.costs import CostTable
 from dflash_jax.cuda import delta_rule as dr
 from dflash_jax.models import layers, linear_attention as la
 from dflash_jax.models.hybrid import HybridCache, HybridTargetModel
+from dflash_jax.tuning import Kernels, KernelTuning
 
 VOCAB = 128
 REL_TOL = 1e-4
@@ -198,7 +201,7 @@ def test_delta_rule_forms_agree():
         assert rel_err(after[n], ref_states[n - 1]) < 1e-5, n
 
 
-def _scripted(model, ids):
+def _scripted(model, ids, kernels=Kernels()):
     """Row 0 / row 1: prefill 7 / 5 tokens (row 1 right-padded), a deferred block of 4 settled after 4 / 2
     tokens, then a single-token step (which reads the settled states). Returns each call's logits."""
     start = jnp.zeros((2,), jnp.int32)
@@ -206,14 +209,14 @@ def _scripted(model, ids):
     tok = lambda pos: jnp.take_along_axis(ids, pos, axis=1)  # noqa: E731
     cache = model.new_cache(2, 16)
     p = jnp.asarray([7, 5], jnp.int32)
-    h, _, cache = model(ids[:, :7], at(start, 7), cache, prefill=True, lengths=p)
+    h, _, cache = model(ids[:, :7], at(start, 7), cache, prefill=True, lengths=p, kernels=kernels)
     out = [model.logits(h)]
-    h, _, cache = model(tok(at(p, 4)), at(p, 4), cache, defer=True)
+    h, _, cache = model(tok(at(p, 4)), at(p, 4), cache, defer=True, kernels=kernels)
     out.append(model.logits(h))
     kept = jnp.asarray([4, 2], jnp.int32)
     cache = model.settle(cache, kept)
     p = p + kept
-    h, _, cache = model(tok(p[:, None]), p[:, None], cache)
+    h, _, cache = model(tok(p[:, None]), p[:, None], cache, kernels=kernels)
     return out + [model.logits(h)]
 
 
@@ -235,11 +238,10 @@ def hf_logits(hf, ids: np.ndarray) -> np.ndarray:
 def test_logits_match_transformers(models, kind, monkeypatch):
     """Qwen3-Next prefills through the chunked delta rule (chunks of 4; the 5-token row's tail masked)."""
     hf, _, target = models[kind]
-    if kind == "next":
-        monkeypatch.setattr(la, "CHUNK", 4)
+    chunk4 = Kernels(tuning=KernelTuning(delta_rule_chunk=4 if kind == "next" else 64))
     ids = np.random.default_rng(1).integers(0, VOCAB, size=(2, 14))
     ref = hf_logits(hf, ids)
-    prefill, block, step = _run(target.model, _scripted, ids)
+    prefill, block, step = _run(target.model, functools.partial(_scripted, kernels=chunk4), ids)
     assert rel_err(prefill[0], ref[0, :7]) <= REL_TOL and rel_err(prefill[1, :5], ref[1, :5]) <= REL_TOL
     for r, (p1, p2) in ((0, (7, 11)), (1, (5, 7))):  # positions of: the block's start, the step
         assert rel_err(block[r], ref[r, p1:p1 + 4]) <= REL_TOL

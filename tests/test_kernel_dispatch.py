@@ -14,8 +14,13 @@ import numpy as np
 import pytest
 
 from conftest import fast_jit, oracle_drafter, random_prompts, tiny_target
-from dflash_jax import attention, generate, generation, random_drafter, speculative_generate
+from dflash_jax import generate, generation, random_drafter, speculative_generate
 from dflash_jax.costs import CostTable
+from dflash_jax.cuda import attention as cuda_attention
+from dflash_jax.cuda import cache_write
+from dflash_jax.kernels import attention, common, dispatch, resolve_impl
+from dflash_jax.pallas import attention as pallas_attention
+from dflash_jax.tuning import Kernels
 
 # head_dim 64 and GQA 2: a shape the kernels are built for, small enough for interpret mode.
 SHAPE = dict(num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -69,16 +74,15 @@ def test_kernels_in_the_decode_loop_are_lossless(pair, reference, impl):
 
 def test_compact_verify_through_the_packed_kernel(pair, reference, monkeypatch):
     """Compact mode with the GPU kernels: every tier's packed windows go through
-    ``cuda.packed_block_attention``, each tier's new K/V into the largest tier's slots through
+    ``cuda.attention.packed_block_attention``, each tier's new K/V into the largest tier's slots through
     ``place_pending`` (the whole-block tier fills them: none) and into the caches through one ``write_pending``
     kernel — all counted — and the tokens stay the reference's, with an oracle drafter whose acceptance
     lengths (so windows and tiers) vary."""
-    from dflash_jax.cuda import cache_write
-
     target, _ = pair
     calls, writes, placed = [], [], []
-    kernel, write, place = attention._packed_kernel_call, cache_write.write_pending, cache_write.place_pending
-    monkeypatch.setattr(attention, "_packed_kernel_call", lambda *a: calls.append(a[0].shape) or kernel(*a))
+    kernel, write, place = cuda_attention.packed_block_attention, cache_write.write_pending, cache_write.place_pending
+    monkeypatch.setattr(cuda_attention, "packed_block_attention",
+                        lambda *a, **k: calls.append(a[0].shape) or kernel(*a, **k))
     monkeypatch.setattr(cache_write, "write_pending", lambda *a, **k: writes.append(a[0].shape) or write(*a, **k))
     monkeypatch.setattr(cache_write, "place_pending", lambda *a, **k: placed.append(a[0].shape) or place(*a, **k))
     oracle = oracle_drafter(target, PROMPTS, reference["ar"].token_ids, block_size=4, corrupt=0.3)
@@ -92,19 +96,19 @@ def test_compact_verify_through_the_packed_kernel(pair, reference, monkeypatch):
 
 def test_auto_keeps_float32_on_the_reference_on_gpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert attention.resolve_impl("auto", jnp.bfloat16) == "cuda"
-    assert attention.resolve_impl("auto", jnp.float32) == "xla"
-    assert attention.resolve_impl("cuda", jnp.float32) == "cuda"  # by name: the kernel, whatever the dtype
+    assert resolve_impl("auto", jnp.bfloat16) == "cuda"
+    assert resolve_impl("auto", jnp.float32) == "xla"
+    assert resolve_impl("cuda", jnp.float32) == "cuda"  # by name: the kernel, whatever the dtype
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert attention.resolve_impl("auto", jnp.float32) == "pallas"
+    assert resolve_impl("auto", jnp.float32) == "pallas"
 
 
 def test_auto_resolves_to_the_backend_kernel():
     expected = {"gpu": "cuda", "tpu": "pallas"}.get(jax.default_backend(), "xla")
-    assert attention.resolve_impl("auto") == expected
-    assert attention.resolve_impl("xla") == "xla"
+    assert resolve_impl("auto") == expected
+    assert resolve_impl("xla") == "xla"
     with pytest.raises(ValueError, match="attention_impl must be one of"):
-        attention.resolve_impl("triton")
+        resolve_impl("triton")
 
 
 @pytest.mark.parametrize("impl,dtype,h", [("pallas", jnp.float16, 64),  # TPU kernels: f32 / bf16 only
@@ -120,8 +124,8 @@ def test_unsupported_shape_falls_back_with_a_log_line(impl, dtype, h, caplog):
     ctx_len = jnp.array([7, 20], jnp.int32)
     pos = ctx_len[:, None] + jnp.arange(l, dtype=jnp.int32)
     with caplog.at_level(logging.WARNING, logger="dflash_jax"):
-        out = fast_jit(attention.draft_attention, impl=impl)(q, ck, cv, bk, bv, pos, ctx_len)
-    ref = fast_jit(attention.draft_attention, impl="xla")(q, ck, cv, bk, bv, pos, ctx_len)
+        out = fast_jit(attention.draft_attention, kernels=Kernels(impl))(q, ck, cv, bk, bv, pos, ctx_len)
+    ref = fast_jit(attention.draft_attention)(q, ck, cv, bk, bv, pos, ctx_len)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
     assert any("uses the XLA reference" in r.getMessage() for r in caplog.records)
 
@@ -132,9 +136,11 @@ def test_a_kernel_that_fails_to_compile_falls_back(pair, reference, monkeypatch,
     def broken(*args, **kwargs):
         raise NotImplementedError("no lowering for this primitive")
 
-    always = lambda *args: None  # noqa: E731 — shape rules that accept everything
-    monkeypatch.setattr(attention, "_kernels", lambda impl: attention.KernelSet(True, always, always, broken, broken))
-    monkeypatch.setattr(attention, "_PROBED", {})
+    always = lambda *args, **kwargs: None  # noqa: E731 — shape rules that accept everything
+    monkeypatch.setattr(pallas_attention, "native", lambda impl: True)  # as on a TPU: the kernels are probed
+    for name, fn in (("unsupported_reason", always), ("draft_attention", broken), ("ragged_verify_attention", broken)):
+        monkeypatch.setattr(pallas_attention, name, fn)
+    monkeypatch.setattr(common, "_PROBED", {})
     monkeypatch.setattr(generation, "_PROGRAMS", {})  # trace afresh: the programs above used real kernels
     target, drafter = pair
     with caplog.at_level(logging.WARNING, logger="dflash_jax"):
@@ -161,3 +167,75 @@ def test_cuda_kernels_after_a_chunked_long_prompt(prefill_chunk):
     assert spec.token_ids == ref.token_ids
     job = generation.prepare(target, drafter, prompts, max_new_tokens=12, block_size=4, attention_impl="cuda")
     assert job.spec.prefill_chunk == 256 and generation.bucket(420) == 512  # really prefilled in two chunks
+
+
+# --------------------------------------------------------------------------------------------------
+# The (op, implementation) dispatch itself
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("op", sorted(dispatch.OPS))
+@pytest.mark.parametrize("impl", ["xla", "pallas", "cuda"])
+def test_every_op_and_impl_resolves_to_its_kernel_or_the_reference(op, impl):
+    """Every (op, impl) pair gives the registered kernel entry (a function that loads) or None (the reference):
+    "xla" is always the reference."""
+    path = dispatch.registered(op, impl)
+    run = dispatch.kernel(op, Kernels(impl))
+    assert path == dispatch.REGISTRY.get((op, impl))
+    if impl == "xla" or path is None:
+        assert run is None
+    else:
+        assert callable(run) and run is dispatch.load(path)
+
+
+def test_unknown_op_or_impl_raises_one_clear_error():
+    with pytest.raises(ValueError, match="unknown kernel op 'flash'.*cache_attention"):
+        dispatch.kernel("flash", Kernels("cuda"))
+    with pytest.raises(ValueError, match="unknown kernel implementation 'auto'.*resolve"):
+        dispatch.kernel("cache_attention", Kernels("auto"))
+    with pytest.raises(ValueError, match="unknown kernel implementation 'triton'"):
+        dispatch.registered("moe_experts", "triton")
+
+
+def test_switches_turn_kernels_off():
+    from dflash_jax.tuning import KernelTuning
+
+    for op, knob in dispatch.SWITCHES.items():
+        assert dispatch.kernel(op, Kernels("cuda")) is not None
+        assert dispatch.kernel(op, Kernels("cuda", KernelTuning(**{knob: False}))) is None
+
+
+def test_moe_delta_rule_and_cache_writes_honour_the_impl(monkeypatch):
+    """MoE, the delta rule and the cache writes take their kernel from ``kernels.impl`` (not the backend): under
+    "xla" none runs, under "cuda" each is called (interpret mode on a CPU)."""
+    from dflash_jax.cuda import delta_rule as cuda_delta_rule
+    from dflash_jax.cuda import moe as cuda_moe
+    from dflash_jax.kernels import cache_write as cw
+    from dflash_jax.kernels import delta_rule, moe
+    from dflash_jax.tuning import KernelTuning
+
+    calls = []
+    for mod, name in ((cuda_moe, "experts_kernel"), (cuda_delta_rule, "kernel_block"),
+                      (cache_write, "write_pending_kernel"), (cache_write, "place_pending_kernel")):
+        monkeypatch.setattr(mod, name, lambda *a, name=name, **k: calls.append(name))  # None: the reference runs
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 16)), jnp.float32)
+    gate = up = jnp.asarray(rng.standard_normal((4, 16, 8)), jnp.float32)
+    down = jnp.asarray(rng.standard_normal((4, 8, 16)), jnp.float32)
+    weights, idx = jnp.full((2, 2), 0.5, jnp.float32), jnp.asarray([[0, 1], [2, 3]], jnp.int32)
+    kv = jnp.zeros((8, 1, 2, 1, 16), jnp.float32)
+    caches = (jnp.zeros((2, 16, 1, 16), jnp.float32),)
+    slots, lens, starts = (jnp.asarray(a, jnp.int32) for a in ([0, 4], [4, 4], [3, 5]))
+    qkv = jnp.zeros((2, 3, 1, 3 * 16), jnp.float32)
+    g = beta = jnp.zeros((2, 3, 1), jnp.float32)
+    state = jnp.zeros((2, 1, 16, 16), jnp.float32)
+    interpret = KernelTuning(interpret=True)
+    for impl, want in (("xla", []), ("cuda", ["experts_kernel", "kernel_block", "write_pending_kernel",
+                                              "place_pending_kernel"])):
+        calls.clear()
+        kernels = Kernels(impl, interpret)
+        moe.experts_auto(x, weights, idx, gate, up, down, kernels=kernels)
+        delta_rule.kernel_block(qkv, g, beta, state, None, key_dim=16, advance=True, kernels=kernels)
+        cw.write_pending(kv, slots, lens, starts, caches, caches, width=4, kernels=kernels)
+        cw.place_pending(kv, 16, kernels=kernels)
+        assert calls == want, impl

@@ -17,10 +17,11 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from conftest import fast_jit
-from dflash_jax import attention
 from dflash_jax.cuda import moe as cuda_moe
-from dflash_jax.models import gpt_oss, moe
+from dflash_jax.kernels import common, moe
+from dflash_jax.models import gpt_oss
 from dflash_jax.pallas import moe as tpu_moe
+from dflash_jax.tuning import Kernels, KernelTuning
 
 CUDA_INTERPRET = jax.default_backend() != "gpu"
 TPU_INTERPRET = None if jax.default_backend() == "tpu" else pltpu.InterpretParams()
@@ -71,7 +72,7 @@ CASES = [
 @pytest.mark.parametrize("idx, e, d, f, dtype, bias, cuda_kw", CASES)
 def test_kernels_match_reference(idx, e, d, f, dtype, bias, cuda_kw):
     (x, w), idx, poisoned, clean = _inputs(len(idx), np.asarray(idx), e, d, f, dtype, bias)
-    run = fast_jit(_all, clean=tuple(clean), act=GPT_OSS_ACT if bias else moe._swiglu, cuda_kw=cuda_kw)
+    run = fast_jit(_all, clean=tuple(clean), act=GPT_OSS_ACT if bias else moe.swiglu, cuda_kw=cuda_kw)
     ref, *outs = run(x, w, idx, *poisoned)
     ref32 = np.asarray(ref, np.float32)
     for name, out in zip(("cuda", "tpu"), outs):
@@ -94,7 +95,7 @@ PAIR_CASES = [
 def test_pair_kernel_matches_reference(idx, e, d, f, dtype, bias, kw):
     """The per-pair GPU kernels (decode at a token or two) against the reference, unrouted experts NaN."""
     (x, w), idx, poisoned, clean = _inputs(len(idx) + 10, np.asarray(idx), e, d, f, dtype, bias)
-    act = GPT_OSS_ACT if bias else moe._swiglu
+    act = GPT_OSS_ACT if bias else moe.swiglu
     run = fast_jit(lambda x, w, idx, *a: (
         moe.experts_gathered(x, w, idx, *clean[:3], biases=tuple(clean[3:]) or None, act=act),
         cuda_moe.pair_experts(x, w, idx, *a[:3], biases=tuple(a[3:]) or None, act=act, interpret=CUDA_INTERPRET,
@@ -149,7 +150,7 @@ def test_kernels_lower_for_gpu_and_tpu(n, dtype, bias):
     """The decode shape (E=128, D=2048, F=768, top-8) lowers to Triton IR and to Mosaic MLIR: block-shape
     rules and the lowering of every primitive (act included). Interpret mode checks none of this."""
     args = _shapes(n, dtype, bias)
-    act = GPT_OSS_ACT if bias else moe._swiglu
+    act = GPT_OSS_ACT if bias else moe.swiglu
     for platform, fn, target in (("cuda", cuda_moe.grouped_experts, "__gpu$xla.gpu.triton"),
                                  ("tpu", tpu_moe.grouped_experts, "tpu_custom_call")):
         call = lambda *a, fn=fn: fn(*a[:6], biases=tuple(a[6:]) or None, act=act)  # noqa: E731
@@ -159,10 +160,16 @@ def test_kernels_lower_for_gpu_and_tpu(n, dtype, bias):
 
 def test_auto_dispatch_reasons():
     """experts_auto's choice (the CPU keeps the jnp paths; prefill-sized calls and float32 on GPU too)."""
-    small, wide = _shapes(4, jnp.bfloat16, False), _shapes(moe.KERNEL_MAX_TOKENS + 1, jnp.bfloat16, False)
-    assert "no MoE kernel" in moe.kernel_unsupported_reason("cpu", *small)
-    assert "KERNEL_MAX_TOKENS" in moe.kernel_unsupported_reason("gpu", *wide)
-    assert "float32" in moe.kernel_unsupported_reason("gpu", *_shapes(4, jnp.float32, False))
+    limit = KernelTuning().moe_kernel_max_tokens
+    small, wide = _shapes(4, jnp.bfloat16, False), _shapes(limit + 1, jnp.bfloat16, False)
+    assert "no MoE kernel" in moe.kernel_unsupported_reason(Kernels("xla"), *small)
+    if jax.default_backend() == "cpu":
+        assert "moe_kernels_on" in moe.kernel_unsupported_reason(Kernels("cuda"), *small)
+    interpret = Kernels("cuda", KernelTuning(interpret=True))
+    assert "moe_kernel_max_tokens" in moe.kernel_unsupported_reason(interpret, *wide)
+    assert moe.kernel_unsupported_reason(interpret, *small) is None
+    if jax.default_backend() == "gpu":  # float32 on a GPU: the cuda entry declines, the XLA paths run
+        assert cuda_moe.experts_kernel(*_shapes(4, jnp.float32, False), kernels=Kernels("cuda")) is None
     assert cuda_moe.unsupported_reason(*small, interpret=True) is None
     assert tpu_moe.unsupported_reason(*small, biases=tuple(_shapes(4, jnp.bfloat16, True)[6:]), interpret=True) is None
     assert "block_f" in tpu_moe.unsupported_reason(*small, block_f=100, interpret=True)
@@ -178,10 +185,12 @@ def test_auto_runs_the_kernel(monkeypatch, backend):
     mod, interp = (cuda_moe, True) if backend == "gpu" else (tpu_moe, pltpu.InterpretParams())
     calls = []
     real = mod.grouped_experts
-    monkeypatch.setattr(mod, "grouped_experts", lambda *a, **kw: calls.append(1) or real(*a, interpret=interp, **kw))
-    monkeypatch.setattr(attention, "_PROBED", {})
-    run = fast_jit(lambda *a: (moe.experts_auto(*a[:6], biases=a[6:], act=GPT_OSS_ACT),
+    monkeypatch.setattr(mod, "grouped_experts",
+                        lambda *a, **kw: calls.append(1) or real(*a, **{**kw, "interpret": interp}))
+    monkeypatch.setattr(common, "_PROBED", {})
+    kernels = Kernels("cuda" if backend == "gpu" else "pallas")
+    run = fast_jit(lambda *a: (moe.experts_auto(*a[:6], biases=a[6:], act=GPT_OSS_ACT, kernels=kernels),
                                moe.experts_gathered(*a[:3], *clean[:3], biases=tuple(clean[3:]), act=GPT_OSS_ACT)))
     out, ref = run(x, w, idx, *poisoned)
-    assert calls and list(attention._PROBED.values()) == ([None] if backend == "tpu" else [])
+    assert calls and list(common._PROBED.values()) == ([None] if backend == "tpu" else [])
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=3e-2, rtol=3e-2)

@@ -14,8 +14,8 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from conftest import fast_jit
-from dflash_jax import attention as ref
-from dflash_jax.pallas import draft_attention, ragged_verify_attention, unsupported_reason
+from dflash_jax.kernels import attention as ref
+from dflash_jax.pallas.attention import draft_attention, ragged_verify_attention, unsupported_reason
 
 IP = pltpu.InterpretParams()
 ATOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}

@@ -26,6 +26,7 @@ from conftest import random_prompts
 from dflash_jax import generate, load_target, random_drafter, speculative_generate
 from dflash_jax.config import ConfigError, model_config_from_hf
 from dflash_jax.models import moe
+from dflash_jax.kernels import moe as kmoe
 from dflash_jax.models.layers import MLP
 
 VOCAB, LAYERS, EXPERTS, TOP_K = 256, 3, 8, 2
@@ -144,8 +145,8 @@ def test_expert_implementations_match_a_numpy_reference():
         w, idx = moe.route(x, router, TOP_K, normalize=True)
         raw_w, _ = moe.route(x, router, TOP_K, normalize=False)  # norm_topk_prob=False (transformers' default)
         return idx, [impl(x, w, idx, gate, up, down) for impl in
-                     (moe.experts_dense, moe.experts_gathered, moe.experts_grouped, moe.experts_auto)
-                     ] + [moe.experts_dense(x, raw_w, idx, gate, up, down)]
+                     (kmoe.experts_dense, kmoe.experts_gathered, kmoe.experts_grouped, kmoe.experts_auto)
+                     ] + [kmoe.experts_dense(x, raw_w, idx, gate, up, down)]
 
     idx, outs = all_impls(x)
     assert np.bincount(np.asarray(idx).ravel()).max() > 1  # the grouped path really groups

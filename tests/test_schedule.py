@@ -17,12 +17,15 @@ import pytest
 
 from conftest import ZLAB, fast_jit, oracle_drafter, random_prompts, tiny_target
 from test_sampling import V, chi2_pvalue, draw, exact_distribution, logits, pair  # noqa: F401 (fixtures)
-from dflash_jax import attention, costs, generate, generation, random_drafter, speculative_generate
-from dflash_jax.attention import PackedLayout, cache_attention, packed_verify_attention
+from dflash_jax import costs, generate, generation, random_drafter, speculative_generate
+from dflash_jax.kernels import common
+from dflash_jax.kernels.attention import cache_attention
+from dflash_jax.kernels.packed import PackedLayout, packed_verify_attention
 from dflash_jax.costs import CostTable
 from dflash_jax.decode import loop, schedule
 from dflash_jax.decode.state import LoopSpec
 from dflash_jax.models.target import KVCache, PendingKV
+from dflash_jax.tuning import Kernels, KernelTuning, Tuning
 
 MODES = ("static", "compact", "cap-accept")
 
@@ -230,14 +233,14 @@ def test_auto_is_compact_where_the_table_times_static_s_step(monkeypatch):
     assert got[0] == "static"
 
 
-def test_a_flipped_trace_switch_is_a_program_of_its_own(monkeypatch):
-    """Benchmarks flip module switches between calls (A/B in one process): each setting gets its own program."""
+def test_a_flipped_kernel_knob_is_a_program_of_its_own(monkeypatch):
+    """Benchmarks flip kernel knobs between calls (A/B in one process): each setting gets its own program."""
     keys = []
     monkeypatch.setattr(generation, "_programs", lambda key, *a, **kw: keys.append(key))
     target = tiny_target()
     for short in (4, 0, 4):
-        monkeypatch.setattr(attention, "PACKED_SHORT_Q_LEN", short)
-        generation.prepare(target, None, [[1, 2, 3]], max_new_tokens=4, block_size=1)
+        generation.prepare(target, None, [[1, 2, 3]], max_new_tokens=4, block_size=1,
+                           tuning=Tuning(kernels=KernelTuning(packed_short_q_len=short or None)))
     assert keys[0] != keys[1] and keys[0] == keys[2]
 
 
@@ -263,14 +266,14 @@ def _cache(rng, b=3, s=24, k=2, h=16):
                                                                                    jnp.float32))
 
 
-@pytest.mark.parametrize("method_max", [attention.COMPARE_ALL_MAX, 0])  # every value against every edge; a sort
-def test_find_bucket_is_searchsorted(method_max, monkeypatch):
-    monkeypatch.setattr(attention, "COMPARE_ALL_MAX", method_max)
+@pytest.mark.parametrize("method_max", [KernelTuning().compare_all_max, 0])  # every value against every edge; a sort
+def test_find_bucket_is_searchsorted(method_max):
     rng = np.random.default_rng(0)
     edges = np.sort(rng.integers(0, 50, 17)).astype(np.int32)  # repeated edges too
     values = rng.integers(-2, 53, (3, 40)).astype(np.int32)
     for side in ("left", "right"):
-        got = attention.find_bucket(jnp.asarray(edges), jnp.asarray(values), side=side)
+        got = common.find_bucket(jnp.asarray(edges), jnp.asarray(values), side=side,
+                                 tuning=KernelTuning(compare_all_max=method_max))
         np.testing.assert_array_equal(got, np.searchsorted(edges, values, side=side))
 
 
@@ -353,7 +356,7 @@ def test_packed_attention_sees_only_its_own_row(impl, size):
     lens, anchor = [3, 0, 4], [6, 10, 2]
     layout, q, kv, k_cache, v_cache, (k_full, v_full) = _packed_case(rng, lens, anchor, size)
     assert layout.dense == (size == 12)
-    run = fast_jit(lambda *a: packed_verify_attention(*a, impl=impl))
+    run = fast_jit(lambda *a: packed_verify_attention(*a, kernels=Kernels(impl)))
     out = np.asarray(run(_qkv(q, kv), k_cache, v_cache, layout))
     valid = np.asarray(layout.valid)
     assert np.isfinite(out[valid]).all()
@@ -381,10 +384,10 @@ def test_packed_attention_kernels(impl, caplog):
 
     def run(impl, sinks=None):
         def attend(*a):
-            return packed_verify_attention(*a, impl=impl, sinks=sinks, window=5)
+            return packed_verify_attention(*a, kernels=Kernels(impl), sinks=sinks, window=5)
         return np.asarray(fast_jit(attend)(_qkv(q, kv), k_cache, v_cache, layout))
 
-    attention._warn_once.cache_clear()  # the fallback's warning is logged once per session
+    common.log_once.cache_clear()  # the fallback's warning is logged once per session
     with caplog.at_level(logging.WARNING, logger="dflash_jax"):
         out = run(impl)
     np.testing.assert_allclose(out[:7], run("xla")[:7], rtol=2e-5, atol=2e-5)

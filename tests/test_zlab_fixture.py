@@ -13,6 +13,7 @@ from conftest import ZLAB, fast_jit, fast_nnx_jit
 from dflash_jax import generate, load_drafter, speculative_generate
 from dflash_jax.decode import loop
 from dflash_jax.decode.state import LoopSpec
+from dflash_jax.tuning import Kernels
 
 
 def rel_err(a, b) -> float:
@@ -53,7 +54,7 @@ def test_drafter_forward_matches_reference(zlab_target, golden):
         cos, sin = drafter.rope(block_pos)
         x, layers = emb, []
         for i, layer in enumerate(drafter.layers):
-            x = layer(x, block_pos, cos, sin, cache.k[i], cache.v[i], ctx_len, impl="xla")
+            x = layer(x, block_pos, cos, sin, cache.k[i], cache.v[i], ctx_len, kernels=Kernels())
             layers.append(x)
         hidden = drafter(emb, block_pos, cache, ctx_len)
         return dict(feats=feats, projected=drafter.project_context(feats), emb=emb, layers=layers, hidden=hidden,

@@ -175,7 +175,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     add_kernel_switches(ap)
     args = ap.parse_args()
-    switches = apply_kernel_switches(args)
+    tuning, switches = apply_kernel_switches(args)  # TODO: pass tuning= to the generate calls below
     if args.programs_per_sm:
         cuda._PROGRAMS_PER_SM = args.programs_per_sm
     attention.DENSE_WHOLE_BLOCKS = args.dense == "on"

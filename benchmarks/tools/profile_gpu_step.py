@@ -83,7 +83,7 @@ def main() -> int:
                     "timelines) into this folder")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    switches = apply_kernel_switches(args)
+    tuning, switches = apply_kernel_switches(args)  # TODO: pass tuning= to the generate calls below
     attention.DENSE_WHOLE_BLOCKS = args.dense == "on"
     target = load_target(args.gguf or "smollm2-135m", dtype=args.dtype)
     drafter = load_drafter(_ASSETS / args.drafter, target)

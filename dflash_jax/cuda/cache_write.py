@@ -9,7 +9,8 @@ Here one kernel writes every layer's keys and values: program ``(b, l)`` copies 
 ``l``'s keys and values, a ``[W, H]`` tile per KV head read from the packed slots, into that layer's caches,
 which are aliased to the outputs (written in place; nothing else of them is touched). Before it, inside each
 tier's branch, :func:`place_pending` puts the tier's T slots into the largest tier's S (every branch of the
-switch returns one shape) without writing the other S − T. Letters as in :mod:`dflash_jax.cuda`.
+switch returns one shape) without writing the other S − T. Letters as in :mod:`dflash_jax.cuda.attention`. The entries of the kernel dispatch are
+:func:`write_pending_kernel` and :func:`place_pending_kernel` (op references in :mod:`dflash_jax.kernels.cache_write`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jaxtyping import Array, Float, Int
 
-from dflash_jax.attention import _run_kernel
-from dflash_jax.cuda import _SUPPORTED_DTYPES, _next_pow2
+from dflash_jax.cuda.common import SUPPORTED_DTYPES, next_pow2
+from dflash_jax.kernels.common import mesh_sizes, native, run_kernel, unsharded
+from dflash_jax.tuning import Kernels
 
 
 def _write_kernel(starts_ref, slots_ref, lens_ref, kv_ref, *refs, layers: int, w: int, wp: int, k: int, s: int):
@@ -56,7 +58,7 @@ def write_pending_unsupported_reason(kv: jax.ShapeDtypeStruct, caches: tuple, *,
         return f"{len(caches)} caches for {layers} layers of keys and values"
     if len({tuple(c.shape) for c in caches}) != 1 or caches[0].shape[0] != rows or caches[0].shape[2:] != (k, h):
         return f"caches {sorted({tuple(c.shape) for c in caches})} are not all [{rows}, S, {k}, {h}]"
-    if any(jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES for x in (kv, *caches)):
+    if any(jnp.dtype(x.dtype) not in SUPPORTED_DTYPES for x in (kv, *caches)):
         return "dtypes other than bfloat16/float16/float32"
     if h < 16 or h > 256 or h & (h - 1):
         return f"head_dim {h} is not a power of two in [16, 256]"
@@ -75,20 +77,13 @@ def write_pending(kv: Float[Array, "T NL 2 K H"], slots: Int[Array, "B"], lens: 
     layers, k = kv.shape[1], kv.shape[3]
     caches = tuple(k_caches) + tuple(v_caches)
     b, s = caches[0].shape[:2]
-    kernel = functools.partial(_write_kernel, layers=layers, w=width, wp=max(16, _next_pow2(width)), k=k, s=s)
+    kernel = functools.partial(_write_kernel, layers=layers, w=width, wp=max(16, next_pow2(width)), k=k, s=s)
     i32 = lambda x: x.astype(jnp.int32)  # noqa: E731
     out = pl.pallas_call(kernel, out_shape=tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches),
                          grid=(b, layers), input_output_aliases={4 + i: i for i in range(len(caches))},
                          interpret=interpret, compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
                          name="dflash_write_pending_kv")(i32(starts), i32(slots), i32(lens), kv, *caches)
     return tuple(out[:layers]), tuple(out[layers:])
-
-
-def _on_a_mesh() -> bool:
-    """Traced under a mesh of several devices: compact mode's packed verify does not run there, so neither kernel
-    of this module does (the callers fall back to XLA)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return not (mesh.empty or mesh.size == 1)
 
 
 def _place_kernel(kv_ref, out_ref, *, rows: int, tile: int):
@@ -114,41 +109,39 @@ def place_pending(kv: Float[Array, "T NL 2 K H"], size: int, *, interpret: bool 
     return out.reshape(size, *kv.shape[1:])
 
 
-def place_pending_or_none(kv: Float[Array, "T NL 2 K H"], size: int) -> jax.Array | None:
-    """:func:`place_pending` where it applies (one device, a power-of-two head size; interpret mode off a GPU),
-    else None: the caller pads with XLA."""
-    if _on_a_mesh():
+def place_pending_kernel(kv: Float[Array, "T NL 2 K H"], size: int, *, kernels: Kernels) -> jax.Array | None:
+    """:func:`place_pending` where it applies (one device — compact mode's packed verify does not run under a
+    mesh —, a power-of-two head size; interpret mode off a GPU), else None: the caller pads with XLA."""
+    if mesh_sizes():
         return None
-    interpret = jax.default_backend() != "gpu"
+    interpret = not native("cuda")
 
     def reason(kv):
         h = kv.shape[-1]
-        if jnp.dtype(kv.dtype) not in _SUPPORTED_DTYPES or h < 16 or h > 256 or h & (h - 1):
+        if jnp.dtype(kv.dtype) not in SUPPORTED_DTYPES or h < 16 or h > 256 or h & (h - 1):
             return f"{kv.dtype} K/V of head_dim {h} (needs bfloat16/float16/float32, a power of two in [16, 256])"
         return None
 
-    return _run_kernel("cuda", "compact's K/V slots", (size,),
-                       lambda kv: place_pending(kv, size, interpret=interpret), reason, (kv,),
-                       ((None,) * kv.ndim,), warn_once=True)
+    return run_kernel("cuda", "compact's K/V slots", (size,), lambda kv: place_pending(kv, size, interpret=interpret),
+                      reason, (kv,), unsharded(kv), once=True)
 
 
-def write_pending_or_none(pending, k_caches: tuple, v_caches: tuple) -> tuple[tuple, tuple] | None:
-    """:func:`write_pending` of a :class:`~dflash_jax.models.target.PendingKV` where it applies (one device:
-    compact mode's packed verify does not run under a mesh; interpret mode off a GPU, as the other
-    ``impl="cuda"`` kernels), else None (the fallback's reason logged once, by the attention kernels'
-    dispatcher): the caller writes with XLA's gather and scatters."""
-    if _on_a_mesh():
+def write_pending_kernel(kv, slots, lens, starts, k_caches: tuple, v_caches: tuple, *, width: int,
+                         kernels: Kernels) -> tuple[tuple, tuple] | None:
+    """:func:`write_pending` where it applies (one device: compact mode's packed verify does not run under a
+    mesh; interpret mode off a GPU, as the other ``impl="cuda"`` kernels), else None (the fallback's reason
+    logged once): the caller writes with XLA's gather and scatters."""
+    if mesh_sizes():
         return None
-    interpret = jax.default_backend() != "gpu"
-    layers, rows = len(k_caches), pending.starts.shape[0]
+    interpret = not native("cuda")
+    layers, rows = len(k_caches), starts.shape[0]
 
     def local(kv, slots, lens, starts, *caches):
-        return write_pending(kv, slots, lens, starts, caches[:layers], caches[layers:], width=pending.width,
+        return write_pending(kv, slots, lens, starts, caches[:layers], caches[layers:], width=width,
                              interpret=interpret)
 
     def reason(kv, slots, lens, starts, *caches):
         return write_pending_unsupported_reason(kv, caches, rows=rows, interpret=interpret)
 
-    args = (pending.kv, pending.slots, pending.lens, pending.starts, *k_caches, *v_caches)
-    return _run_kernel("cuda", "compact's cache write", (), local, reason, args,
-                       tuple((None,) * a.ndim for a in args), warn_once=True)
+    args = (kv, slots, lens, starts, *k_caches, *v_caches)
+    return run_kernel("cuda", "compact's cache write", (), local, reason, args, unsharded(*args), once=True)

@@ -1,8 +1,8 @@
 """GPU gated delta rule over a short block (Pallas → Triton): a Gated DeltaNet layer's decode step, verify block
 or short prompt in one launch, instead of XLA's ~15 small kernels per layer.
 
-Same math as :func:`dflash_jax.models.linear_attention.delta_rule_block` and :func:`~dflash_jax.models.
-linear_attention.state_after` (read their docstrings). Letters: B rows, T tokens (≤ :data:`MAX_T`), Hk key heads,
+Same math as :func:`dflash_jax.kernels.delta_rule.delta_rule_block` and :func:`~dflash_jax.kernels.
+delta_rule.state_after` (read their docstrings). Letters: B rows, T tokens (≤ :data:`MAX_T`), Hk key heads,
 Hv value heads (r = Hv / Hk per key head; value head h reads key head h // r), Dk key width, Dv value width, BV
 the value columns a program owns. Per value head the state ``S [Dk, Dv]`` (float32) takes, token by token::
 
@@ -38,7 +38,7 @@ Design:
 
   - *record* (a deferred verify): writes ``out``, ``cum`` (cumulative g, by the tile-0 programs), ``v_new = δ``
     and the normalised k per key head (by value head kh·r's tile-0 programs) — what
-    :func:`~dflash_jax.models.linear_attention.state_after` needs to form the state after any prefix, once the
+    :func:`~dflash_jax.kernels.delta_rule.state_after` needs to form the state after any prefix, once the
     accepted length is known (it takes k per key head as well as per value head);
   - *advance* (a decode step, a short prompt): writes ``out`` and the state after ``lengths[b]`` tokens (all T
     when None), so no ``state_after`` einsum follows. Tokens at or past a row's length are identity updates
@@ -64,13 +64,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec as P
+
+from dflash_jax.kernels.common import log_once, mesh_sizes, native
+from dflash_jax.tuning import Kernels
 
 __all__ = ["MAX_T", "delta_rule_block", "packed_delta_rule_block", "packed_unsupported_reason", "unsupported_reason"]
 
 MAX_T = 16  # tokens per block (unrolled in the kernel): decode steps and verify blocks; longer ones stay on XLA
 MAX_TILE = 8192  # Dk·BV float32 state values a program keeps in registers (64 a thread at 4 warps)
 DEFAULT_BLOCK_V = 32
-EPS = 1e-6  # linear_attention.l2norm's
+EPS = 1e-6  # kernels.delta_rule.l2norm's
 _FLOATS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
@@ -225,7 +229,7 @@ def delta_rule_block(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, bet
     ``v [B, T, Hv, Dv]``, ``g``, ``beta [B, T, Hv]`` and ``state [B, Hv, Dk, Dv]`` float32.
 
     ``advance=False`` (record): returns ``(out [B, T, Hv, Dv], (k [B, T, Hk, Dk], cum [B, T, Hv], v_new [B, T,
-    Hv, Dv]))`` as :func:`dflash_jax.models.linear_attention.delta_rule_block`, except that k is the normalised
+    Hv, Dv]))`` as :func:`dflash_jax.kernels.delta_rule.delta_rule_block`, except that k is the normalised
     k per key head (``state_after`` takes it as it is). ``advance=True``: ``(out, state after lengths[b]
     tokens)`` (all T when ``lengths`` is None). Tuning (static): ``block_v``, ``num_warps``."""
     b, t, hk = q.shape[:3]
@@ -246,3 +250,32 @@ def packed_delta_rule_block(qkv: jax.Array, g: jax.Array, beta: jax.Array, state
     assert dk == key_dim, (dk, key_dim)
     return _call(qkv, qkv, qkv, g, beta, state, lengths, offsets=(0, dk, 2 * dk), hv=hv, dv=dv, advance=advance,
                  block_v=block_v, num_warps=num_warps, interpret=interpret)
+
+
+def kernel_block(qkv, g, beta, state, lengths, *, key_dim: int, advance: bool, kernels: Kernels):
+    """The entry of the kernel dispatch (op ``"delta_rule"``): :func:`packed_delta_rule_block` (interpret mode off
+    a GPU), or None (the reason logged once) where it does not take these shapes. Under a ``(dp, tp)`` mesh each
+    device runs it on its own rows and heads (``shard_map``; rows and value heads are independent, and a
+    device's value heads read its key heads)."""
+    interpret = not native("cuda")
+    args = (qkv, g, beta, state) + (() if lengths is None else (lengths.astype(jnp.int32),))
+    sizes = mesh_sizes()
+    rows = "dp" if "dp" in sizes and qkv.shape[0] % sizes["dp"] == 0 else None
+    heads = "tp" if "tp" in sizes and qkv.shape[2] % sizes["tp"] == 0 else None
+    specs = (P(rows, None, heads, None), P(rows, None, heads), P(rows, None, heads), P(rows, heads, None, None),
+             P(rows))[:len(args)]
+    split = lambda d, axis: d // sizes[axis] if axis else d  # noqa: E731
+    local = tuple(jax.ShapeDtypeStruct(tuple(split(d, axis) for d, axis in zip(a.shape, tuple(spec) + (None,) * 4)),
+                                       a.dtype) for a, spec in zip(args, specs))
+    why = (f"mesh axes {tuple(sizes)} (it shards over 'dp' and 'tp' only)" if set(sizes) - {"dp", "tp"} else
+           packed_unsupported_reason(*local, key_dim=key_dim, interpret=interpret))
+    if why is not None:
+        log_once(f"Gated DeltaNet: the XLA delta rule instead of the GPU kernel ({why})")
+        return None
+    fn = functools.partial(packed_delta_rule_block, key_dim=key_dim, advance=advance, interpret=interpret)
+    if not sizes:
+        return fn(*args)
+    values = P(rows, None, heads, None)
+    out_specs = (values, P(rows, heads, None, None)) if advance else (values, (values, P(rows, None, heads), values))
+    return jax.shard_map(fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=specs, out_specs=out_specs,
+                         check_vma=False)(*args)

@@ -1,7 +1,7 @@
 """GPU grouped-expert MLP (Pallas → Triton): the routed experts' SwiGLU for a few tokens, reading only the
 weights of experts some token routed to.
 
-Same semantics and signature as :func:`dflash_jax.models.moe.experts_gathered` (the jnp reference):
+Same semantics and signature as :func:`dflash_jax.kernels.moe.experts_gathered` (the jnp reference):
 ``x [N, D]``, routing ``weights``/``idx [N, K]``, experts ``gate``/``up [E, D, F]``, ``down [E, F, D]``,
 optional gpt-oss ``biases`` and any elementwise ``act(g, u)`` (computed in float32 here). P = N·K pairs.
 
@@ -14,7 +14,7 @@ to stream exactly the routed experts' weights once, with enough programs in flig
 need no grouping and skip its small XLA ops — 43 µs against 61 on the H200), :func:`sorted_experts` above
 (described next: from two tokens on, reading a shared expert once pays for the grouping).
 
-Layout: the P (token, expert) pairs are sorted by expert (:func:`dflash_jax.models.moe.group_pairs`, a few
+Layout: the P (token, expert) pairs are sorted by expert (:func:`dflash_jax.kernels.moe.group_pairs`, a few
 small XLA ops) and each pair's token row is copied to ``xs [P, D]`` in that order, so an expert's rows are
 contiguous. Group g (g < G = min(E, P), one per routed expert; idle groups have count 0 and return at once)
 owns rows ``start[g] : start[g] + count[g]`` — count ≤ N since a token routes an expert once, so for N ≤ 64
@@ -33,7 +33,7 @@ Two kernels:
   ``ys [P, D]`` (x's dtype, like the reference's per-expert outputs).
 
 XLA then puts ``ys`` back in (token, slot) order and applies the routing weights (the reference's
-``_combine``). Each routed expert's weights are read once (the partials and ``xs`` are ~1% of the bytes at
+``combine``). Each routed expert's weights are read once (the partials and ``xs`` are ~1% of the bytes at
 decode sizes); no program touches an unrouted expert. Defaults (64-wide blocks, 4 warps, 3 stages) are
 reasoned, not swept: ``benchmarks/bench_moe.py --sweep`` times alternatives.
 
@@ -53,16 +53,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dflash_jax.cuda import _cdiv, _highest_precision_requested, _next_pow2, _num_sms
-from dflash_jax.models.moe import Biases, _combine, _swiglu, argument_reason, group_pairs
+from dflash_jax.cuda.common import SUPPORTED_DTYPES, cdiv, highest_precision_requested, next_pow2, num_sms
+from dflash_jax.kernels.common import native
+from dflash_jax.kernels.moe import Biases, argument_reason, combine, group_pairs, run_grouped, swiglu
+from dflash_jax.tuning import Kernels
 
-__all__ = ["grouped_experts", "pair_experts", "sorted_experts", "unsupported_reason"]
+__all__ = ["experts_kernel", "grouped_experts", "pair_experts", "sorted_experts", "unsupported_reason"]
 
-_SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-# Gate/up kernel: D splits until ~this many programs per SM (routed groups × blocks), at least _MIN_SPLIT_ROWS rows
-# each. Off by default (0): on the H200 one token ran 62 µs unsplit against 83 µs with 6 splits (bench_moe.py
-# --sweep, RESULTS.md 2026-12-02 night); `num_splits=` still tunes it.
-_PROGRAMS_PER_SM = 0
+# Gate/up kernel of sorted_experts: D splits until ~``programs_per_sm`` programs per SM (routed groups × blocks), at
+# least _MIN_SPLIT_ROWS rows each. Off by default (0): on a GPU one token ran 62 µs unsplit against 83 µs with 6
+# splits (bench_moe.py --sweep); `num_splits=` still tunes it.
 _MIN_SPLIT_ROWS = 256
 
 
@@ -82,8 +82,8 @@ class _Config:
 
 def _block(size: int | None, default: int, extent: int) -> int:
     """A power-of-two block of at least 16 (tl.dot's minimum), never much larger than the extent."""
-    b = _next_pow2(size or default)
-    return max(16, min(b, _next_pow2(extent)))
+    b = next_pow2(size or default)
+    return max(16, min(b, next_pow2(extent)))
 
 
 def _d_splits(num_splits: int | None, per_sm: int, programs: int, d: int, block_d: int) -> tuple[int, int]:
@@ -91,21 +91,21 @@ def _d_splits(num_splits: int | None, per_sm: int, programs: int, d: int, block_
     ~``per_sm`` programs per SM over the grid's other ``programs``, each at least _MIN_SPLIT_ROWS rows; a split
     is a whole number of ``block_d`` steps."""
     if num_splits is None:
-        num_splits = max(1, min(_cdiv(per_sm * _num_sms(), programs), d // _MIN_SPLIT_ROWS))
-    num_splits = max(1, min(num_splits, _cdiv(d, block_d)))
-    chunk = _cdiv(_cdiv(d, num_splits), block_d) * block_d
-    return _cdiv(d, chunk), chunk
+        num_splits = max(1, min(cdiv(per_sm * num_sms(), programs), d // _MIN_SPLIT_ROWS))
+    num_splits = max(1, min(num_splits, cdiv(d, block_d)))
+    chunk = cdiv(cdiv(d, num_splits), block_d) * block_d
+    return cdiv(d, chunk), chunk
 
 
 def _make_config(n: int, groups: int, d: int, f: int, dtype, *, block_f, block_d, num_splits, block_n, block_k,
-                 num_warps, num_stages) -> _Config:
-    rows = min(max(_next_pow2(n), 16), 64)
+                 num_warps, num_stages, programs_per_sm: int = 0) -> _Config:
+    rows = min(max(next_pow2(n), 16), 64)
     bf, bd = _block(block_f, 64, f), _block(block_d, 64, d)
-    splits, chunk = _d_splits(num_splits, _PROGRAMS_PER_SM, groups * _cdiv(f, bf), d, bd)
+    splits, chunk = _d_splits(num_splits, programs_per_sm, groups * cdiv(f, bf), d, bd)
     return _Config(rows=rows, block_f=bf, block_d=bd, splits=splits, chunk_d=chunk,
                    block_n=_block(block_n, 64, d), block_k=_block(block_k, 64, f), num_warps=num_warps or 4,
                    num_stages=num_stages or 3,
-                   ieee_f32=jnp.dtype(dtype) == jnp.float32 and _highest_precision_requested())
+                   ieee_f32=jnp.dtype(dtype) == jnp.float32 and highest_precision_requested())
 
 
 def _dot(a: jax.Array, b: jax.Array, c: _Config) -> jax.Array:
@@ -198,7 +198,7 @@ def _down_kernel(expert_ref, start_ref, count_ref, pg_ref, pu_ref, down_ref, *re
             w = _load(down_ref.at[e, pl.ds(k0, c.block_k), pl.ds(d0, c.block_n)], wmask)
             return acc + _dot(h, w, c)
 
-        acc = lax.fori_loop(0, _cdiv(f, c.block_k), step, jnp.zeros((c.rows, c.block_n), jnp.float32))
+        acc = lax.fori_loop(0, cdiv(f, c.block_k), step, jnp.zeros((c.rows, c.block_n), jnp.float32))
         if has_bias:
             acc = acc + _load(bias_refs[2].at[e, pl.ds(d0, c.block_n)], dmask).astype(jnp.float32)[None, :]
         plgpu.store(ys_ref.at[pl.ds(r0, c.rows), pl.ds(d0, c.block_n)], acc.astype(ys_ref.dtype),
@@ -287,7 +287,7 @@ def _pair_down_kernel(idx_ref, pg_ref, pu_ref, down_ref, *refs, c: _PairConfig, 
         w = _load(down_ref.at[e, pl.ds(k0, c.block_k), pl.ds(d0, c.block_n)], wmask).astype(jnp.float32)
         return acc + h[:, None] * w
 
-    acc = lax.fori_loop(0, _cdiv(f, c.block_k), step, jnp.zeros((c.block_k, c.block_n), jnp.float32))
+    acc = lax.fori_loop(0, cdiv(f, c.block_k), step, jnp.zeros((c.block_k, c.block_n), jnp.float32))
     acc = jnp.sum(acc, axis=0)  # over F once (see _pair_gate_up)
     if bias_refs:
         acc = acc + _load(bias_refs[2].at[e, pl.ds(d0, c.block_n)], dmask).astype(jnp.float32)
@@ -295,10 +295,10 @@ def _pair_down_kernel(idx_ref, pg_ref, pu_ref, down_ref, *refs, c: _PairConfig, 
 
 
 def pair_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Array, up: jax.Array,
-                 down: jax.Array, *, biases: Biases | None = None, act: Callable = _swiglu,
+                 down: jax.Array, *, biases: Biases | None = None, act: Callable = swiglu,
                  block_f: int | None = None, block_d: int | None = None, num_splits: int | None = None,
                  block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+                 num_stages: int | None = None, interpret: bool = False, programs_per_sm: int = 0) -> jax.Array:
     """:func:`grouped_experts` for a token or a few, one program row per (token, expert) pair, no grouping.
 
     At one token the pairs are distinct experts, so nothing is read twice, and the grouping's sort, the
@@ -312,12 +312,12 @@ def pair_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Arr
     in the first version: 58.7 µs at one token on the H200 against 61.2 for the two kernels then, 43 since
     their accumulators are reduced once after the loop; not pursued.) Tuning as :func:`sorted_experts`
     (``block_k``: F rows per down step; defaults 32-wide F blocks, 128 D rows, 128 F rows per down step, ~4
-    programs per SM in D splits: the H200 sweep's best, bench_moe.py --sweep, RESULTS.md 2026-12-04)."""
+    programs per SM in D splits — ``programs_per_sm`` when not 0: the GPU sweep's best, bench_moe.py --sweep)."""
     n, k = idx.shape
     e, d, f = gate.shape
     p = n * k
     bf, bd = _block(block_f, 32, f), _block(block_d, 128, d)
-    splits, chunk = _d_splits(num_splits, 4, p * _cdiv(f, bf), d, bd)
+    splits, chunk = _d_splits(num_splits, programs_per_sm or 4, p * cdiv(f, bf), d, bd)
     c = _PairConfig(block_f=bf, block_d=bd, splits=splits, chunk_d=chunk, block_n=_block(block_n, 64, d),
                     block_k=_block(block_k, 128, f), num_warps=num_warps or 4, num_stages=num_stages or 3)
     flat = idx.reshape(p).astype(jnp.int32)
@@ -325,14 +325,14 @@ def pair_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Arr
     partial = jax.ShapeDtypeStruct((c.splits, p, f), jnp.float32)
     pg, pu = pl.pallas_call(
         functools.partial(_pair_gate_up_kernel, c=c, d=d, f=f, k=k), out_shape=[partial, partial],
-        grid=(p, _cdiv(f, c.block_f), c.splits), compiler_params=params, interpret=interpret,
+        grid=(p, cdiv(f, c.block_f), c.splits), compiler_params=params, interpret=interpret,
         name="dflash_moe_pair_gate_up")(flat, x, gate, up)
     ys = pl.pallas_call(
         functools.partial(_pair_down_kernel, c=c, d=d, f=f, act=act),
-        out_shape=jax.ShapeDtypeStruct((p, d), x.dtype), grid=(p, _cdiv(d, c.block_n)),
+        out_shape=jax.ShapeDtypeStruct((p, d), x.dtype), grid=(p, cdiv(d, c.block_n)),
         compiler_params=params, interpret=interpret, name="dflash_moe_pair_down")(
         flat, pg, pu, down, *(biases or ()))
-    return _combine(ys.reshape(n, k, d), weights)
+    return combine(ys.reshape(n, k, d), weights)
 
 
 def unsupported_reason(x, weights, idx, gate, up, down, *, biases: Biases | None = None, interpret: bool = False,
@@ -341,13 +341,13 @@ def unsupported_reason(x, weights, idx, gate, up, down, *, biases: Biases | None
     ShapeDtypeStructs."""
     if not interpret and jax.default_backend() != "gpu":
         return f"needs a GPU backend (have {jax.default_backend()!r}; interpret=True runs on any backend)"
-    return argument_reason(x, weights, idx, gate, up, down, biases, _SUPPORTED_DTYPES)
+    return argument_reason(x, weights, idx, gate, up, down, biases, SUPPORTED_DTYPES)
 
 
 def grouped_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Array, up: jax.Array,
-                    down: jax.Array, *, biases: Biases | None = None, act: Callable = _swiglu,
+                    down: jax.Array, *, biases: Biases | None = None, act: Callable = swiglu,
                     **tuning) -> jax.Array:
-    """The routed experts' MLP of :func:`dflash_jax.models.moe.experts_gathered`, reading only routed experts'
+    """The routed experts' MLP of :func:`dflash_jax.kernels.moe.experts_gathered`, reading only routed experts'
     weights: :func:`pair_experts` for calls of at most :data:`PAIR_MAX_TOKENS` tokens, else
     :func:`sorted_experts` (the pairs grouped by expert). Not jitted itself (``act`` may be a fresh closure
     each call): call it inside a jitted program. ``tuning``: the chosen function's keywords."""
@@ -356,21 +356,23 @@ def grouped_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.
 
 
 def sorted_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Array, up: jax.Array,
-                   down: jax.Array, *, biases: Biases | None = None, act: Callable = _swiglu,
+                   down: jax.Array, *, biases: Biases | None = None, act: Callable = swiglu,
                    block_f: int | None = None, block_d: int | None = None, num_splits: int | None = None,
                    block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                   num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+                   num_stages: int | None = None, interpret: bool = False, programs_per_sm: int = 0) -> jax.Array:
     """The routed experts grouped by expert (module docstring): each routed expert's weights read once, however
     many tokens routed to it. Not jitted itself (``act`` may be a fresh closure each call): call it inside a
     jitted program. Tuning (static): ``block_f``/``block_d``/``num_splits`` of the gate/up kernel,
     ``block_n``/``block_k`` of the down kernel (powers of two ≥ 16; default 64, splits for ~4 programs per
-    SM), ``num_warps`` (4), ``num_stages`` (3)."""
+    SM), ``num_warps`` (4), ``num_stages`` (3); ``programs_per_sm``: D splits of the gate/up kernel for
+    about that many programs per SM when ``num_splits`` is None (0: none)."""
     n, k = idx.shape
     e, d, f = gate.shape
     p = n * k
     groups = min(e, p)
     c = _make_config(n, groups, d, f, x.dtype, block_f=block_f, block_d=block_d, num_splits=num_splits,
-                     block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+                     block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                     programs_per_sm=programs_per_sm)
     grp = group_pairs(idx, e)
     xs = jnp.zeros((p, d), x.dtype).at[grp.pos].set(jnp.repeat(x, k, axis=0))  # pair rows in expert order
     meta = (grp.expert, grp.start, grp.count)
@@ -378,11 +380,24 @@ def sorted_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.A
     partial = jax.ShapeDtypeStruct((c.splits, p, f), jnp.float32)
     pg, pu = pl.pallas_call(
         functools.partial(_gate_up_kernel, c=c, d=d, f=f), out_shape=[partial, partial],
-        grid=(groups, _cdiv(f, c.block_f), c.splits), compiler_params=params, interpret=interpret,
+        grid=(groups, cdiv(f, c.block_f), c.splits), compiler_params=params, interpret=interpret,
         name="dflash_moe_gate_up")(*meta, xs, gate, up)
     ys = pl.pallas_call(
         functools.partial(_down_kernel, c=c, d=d, f=f, act=act, has_bias=biases is not None),
-        out_shape=jax.ShapeDtypeStruct((p, d), x.dtype), grid=(groups, _cdiv(d, c.block_n)),
+        out_shape=jax.ShapeDtypeStruct((p, d), x.dtype), grid=(groups, cdiv(d, c.block_n)),
         compiler_params=params, interpret=interpret, name="dflash_moe_down")(
         *meta, pg, pu, down, *(biases or ()))
-    return _combine(ys[grp.pos].reshape(n, k, d), weights)
+    return combine(ys[grp.pos].reshape(n, k, d), weights)
+
+
+def experts_kernel(x, weights, idx, gate, up, down, *, biases: Biases | None = None, act: Callable = swiglu,
+                   kernels: Kernels) -> jax.Array | None:
+    """The entry of the kernel dispatch (op ``"moe_experts"``): :func:`grouped_experts` (interpret mode off a GPU),
+    per device under a mesh, or None where the XLA paths must run (float32 on a GPU: the kernel is measured in
+    bfloat16 only; shapes it does not take)."""
+    interpret = not native("cuda")
+    if not interpret and jnp.dtype(x.dtype) == jnp.float32:
+        return None
+    grouped = functools.partial(grouped_experts, interpret=interpret, programs_per_sm=kernels.tuning.programs_per_sm)
+    return run_grouped("cuda", grouped, functools.partial(unsupported_reason, interpret=interpret), x, weights, idx,
+                       gate, up, down, biases=biases, act=act)

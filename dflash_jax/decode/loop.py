@@ -7,7 +7,7 @@ baseline and the speculative path share every line of target code.
 
 Cache positions: a row's target cache slot ``j`` holds absolute position ``j``. A verify writes K/V for
 ``anchor_pos … anchor_pos+L-1`` before attending, so entries of rejected drafts are always overwritten
-before any query can see them (see :mod:`dflash_jax.attention`). The drafter's context cache is filled the
+before any query can see them (see :mod:`dflash_jax.kernels.attention`). The drafter's context cache is filled the
 same way from the verify's captured features; entries at or past the next anchor are masked by ``ctx_len``.
 
 Hybrid targets (:mod:`dflash_jax.models.hybrid`) also carry, per linear-attention layer, a conv history and a
@@ -26,14 +26,15 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from dflash_jax import attention
 from dflash_jax.decode import sampling, schedule
 from dflash_jax.decode.state import DecodeState, DecodeView, LoopSpec, ScheduleState
+from dflash_jax.kernels.packed import PackedLayout
 from dflash_jax.models.drafter import DFlashDrafter, DSparkDrafter
 from dflash_jax.models.hybrid import HybridCache, HybridTargetModel
 from dflash_jax.models.split import merge_model
 from dflash_jax.models.target import KVCache, TargetModel
 from dflash_jax.sharding import Plan, constrain
+from dflash_jax.tuning import Kernels
 
 
 def _write_tokens(buf: Int[Array, "B O"], new: Int[Array, "B L"], start: Int[Array, "B"]) -> jax.Array:
@@ -106,7 +107,7 @@ def prefill(
         hidden, feats, tcache = _prefill_in_chunks(target, prompt, positions, prompt_len, empty, spec, chunk)
     else:
         hidden, feats, tcache = target(prompt, positions, empty, capture=spec.capture, prefill=True,
-                                       impl=spec.impl, **_lengths(target, prompt_len))
+                                       kernels=spec.kernels, **_lengths(target, prompt_len))
     last_h = jnp.take_along_axis(hidden, (prompt_len - 1)[:, None, None], axis=1)  # [B, 1, D]
     logits = target.logits(last_h)
     if spec.sampling:
@@ -174,7 +175,8 @@ def _prefill_in_chunks(target: TargetModel, prompt: Int[Array, "B P"], positions
     def one_chunk(cache, xs):
         tokens, pos = xs
         real = jnp.clip(prompt_len - pos[:, 0], 0, chunk)  # the row's prompt tokens in this chunk
-        h, f, cache = target(tokens, pos, cache, capture=spec.capture, impl="xla",  # prefill: compute-bound
+        h, f, cache = target(tokens, pos, cache, capture=spec.capture,  # prefill: compute-bound
+                             kernels=Kernels("xla", spec.kernels.tuning),
                              **_lengths(target, real))
         return _shard_cache(cache, spec.plan, spec.plan and spec.plan.target_kv), (h, f)
 
@@ -243,7 +245,7 @@ def _draft_hidden(target: TargetModel, drafter: DFlashDrafter, state: DecodeStat
     n_in = spec.block_size - 1 if drafter.config.sequential else spec.block_size
     masks = jnp.full((state.anchor.shape[0], n_in - 1), mask_token_id, jnp.int32)
     return drafter(target.embed(jnp.concatenate([state.anchor[:, None], masks], axis=1)),
-                   block_positions(state, n_in), state.draft_cache, state.anchor_pos, impl=spec.impl)
+                   block_positions(state, n_in), state.draft_cache, state.anchor_pos, kernels=spec.kernels)
 
 
 def _draft_keys(state: DecodeState, spec: LoopSpec) -> tuple[DecodeState, jax.Array | None]:
@@ -319,7 +321,7 @@ def verify(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeStat
     context update (SPEC §3, §5). ``window`` (cap-accept): commit at most that many drafts per row."""
     positions = block_positions(state, block.shape[1])
     hybrid = isinstance(target, HybridTargetModel)
-    hidden, feats, tcache = target(block, positions, state.target_cache, capture=spec.capture, impl=spec.impl,
+    hidden, feats, tcache = target(block, positions, state.target_cache, capture=spec.capture, kernels=spec.kernels,
                                    **({"defer": True} if hybrid else {}))
     logits = target.logits(hidden)  # [B, L, V] float32
     state, accepted, last, untrimmed = _accept(state, block, logits, None, spec, q, window)
@@ -368,8 +370,8 @@ def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState
         def make_block(size: int, drafted):
             hidden, k_draft, rng = drafted
             b, g = hidden.shape[:2]
-            layout = attention.PackedLayout.build(jnp.where(state.done, 0, window), jnp.zeros((b,), jnp.int32),
-                                                  size, g, spec.packed_groups)
+            layout = PackedLayout.build(jnp.where(state.done, 0, window), jnp.zeros((b,), jnp.int32),
+                                        size, g, spec.packed_groups, spec.kernels.tuning)
             logits = drafter.draft_logits(layout.pack(hidden)[None], target)[0]  # [T, Vd]
             if k_draft is None:
                 drafts = layout.unpack(drafter.to_target_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32)))
@@ -433,7 +435,7 @@ def _packed_step(target, drafter, state: DecodeState, spec: LoopSpec, window, ti
         state = dataclasses.replace(state, schedule=dataclasses.replace(sch, counts=counts))
     logits, choice = (scored, None) if spec.sampling else (None, scored)
     state, accepted, last, _ = _accept(state, block, logits, choice, spec, q, window)
-    tcache = pending.write(state.target_cache, impl=spec.impl)
+    tcache = pending.write(state.target_cache, spec.kernels)
     if isinstance(target, HybridTargetModel):  # linear states after the anchor and the accepted drafts
         tcache = target.settle(tcache, accepted + 1)
     return _commit_verified(drafter, state, block, positions, tcache, feats, accepted, last, None, window)
@@ -447,15 +449,15 @@ def _packed_forward(target, state: DecodeState, spec: LoopSpec, lens: Int[Array,
     linear-layer records — as a :class:`PendingKV` of the whole block's width over the largest tier's slots, so
     that every branch returns one shape)."""
     l = spec.block_size
-    layout = attention.PackedLayout.build(lens, state.anchor_pos, size, width, spec.packed_groups)
+    layout = PackedLayout.build(lens, state.anchor_pos, size, width, spec.packed_groups, spec.kernels.tuning)
     hidden, feats, pending = target(layout.pack(block)[None], layout.positions[None], state.target_cache,
-                                    capture=spec.capture, impl=spec.impl, packed=layout)
+                                    capture=spec.capture, kernels=spec.kernels, packed=layout)
     logits = target.logits(hidden[0])  # [T, V]: the LM head only over the packed rows
     scored = layout.unpack(logits if spec.sampling else jnp.argmax(logits, axis=-1).astype(jnp.int32))
     widen = lambda x: jnp.pad(x, [(0, 0), (0, l - width)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
     slots = max(*spec.tiers, state.anchor.shape[0] * l)  # every tier's T fits (a dense one has B·L slots)
     return (widen(scored), widen(layout.unpack(feats[0])) if feats is not None else None,
-            pending.widened(l, slots, spec.impl))
+            pending.widened(l, slots, spec.kernels))
 
 
 def _accept(state: DecodeState, block, logits, choice, spec: LoopSpec, q, window):

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from dflash_jax.attention import find_bucket
+from dflash_jax.kernels.common import find_bucket
 
 VERIFY_MODES = ("static", "compact", "cap-accept")  # and "auto": compact where the cost table says it pays
 # Running acceptance counts start from this prior per draft position (a Beta(PRIOR_ACCEPT, PRIOR_REJECT), mean

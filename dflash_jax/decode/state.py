@@ -23,7 +23,7 @@ class LoopSpec:
     block_size: int  # L: tokens verified per cycle (1 = plain autoregressive decoding)
     new_capacity: int  # bucketed upper bound of max_new_tokens: sizes the token and acceptance buffers
     capture: tuple[int, ...]  # target layers whose outputs feed the drafter (() without a drafter)
-    impl: str = "xla"  # attention implementation, see dflash_jax.attention
+    impl: str = "xla"  # attention implementation, see dflash_jax.kernels
     sampling: bool = False  # some row has temperature > 0 (else the exact greedy path)
     draft_sampling: bool = False  # drafts drawn from the drafter's distribution (else its argmax)
     top_k: bool = False  # some row uses top-k
@@ -47,7 +47,7 @@ class LoopSpec:
     @property
     def packed_groups(self) -> int:
         """Compact: groups of rows packed apart, one per dp shard (each device packs, verifies and writes its own
-        rows' windows; :class:`dflash_jax.attention.PackedLayout`)."""
+        rows' windows; :class:`dflash_jax.kernels.packed.PackedLayout`)."""
         return mesh_size(self.plan.mesh, "dp") if self.plan is not None and self.verify_mode == "compact" else 1
 
 

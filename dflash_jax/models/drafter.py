@@ -14,10 +14,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from dflash_jax import attention
 from dflash_jax.config import DrafterConfig
+from dflash_jax.kernels.attention import draft_attention, read_after
 from dflash_jax.models.layers import MLP, Dense, Embed, RMSNorm, Rope, apply_rope, matmul
 from dflash_jax.models.target import KVCache, write_rows
+from dflash_jax.tuning import Kernels
 
 
 class DraftAttention(nnx.Module):
@@ -33,20 +34,20 @@ class DraftAttention(nnx.Module):
         self.n, self.k, self.h = n, k, h
         self.causal, self.window = dc.layer_causal(idx), dc.layer_window(idx)
 
-    def kv(self, x: Float[Array, "B T D"], cos, sin) -> tuple[jax.Array, jax.Array]:
+    def kv(self, x: Float[Array, "B T D"], cos, sin, kernels: Kernels = Kernels()) -> tuple[jax.Array, jax.Array]:
         """K (k_norm, RoPE) and V for rows ``x`` — context rows are NOT passed through input_layernorm."""
         b, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).reshape(b, t, self.k, self.h))
-        return apply_rope(k, cos, sin), self.v_proj(x).reshape(b, t, self.k, self.h)
+        k = self.k_norm(self.k_proj(x, kernels).reshape(b, t, self.k, self.h))
+        return apply_rope(k, cos, sin), self.v_proj(x, kernels).reshape(b, t, self.k, self.h)
 
-    def __call__(self, x_hat, positions, cos, sin, ctx_k, ctx_v, ctx_len, *, impl: str):
+    def __call__(self, x_hat, positions, cos, sin, ctx_k, ctx_v, ctx_len, *, kernels: Kernels):
         b, t, _ = x_hat.shape
-        q = apply_rope(self.q_norm(self.q_proj(x_hat).reshape(b, t, self.n, self.h)), cos, sin)
-        blk_k, blk_v = self.kv(x_hat, cos, sin)
-        ctx_k, ctx_v = attention.read_after(x_hat, ctx_k, ctx_v)
-        out = attention.draft_attention(q, ctx_k, ctx_v, blk_k, blk_v, positions, ctx_len,
-                                        causal=self.causal, window=self.window, impl=impl)
-        return self.o_proj(out.reshape(b, t, self.n * self.h))
+        q = apply_rope(self.q_norm(self.q_proj(x_hat, kernels).reshape(b, t, self.n, self.h)), cos, sin)
+        blk_k, blk_v = self.kv(x_hat, cos, sin, kernels)
+        ctx_k, ctx_v = read_after(x_hat, ctx_k, ctx_v, kernels)
+        out = draft_attention(q, ctx_k, ctx_v, blk_k, blk_v, positions, ctx_len, causal=self.causal,
+                              window=self.window, kernels=kernels)
+        return self.o_proj(out.reshape(b, t, self.n * self.h), kernels)
 
 
 class DraftLayer(nnx.Module):
@@ -57,9 +58,9 @@ class DraftLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=dtype)
         self.mlp = MLP(c.hidden_size, c.intermediate_size, bias=c.mlp_bias, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, cos, sin, ctx_k, ctx_v, ctx_len, *, impl: str):
-        x = x + self.self_attn(self.input_layernorm(x), positions, cos, sin, ctx_k, ctx_v, ctx_len, impl=impl)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __call__(self, x, positions, cos, sin, ctx_k, ctx_v, ctx_len, *, kernels: Kernels):
+        x = x + self.self_attn(self.input_layernorm(x), positions, cos, sin, ctx_k, ctx_v, ctx_len, kernels=kernels)
+        return x + self.mlp(self.post_attention_layernorm(x), kernels)
 
 
 class TokenMap(nnx.Variable):
@@ -120,13 +121,13 @@ class DFlashDrafter(nnx.Module):
         cache: KVCache,
         ctx_len: Int[Array, "B"],
         *,
-        impl: str = "xla",
+        kernels: Kernels = Kernels(),
     ) -> Float[Array, "B L D"]:
         """Draft hidden states (after the final norm) for a block at ``positions``, context ``< ctx_len``."""
         cos, sin = self.rope(positions)
         x = block_embeds.astype(self.dtype) * self.config.input_embedding_scale
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, cos, sin, cache.k[i], cache.v[i], ctx_len, impl=impl)
+            x = layer(x, positions, cos, sin, cache.k[i], cache.v[i], ctx_len, kernels=kernels)
         return self.norm(x)
 
     def draft_logits(self, hidden: Float[Array, "*b D"], target) -> Float[Array, "*b Vd"]:

@@ -3,7 +3,7 @@
 Attention is :class:`dflash_jax.models.target.Attention` with two things the config turns on: a learned logit
 per query head (``self_attn.sinks``) that joins every softmax denominator and takes no value (a query can
 "attend to nothing"), and a sliding window of ``sliding_window`` keys on the layers in ``sliding_layers``
-(every other layer in the released models). Both live in :func:`dflash_jax.attention.cache_attention`, and
+(every other layer in the released models). Both live in :func:`dflash_jax.kernels.attention.cache_attention`, and
 the verify kernels (``attention_impl`` "pallas" / "cuda") take both.
 
 The MLP of every layer is a routed MoE (:class:`GptOssMoE`): a router with a bias whose top-k *logits* are
@@ -35,8 +35,9 @@ from jaxtyping import Array, Float, Int
 
 from dflash_jax.checkpoints.safetensors_io import CheckpointError
 from dflash_jax.config import ModelConfig
-from dflash_jax.models import moe
+from dflash_jax.kernels.moe import experts_auto
 from dflash_jax.models.layers import Dense, _normal, matmul
+from dflash_jax.tuning import Kernels
 
 
 class RMSNorm(nnx.Module):
@@ -53,10 +54,10 @@ class RMSNorm(nnx.Module):
         return (self.weight[...].astype(jnp.float32) * x32).astype(x.dtype)
 
 
-def route(x: Float[Array, "N D"], router: Float[Array, "D E"], bias: Float[Array, "E"], k: int
-          ) -> tuple[Float[Array, "N K"], Int[Array, "N K"]]:
+def route(x: Float[Array, "N D"], router: Float[Array, "D E"], bias: Float[Array, "E"], k: int,
+          kernels: Kernels = Kernels()) -> tuple[Float[Array, "N K"], Int[Array, "N K"]]:
     """Top-k of the router logits (model dtype, with bias), softmax over those k only (float32, cast back)."""
-    top, idx = jax.lax.top_k(matmul(x, router) + bias, k)
+    top, idx = jax.lax.top_k(matmul(x, router, kernels) + bias, k)
     return jax.nn.softmax(top.astype(jnp.float32), axis=-1).astype(x.dtype), idx
 
 
@@ -68,7 +69,8 @@ def clamped_swiglu(g: jax.Array, u: jax.Array, *, alpha: float, limit: float) ->
 
 
 class Experts(nnx.Module):
-    """E experts, stacked as in :class:`moe.Experts` (gate/up ``[E, D, F]``, down ``[E, F, D]``) plus biases."""
+    """E experts, stacked as in :class:`dflash_jax.models.moe.Experts` (gate/up ``[E, D, F]``, down
+    ``[E, F, D]``) plus biases."""
 
     def __init__(self, e: int, d: int, f: int, *, dtype, rngs: nnx.Rngs):
         self.gate_proj = nnx.Param(_normal(rngs, (e, d, f), 1.0 / math.sqrt(d), dtype))
@@ -87,13 +89,13 @@ class GptOssMoE(nnx.Module):
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype=dtype, rngs=rngs)
         self.top_k, self.alpha, self.limit = cfg.num_experts_per_tok, cfg.swiglu_alpha, cfg.swiglu_limit
 
-    def __call__(self, x: Float[Array, "*b D"]) -> Float[Array, "*b D"]:
+    def __call__(self, x: Float[Array, "*b D"], kernels: Kernels = Kernels()) -> Float[Array, "*b D"]:
         flat = x.reshape(-1, x.shape[-1])
-        weights, idx = route(flat, self.router.kernel[...], self.router.bias[...], self.top_k)
+        weights, idx = route(flat, self.router.kernel[...], self.router.bias[...], self.top_k, kernels)
         e = self.experts
-        out = moe.experts_auto(flat, weights, idx, e.gate_proj[...], e.up_proj[...], e.down_proj[...],
-                               biases=(e.gate_proj_bias[...], e.up_proj_bias[...], e.down_proj_bias[...]),
-                               act=functools.partial(clamped_swiglu, alpha=self.alpha, limit=self.limit))
+        out = experts_auto(flat, weights, idx, e.gate_proj[...], e.up_proj[...], e.down_proj[...], kernels=kernels,
+                           biases=(e.gate_proj_bias[...], e.up_proj_bias[...], e.down_proj_bias[...]),
+                           act=functools.partial(clamped_swiglu, alpha=self.alpha, limit=self.limit))
         return out.reshape(x.shape)
 
 

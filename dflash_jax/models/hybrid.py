@@ -23,12 +23,14 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from dflash_jax import attention
 from dflash_jax.config import ModelConfig
+from dflash_jax.kernels.attention import cache_attention, prefill_attention, read_after
+from dflash_jax.kernels.packed import PackedLayout, packed_verify
 from dflash_jax.models import linear_attention as la
 from dflash_jax.models.layers import MLP, Dense, Embed, Rope, apply_rope
 from dflash_jax.models.moe import SparseMoE
 from dflash_jax.models.target import KVCache, PendingKV, TargetModel, write_rows
+from dflash_jax.tuning import Kernels
 
 log = logging.getLogger("dflash_jax")
 
@@ -78,29 +80,28 @@ class GatedAttention(nnx.Module):
         self.k_norm = ZeroCenteredRMSNorm(h, eps=cfg.rms_norm_eps, dtype=dtype)
         self.n, self.k, self.h = n, k, h
 
-    def __call__(self, x, positions, cos, sin, k_cache, v_cache, *, prefill: bool, impl: str,
-                 packed: attention.PackedLayout | None = None):
+    def __call__(self, x, positions, cos, sin, k_cache, v_cache, *, prefill: bool, kernels: Kernels,
+                 packed: PackedLayout | None = None):
         b, t, _ = x.shape
-        qg = self.q_proj(x).reshape(b, t, self.n, 2 * self.h)
+        qg = self.q_proj(x, kernels).reshape(b, t, self.n, 2 * self.h)
         q, gate = qg[..., :self.h], qg[..., self.h:].reshape(b, t, self.n * self.h)
         q = apply_partial_rope(self.q_norm(q), cos, sin)
-        k = apply_partial_rope(self.k_norm(self.k_proj(x).reshape(b, t, self.k, self.h)), cos, sin)
-        v = self.v_proj(x).reshape(b, t, self.k, self.h)
+        k = apply_partial_rope(self.k_norm(self.k_proj(x, kernels).reshape(b, t, self.k, self.h)), cos, sin)
+        v = self.v_proj(x, kernels).reshape(b, t, self.k, self.h)
         if packed is not None:  # as target.Attention: the cache is only read; the new K/V are returned
-            out, new_kv = attention.packed_verify(q, k, v, *attention.read_after(x, k_cache, v_cache), packed,
-                                                  impl=impl)
+            out, new_kv = packed_verify(q, k, v, *read_after(x, k_cache, v_cache, kernels), packed, kernels=kernels)
             k_cache = v_cache = new_kv
         elif prefill:  # as target.Attention: the prompt's own keys, then stored
-            out = attention.prefill_attention(q, k, v, positions, impl=impl)
+            out = prefill_attention(q, k, v, positions, kernels=kernels)
             if k_cache is not None:
                 k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, 0, 0))
                 v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, 0, 0))
         else:
             k_cache = write_rows(k_cache, k, positions[:, 0])
             v_cache = write_rows(v_cache, v, positions[:, 0])
-            out = attention.cache_attention(q, k_cache, v_cache, positions, impl=impl)
+            out = cache_attention(q, k_cache, v_cache, positions, kernels=kernels)
         out = out.reshape(b, t, self.n * self.h) * jax.nn.sigmoid(gate)
-        return self.o_proj(out), k_cache, v_cache
+        return self.o_proj(out, kernels), k_cache, v_cache
 
 
 class HybridDecoderLayer(nnx.Module):
@@ -118,20 +119,21 @@ class HybridDecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(d, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, cos, sin, slot: tuple, *, prefill: bool, impl: str, lengths, defer: bool,
-                 packed: attention.PackedLayout | None = None):
+    def __call__(self, x, positions, cos, sin, slot: tuple, *, prefill: bool, kernels: Kernels, lengths,
+                 defer: bool, packed: PackedLayout | None = None):
         """``slot``: (k_cache, v_cache) or (conv, recurrent); returns (x, slot, record or None) — with ``packed``,
         an attention layer's slot holds its new K/V instead."""
         h = self.input_layernorm(x)
         record = None
         if self.linear:
-            a, conv, rec, record = self.linear_attn(h, *slot, lengths=lengths, defer=defer, impl=impl, packed=packed)
+            a, conv, rec, record = self.linear_attn(h, *slot, lengths=lengths, defer=defer, kernels=kernels,
+                                                    packed=packed)
             slot = (conv, rec)
         else:
-            a, kc, vc = self.self_attn(h, positions, cos, sin, *slot, prefill=prefill, impl=impl, packed=packed)
+            a, kc, vc = self.self_attn(h, positions, cos, sin, *slot, prefill=prefill, kernels=kernels, packed=packed)
             slot = (kc, vc)
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), slot, record
+        return x + self.mlp(self.post_attention_layernorm(x), kernels), slot, record
 
 
 class HybridTargetModel(TargetModel):
@@ -171,10 +173,10 @@ class HybridTargetModel(TargetModel):
         *,
         capture: tuple[int, ...] = (),
         prefill: bool = False,
-        impl: str = "xla",
+        kernels: Kernels = Kernels(),
         lengths: Int[Array, "B"] | None = None,
         defer: bool = False,
-        packed: attention.PackedLayout | None = None,
+        packed: PackedLayout | None = None,
     ) -> tuple[Float[Array, "B T D"], Float[Array, "B T F"] | None, HybridCache | PendingKV | None]:
         """As :meth:`TargetModel.__call__`. The linear layers' states advance over the first ``lengths[b]`` tokens
         of each row (``None``: all of them); with ``defer`` they stay put and the returned cache carries the
@@ -198,7 +200,7 @@ class HybridTargetModel(TargetModel):
         for i, layer in enumerate(self.layers):
             store, j = (states if layer.linear else kv), slots[i]
             x, (store[0][j], store[1][j]), record = layer(
-                x, positions, cos, sin, (store[0][j], store[1][j]), prefill=prefill, impl=impl, lengths=lengths,
+                x, positions, cos, sin, (store[0][j], store[1][j]), prefill=prefill, kernels=kernels, lengths=lengths,
                 defer=defer, packed=packed)
             if record is not None:
                 pending.append(record)

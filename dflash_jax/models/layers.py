@@ -17,23 +17,22 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from dflash_jax.config import ModelConfig, RopeConfig, rope_attention_factor
+from dflash_jax.tuning import Kernels
 
 
 def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], scale: float, dtype) -> jax.Array:
     return (scale * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
-# On GPUs XLA runs a one-row product (batch-1 decoding) through a matrix-vector kernel that reads the weights
-# well below the copy bandwidth (H200, Qwen3-8B gate/up 4096×12288 in bf16: 44.9 µs for 1 row, 30.5 µs for 2;
-# RESULTS.md, bench_matvec). Such products are padded to two rows there (the extra row is free: the weights
-# are read once either way). Read at trace time; programs compiled before a change keep the old setting.
-PAD_SINGLE_ROW_ON = ("gpu",)
-
-
-def matmul(x: Float[Array, "*b D"], w: Float[Array, "D E"], **kw) -> Float[Array, "*b E"]:
+def matmul(x: Float[Array, "*b D"], w: Float[Array, "D E"], kernels: Kernels = Kernels(), **kw
+           ) -> Float[Array, "*b E"]:
     """``x @ w`` over the last axis (``kw``: e.g. ``preferred_element_type``), one-row products padded to two
-    rows on the backends of ``PAD_SINGLE_ROW_ON``."""
-    if math.prod(x.shape[:-1]) == 1 and jax.default_backend() in PAD_SINGLE_ROW_ON:
+    rows on the backends of ``kernels.tuning.pad_single_row_on``.
+
+    On GPUs XLA runs a one-row product (batch-1 decoding) through a matrix-vector kernel that reads the weights
+    well below the copy bandwidth (Qwen3-8B gate/up 4096×12288 in bf16: 44.9 µs for 1 row, 30.5 µs for 2), so
+    such products are padded to two rows there (the extra row is free: the weights are read once either way)."""
+    if math.prod(x.shape[:-1]) == 1 and jax.default_backend() in kernels.tuning.pad_single_row_on:
         two = jnp.pad(x.reshape(1, x.shape[-1]), ((0, 1), (0, 0)))
         return jnp.dot(two, w, **kw)[:1].reshape(*x.shape[:-1], w.shape[-1])
     return jnp.einsum("...d,de->...e", x, w, **kw)
@@ -46,8 +45,8 @@ class Dense(nnx.Module):
         self.kernel = nnx.Param(_normal(rngs, (d_in, d_out), 1.0 / math.sqrt(d_in), dtype))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = matmul(x, self.kernel[...])
+    def __call__(self, x: jax.Array, kernels: Kernels = Kernels()) -> jax.Array:
+        y = matmul(x, self.kernel[...], kernels)
         return y + self.bias[...] if self.bias is not None else y
 
 
@@ -72,8 +71,8 @@ class MLP(nnx.Module):
         self.up_proj = Dense(d, i, bias=bias, dtype=dtype, rngs=rngs)
         self.down_proj = Dense(i, d, bias=bias, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jax.Array, kernels: Kernels = Kernels()) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x, kernels)) * self.up_proj(x, kernels), kernels)
 
 
 class Embed(nnx.Module):

@@ -14,12 +14,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from dflash_jax import attention
 from dflash_jax.config import ModelConfig
+from dflash_jax.kernels.attention import cache_attention, prefill_attention, read_after
+from dflash_jax.kernels.cache_write import place_pending, write_pending, write_rows
+from dflash_jax.kernels.packed import PackedLayout, gather_windows, packed_verify
 from dflash_jax.models import gpt_oss
 from dflash_jax.models.layers import MLP, Dense, Embed, RMSNorm, Rope, apply_rope
 from dflash_jax.models.linear_attention import pad_record
 from dflash_jax.models.moe import SparseMoE
+from dflash_jax.tuning import Kernels
 
 
 @jax.tree_util.register_dataclass
@@ -39,11 +42,6 @@ class KVCache:
     @property
     def capacity(self) -> int:
         return self.k[0].shape[1]
-
-
-def write_rows(cache: Float[Array, "B S K H"], new: Float[Array, "B T K H"], start: Int[Array, "B"]) -> jax.Array:
-    """Write ``new`` into each row's cache at its own offset (in place under donation)."""
-    return jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u.astype(c.dtype), (s, 0, 0)))(cache, new, start)
 
 
 @jax.tree_util.register_dataclass
@@ -70,53 +68,39 @@ class PendingKV:
     groups: int = dataclasses.field(default=1, metadata=dict(static=True))  # as PackedLayout's
 
     @staticmethod
-    def of(layout: attention.PackedLayout, kv: tuple, records: tuple = ()) -> "PendingKV":
+    def of(layout: PackedLayout, kv: tuple, records: tuple = ()) -> "PendingKV":
         """``kv``: per layer ``[T, 2, K, H]``; ``records``: per linear layer, over ``layout.block`` tokens."""
         return PendingKV(layout.anchors, layout.starts, layout.lens, jnp.stack(kv, axis=1), records, layout.block,
                          layout.groups)
 
-    def widened(self, block: int, size: int, impl: str = "xla") -> "PendingKV":
+    def widened(self, block: int, size: int, kernels: Kernels = Kernels()) -> "PendingKV":
         """The same writes over ``block`` ≥ width tokens a row from ``size`` ≥ T slots (each group's slots
         padded at their end), so that every tier, whose windows fit blocks of different widths packed into
         different sizes, returns one shape. What lies past the T slots is never read (the writes and
-        :meth:`rows` mask past each window): with ``impl="cuda"`` a kernel copies the T slots into a buffer of
-        ``size`` and leaves the rest unwritten (:func:`dflash_jax.cuda.cache_write.place_pending`), else XLA
-        pads with zeros."""
+        :meth:`rows` mask past each window): :func:`dflash_jax.kernels.cache_write.place_pending` (a kernel
+        that leaves them unwritten under ``kernels``, where one applies; else zeros)."""
         g, t = self.groups, self.kv.shape[0]
+        kv = place_pending(self.kv, size, g, kernels=kernels)
         grow = (size - t) // g
-        kv = None
-        if impl == "cuda" and g == 1 and size > t:
-            from dflash_jax.cuda.cache_write import place_pending_or_none  # Triton's modules only on this path
-
-            kv = place_pending_or_none(self.kv, size)
-        if kv is None:
-            kv = jnp.pad(self.kv.reshape(g, t // g, *self.kv.shape[1:]), [(0, 0), (0, grow)] + [(0, 0)] * 4)
         slots = self.slots + (jnp.arange(self.slots.shape[0]) // (self.slots.shape[0] // g)) * grow
-        return PendingKV(self.starts, slots.astype(jnp.int32), self.lens, kv.reshape(size, *self.kv.shape[1:]),
+        return PendingKV(self.starts, slots.astype(jnp.int32), self.lens, kv,
                          tuple(pad_record(r, block) for r in self.records), block, g)
 
     def rows(self) -> Float[Array, "B W NL 2 K H"]:
         """Each row's ``width`` tokens: its window, then zeros (each group gathers from its own slots)."""
-        return attention.gather_windows(self.kv, self.slots, self.lens, self.width, self.groups)
+        return gather_windows(self.kv, self.slots, self.lens, self.width, self.groups)
 
-    def write(self, cache: KVCache, impl: str = "xla") -> KVCache:
-        """``impl="cuda"``: one GPU kernel for every layer (:mod:`dflash_jax.cuda.cache_write`) instead of two
-        scatters a layer, where it applies."""
-        done = None
-        if impl == "cuda":
-            from dflash_jax.cuda.cache_write import write_pending_or_none  # Triton's modules only on this path
-
-            done = write_pending_or_none(self, cache.k, cache.v)
-        if done is None:
-            kv = self.rows()
-            done = (tuple(write_rows(c, kv[:, :, i, 0], self.starts) for i, c in enumerate(cache.k)),
-                    tuple(write_rows(c, kv[:, :, i, 1], self.starts) for i, c in enumerate(cache.v)))
+    def write(self, cache: KVCache, kernels: Kernels = Kernels()) -> KVCache:
+        """The rows written into every layer's caches (:func:`dflash_jax.kernels.cache_write.write_pending`: one
+        GPU kernel for every layer under ``kernels.impl="cuda"`` where it applies, else two scatters a layer)."""
+        done = write_pending(self.kv, self.slots, self.lens, self.starts, cache.k, cache.v, width=self.width,
+                             groups=self.groups, kernels=kernels)
         return dataclasses.replace(cache, k=done[0], v=done[1], **({"pending": self.records} if self.records else {}))
 
 
 class Attention(nnx.Module):
     """``window``: keys older than ``window`` positions are masked (gpt-oss sliding layers); gpt-oss also adds
-    per-head attention ``sinks`` to the softmax (see :func:`attention.cache_attention`)."""
+    per-head attention ``sinks`` to the softmax (see :func:`dflash_jax.kernels.attention.cache_attention`)."""
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, window: int | None = None):
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -133,36 +117,36 @@ class Attention(nnx.Module):
         self.sinks = nnx.Param(jnp.zeros((n,), dtype)) if cfg.attention_sinks else None
         self.window = window
 
-    def project_qkv(self, x: Float[Array, "B T D"], cos, sin):
+    def project_qkv(self, x: Float[Array, "B T D"], cos, sin, kernels: Kernels = Kernels()):
         b, t, _ = x.shape
-        q = self.q_proj(x).reshape(b, t, self.n, self.h)
-        k = self.k_proj(x).reshape(b, t, self.k, self.h)
-        v = self.v_proj(x).reshape(b, t, self.k, self.h)
+        q = self.q_proj(x, kernels).reshape(b, t, self.n, self.h)
+        k = self.k_proj(x, kernels).reshape(b, t, self.k, self.h)
+        v = self.v_proj(x, kernels).reshape(b, t, self.k, self.h)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def __call__(self, x, positions, cos, sin, k_cache, v_cache, *, prefill: bool, impl: str,
-                 packed: attention.PackedLayout | None = None):
-        q, k, v = self.project_qkv(x, cos, sin)
+    def __call__(self, x, positions, cos, sin, k_cache, v_cache, *, prefill: bool, kernels: Kernels,
+                 packed: PackedLayout | None = None):
+        q, k, v = self.project_qkv(x, cos, sin, kernels)
         extra = dict(sinks=None if self.sinks is None else self.sinks[...], window=self.window)
         if packed is not None:  # x is [1, T, D]: verify windows packed end to end; the cache is only read
-            out, new_kv = attention.packed_verify(q, k, v, *attention.read_after(x, k_cache, v_cache), packed,
-                                                  impl=impl, **extra)
+            out, new_kv = packed_verify(q, k, v, *read_after(x, k_cache, v_cache, kernels), packed,
+                                        kernels=kernels, **extra)
             k_cache = v_cache = new_kv  # the new entries, for PendingKV
         elif prefill:
             # Empty cache: attend over the prompt's own keys (slot j = position j), then store them. Prefill is
             # compute-bound and long: not the decode kernels (cuDNN's fused attention on GPUs, else the reference).
-            out = attention.prefill_attention(q, k, v, positions, impl=impl, **extra)
+            out = prefill_attention(q, k, v, positions, kernels=kernels, **extra)
             if k_cache is not None:  # None: a cache-free forward (training features)
                 k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (0, 0, 0, 0))
                 v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (0, 0, 0, 0))
         else:
             k_cache = write_rows(k_cache, k, positions[:, 0])
             v_cache = write_rows(v_cache, v, positions[:, 0])
-            out = attention.cache_attention(q, k_cache, v_cache, positions, impl=impl, **extra)
+            out = cache_attention(q, k_cache, v_cache, positions, kernels=kernels, **extra)
         b, t = x.shape[:2]
-        return self.o_proj(out.reshape(b, t, self.n * self.h)), k_cache, v_cache
+        return self.o_proj(out.reshape(b, t, self.n * self.h), kernels), k_cache, v_cache
 
 
 class DecoderLayer(nnx.Module):
@@ -181,11 +165,11 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, cos, sin, k_cache, v_cache, *, prefill: bool, impl: str, packed=None):
+    def __call__(self, x, positions, cos, sin, k_cache, v_cache, *, prefill: bool, kernels: Kernels, packed=None):
         a, k_cache, v_cache = self.self_attn(self.input_layernorm(x), positions, cos, sin, k_cache, v_cache,
-                                             prefill=prefill, impl=impl, packed=packed)
+                                             prefill=prefill, kernels=kernels, packed=packed)
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), k_cache, v_cache
+        return x + self.mlp(self.post_attention_layernorm(x), kernels), k_cache, v_cache
 
 
 class TargetModel(nnx.Module):
@@ -232,8 +216,8 @@ class TargetModel(nnx.Module):
         *,
         capture: tuple[int, ...] = (),
         prefill: bool = False,
-        impl: str = "xla",
-        packed: attention.PackedLayout | None = None,
+        kernels: Kernels = Kernels(),
+        packed: PackedLayout | None = None,
     ) -> tuple[Float[Array, "B T D"], Float[Array, "B T F"] | None, KVCache]:
         """Run ``tokens`` at ``positions`` (consecutive per row), writing their K/V into ``cache``.
 
@@ -252,7 +236,7 @@ class TargetModel(nnx.Module):
         ks, vs = (list(cache.k), list(cache.v)) if cache is not None else ([None] * n, [None] * n)
         captured = {}
         for i, layer in enumerate(self.layers):
-            x, ks[i], vs[i] = layer(x, positions, cos, sin, ks[i], vs[i], prefill=prefill, impl=impl,
+            x, ks[i], vs[i] = layer(x, positions, cos, sin, ks[i], vs[i], prefill=prefill, kernels=kernels,
                                     packed=packed)
             if i in capture and i != n - 1:
                 captured[i] = x

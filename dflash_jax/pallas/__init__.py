@@ -1,9 +1,7 @@
-"""Pallas TPU (Mosaic) kernels for the decode loop's attention; see :mod:`dflash_jax.pallas.attention`.
+"""TPU (Mosaic) Pallas kernels, one leaf module per operation: :mod:`dflash_jax.pallas.attention` (the decode
+loop's draft and ragged verify attention), :mod:`dflash_jax.pallas.moe` (the grouped-expert MLP), and
+:mod:`dflash_jax.pallas.common` (what they share).
 
-On CPU run them with ``interpret=jax.experimental.pallas.tpu.InterpretParams()``. Use
-:func:`unsupported_reason` to decide whether to fall back to the jnp references in :mod:`dflash_jax.attention`.
+On CPU run them with ``interpret=jax.experimental.pallas.tpu.InterpretParams()``. Model code never imports
+these: the operations of :mod:`dflash_jax.kernels` reach them through its ``(op, implementation)`` dispatch.
 """
-
-from dflash_jax.pallas.attention import draft_attention, ragged_verify_attention, unsupported_reason
-
-__all__ = ["draft_attention", "ragged_verify_attention", "unsupported_reason"]

@@ -1,6 +1,6 @@
 """TPU (Mosaic) Pallas kernels for the two attention operations of the decode loop.
 
-Both kernels compute exactly what the pure-jnp references in :mod:`dflash_jax.attention` compute (same masks,
+Both kernels compute exactly what the pure-jnp references in :mod:`dflash_jax.kernels.attention` compute (same masks,
 float32 scores/softmax, output in ``q.dtype``); ``tests/test_pallas_tpu.py`` checks them against those
 references in TPU interpret mode. Letters: B batch rows (requests), L block/window length, T packed query
 rows, N query heads, K KV heads, G = N // K query heads per KV head, H head_dim, S cache slots.
@@ -13,7 +13,7 @@ rows, N query heads, K KV heads, G = N // K query heads per KV head, H head_dim,
 * :func:`ragged_verify_attention` — packed verify windows ``q [T,N,H]`` (request r owns rows
   ``cu_q_lens[r]:cu_q_lens[r+1]``, ℓ_r ≤ ``max_q_len``) attending causally to cache row r up to
   ``kv_lens[r]``; rows at or past ``cu_q_lens[B]`` give zeros. Optionally with gpt-oss's attention sinks
-  (``sinks [N]``) and sliding window (``window``), as :func:`dflash_jax.attention.cache_attention`.
+  (``sinks [N]``) and sliding window (``window``), as :func:`dflash_jax.kernels.attention.cache_attention`.
 
 Kernel (shared by both ops): a flash-attention loop with online softmax. Grid ``(B, K // kb, n_kv)``:
 batch and KV-head-group axes are "parallel" (megacore / multi-TensorCore sharding), the KV-block axis is
@@ -85,37 +85,21 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
-from dflash_jax.attention import find_bucket
+from dflash_jax.kernels.common import HEAD_VECTOR, HEADS, NEG_INF, find_bucket, native, run_kernel
+from dflash_jax.kernels.common import rows as row_layout
+from dflash_jax.pallas.common import LANES, Interpret, interpret_arg, round_up, sublanes
+from dflash_jax.tuning import Kernels
 
-NEG_INF = -1e30  # the references' mask value; finite so that fully masked rows stay NaN-free
-_LANES = 128
 _DEFAULT_BLOCK_KV = 512
 _KV_VMEM_BUDGET = 8 * 2**20  # bytes for the double-buffered K and V blocks
 _VMEM_HARD_LIMIT = 48 * 2**20  # above this a config cannot fit v7x's 64 MiB VMEM with headroom
 _SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-
-Interpret = bool | pltpu.InterpretParams | None
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def _sublanes(dtype: Any) -> int:
-    """Rows of one (sublanes, 128) VMEM tile: 8 for 32-bit, 16 for 16-bit dtypes."""
-    return 8 * (4 // jnp.dtype(dtype).itemsize)
-
-
-def _interpret_arg(interpret: Interpret) -> Any:
-    if interpret is True:
-        return pltpu.InterpretParams()
-    return interpret or False
-
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
@@ -142,20 +126,20 @@ class _Plan:
         """Rough VMEM need: double-buffered blocks (second-minor dims padded to the sublane tile), scratch,
         the float32 score/probability temporaries, and the lane-replicated sink tile when there is one."""
         isz = jnp.dtype(self.dtype).itemsize
-        kb_pad = _round_up(self.kb, _sublanes(self.dtype))
-        rows_pad = _round_up(self.rows, _sublanes(self.dtype))
+        kb_pad = round_up(self.kb, sublanes(self.dtype))
+        rows_pad = round_up(self.rows, sublanes(self.dtype))
         kv = 2 * 2 * (self.block_kv + extra_kv_rows) * kb_pad * self.h * isz
         qo = 2 * 2 * self.kb * rows_pad * self.h * isz
-        scratch = self.kb * _round_up(self.rows, 8) * (self.h + 2 * _LANES) * 4
-        temps = 4 * _round_up(self.rows, 8) * _round_up(self.block_kv, _LANES) * 4
-        sink = 2 * self.kb * _round_up(self.rows, 8) * _LANES * 4 if sinks else 0
+        scratch = self.kb * round_up(self.rows, 8) * (self.h + 2 * LANES) * 4
+        temps = 4 * round_up(self.rows, 8) * round_up(self.block_kv, LANES) * 4
+        sink = 2 * self.kb * round_up(self.rows, 8) * LANES * 4 if sinks else 0
         return kv + qo + scratch + temps + sink
 
 
 def _default_block_kv(kb: int, h: int, dtype: Any) -> int:
-    per_row = 2 * 2 * _round_up(kb, _sublanes(dtype)) * h * jnp.dtype(dtype).itemsize
+    per_row = 2 * 2 * round_up(kb, sublanes(dtype)) * h * jnp.dtype(dtype).itemsize
     bkv = _DEFAULT_BLOCK_KV
-    while bkv > _LANES and bkv * per_row > _KV_VMEM_BUDGET:
+    while bkv > LANES and bkv * per_row > _KV_VMEM_BUDGET:
         bkv //= 2
     return bkv
 
@@ -166,7 +150,7 @@ def _make_plan(q_rows: int, kv_shape: tuple[int, ...], n: int, dtype: Any, block
     kb = k if kv_heads_per_block is None else kv_heads_per_block
     bkv = _default_block_kv(kb, h, dtype) if block_kv is None else block_kv
     bkv = min(bkv, s)  # one block covering all of S: block dim equals the array dim
-    return _Plan(s=s, k=k, g=n // k, h=h, lp=_round_up(max(q_rows, 1), 8), kb=kb, block_kv=bkv,
+    return _Plan(s=s, k=k, g=n // k, h=h, lp=round_up(max(q_rows, 1), 8), kb=kb, block_kv=bkv,
                  dtype=jnp.dtype(dtype))
 
 
@@ -189,7 +173,7 @@ def _check(q_shape: tuple[int, ...], q_dtype: Any, kv_shape: tuple[int, ...], kv
     if s < 1:
         return "empty KV cache (S = 0)"
     if kv_heads_per_block is not None:
-        kb, sub = kv_heads_per_block, _sublanes(q_dtype)
+        kb, sub = kv_heads_per_block, sublanes(q_dtype)
         if kb != k and (kb <= 0 or k % kb or kb % sub):
             return (f"kv_heads_per_block={kb} must be K={k} or a multiple of {sub} (the {jnp.dtype(q_dtype)} "
                     "sublane tile) dividing K")
@@ -232,7 +216,7 @@ def unsupported_reason(op: str, q: Any, kv: Any, *, interpret: Interpret = None,
         return "draft: empty block (L = 0)"
     if op == "ragged_verify" and max_q_len is not None and max_q_len < 1:
         return f"ragged_verify: max_q_len={max_q_len} must be >= 1"
-    if _interpret_arg(interpret):
+    if interpret_arg(interpret):
         return None  # the interpreter runs any shape; the rest is about compiling with Mosaic
     h = kv_shape[-1]
     if h % 64:
@@ -398,8 +382,8 @@ def _compiler_params(vmem_limit_bytes: int | None) -> pltpu.CompilerParams:
 
 
 def _scratch(plan: _Plan) -> list:
-    return [pltpu.VMEM((plan.kb, plan.rows, _LANES), jnp.float32),  # running max m
-            pltpu.VMEM((plan.kb, plan.rows, _LANES), jnp.float32),  # running sum l
+    return [pltpu.VMEM((plan.kb, plan.rows, LANES), jnp.float32),  # running max m
+            pltpu.VMEM((plan.kb, plan.rows, LANES), jnp.float32),  # running sum l
             pltpu.VMEM((plan.kb, plan.rows, plan.h), jnp.float32)]  # accumulator
 
 
@@ -472,7 +456,7 @@ def draft_attention(
             scratch_shapes=_scratch(plan)),
         out_shape=jax.ShapeDtypeStruct((b, plan.k, plan.rows, h), q.dtype),
         compiler_params=_compiler_params(vmem_limit_bytes),
-        interpret=_interpret_arg(interpret),
+        interpret=interpret_arg(interpret),
         name="dflash_draft_attention",
     )(ctx_len, pos0, lo.astype(jnp.int32), hi.astype(jnp.int32), _group_queries(q, plan), ctx_k, ctx_v,
       blk_k, blk_v)
@@ -540,8 +524,8 @@ def _ragged_call(q_tiles, k_cache, v_cache, q_lens: Int[Array, "B"], kv_lens: In
     if sinks is not None:
         # Lane-replicated like the running max it initialises: [K, R, 128], row (g, l) holds sink[k·G + g].
         tile = jnp.repeat(sinks.astype(jnp.float32).reshape(plan.k, plan.g), plan.lp, axis=1)
-        extra = [jnp.broadcast_to(tile[:, :, None], (plan.k, plan.rows, _LANES))]
-        in_specs.append(pl.BlockSpec((plan.kb, plan.rows, _LANES), lambda bi, hg, j, *_: (hg, 0, 0)))
+        extra = [jnp.broadcast_to(tile[:, :, None], (plan.k, plan.rows, LANES))]
+        in_specs.append(pl.BlockSpec((plan.kb, plan.rows, LANES), lambda bi, hg, j, *_: (hg, 0, 0)))
     kernel = functools.partial(_verify_kernel, plan=plan, window=window, has_sinks=sinks is not None,
                                scale=h ** -0.5)
     return pl.pallas_call(
@@ -551,7 +535,7 @@ def _ragged_call(q_tiles, k_cache, v_cache, q_lens: Int[Array, "B"], kv_lens: In
             in_specs=in_specs, out_specs=q_spec, scratch_shapes=_scratch(plan)),
         out_shape=jax.ShapeDtypeStruct((b, plan.k, plan.rows, h), q_tiles.dtype),
         compiler_params=_compiler_params(vmem_limit_bytes),
-        interpret=_interpret_arg(interpret),
+        interpret=interpret_arg(interpret),
         name="dflash_ragged_verify_attention",
     )(kv_lens, q_lens, lo.astype(jnp.int32), hi.astype(jnp.int32), q_tiles, k_cache, v_cache, *extra)
 
@@ -565,3 +549,52 @@ def _to_packed(out: Float[Array, "B Lq N H"], cu: Int[Array, "B+1"], t: int) -> 
     off = tok - cu[req]
     vals = jnp.where((off >= lq)[:, None, None], jnp.nan, out[req, jnp.minimum(off, lq - 1)])
     return jnp.where((tok < cu[b])[:, None, None], vals, 0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Entries of the kernel dispatch (dflash_jax.kernels.dispatch: each takes its op's arguments and returns None
+# where the reference must run). On a TPU each kernel is compiled alone first (kernels.common.compile_probe).
+
+
+def _interpret() -> Interpret:
+    return None if native("pallas") else pltpu.InterpretParams()
+
+
+def cache_attention_kernel(q, k_cache, v_cache, q_positions, *, sinks=None, window=None, kernels: Kernels):
+    """``cache_attention`` of consecutive windows as :func:`ragged_verify_attention` (ℓ_r = T for every row)."""
+    interp = _interpret()
+
+    def local(q, k_cache, v_cache, q_positions, sinks=None):
+        b, t, n, h = q.shape
+        cu = jnp.asarray(np.arange(b + 1, dtype=np.int32) * t)  # a constant: no kernel per layer each step
+        kv_lens = (q_positions[:, -1] + 1).astype(jnp.int32)
+        out = ragged_verify_attention(q.reshape(b * t, n, h), k_cache, v_cache, cu, kv_lens, sinks, max_q_len=t,
+                                      window=window, interpret=interp)
+        return out.reshape(q.shape)
+
+    def reason(q, k_cache, v_cache, q_positions, sinks=None):
+        b, t, n, h = q.shape
+        return unsupported_reason("ragged_verify", jax.ShapeDtypeStruct((b * t, n, h), q.dtype), k_cache,
+                                  interpret=interp, max_q_len=t, window=window, sinks=sinks)
+
+    heads = () if sinks is None else (sinks,)
+    return run_kernel("pallas", "verify attention", (window,), local, reason, (q, k_cache, v_cache, q_positions,
+                                                                              *heads),
+                      (HEADS, HEADS, HEADS, row_layout(2)) + (HEAD_VECTOR,) * len(heads), probe=native("pallas"))
+
+
+def draft_attention_kernel(q, ctx_k, ctx_v, blk_k, blk_v, q_positions, ctx_len, *, causal: bool, window,
+                           kernels: Kernels, once: bool = False):
+    """``draft_attention`` (no sinks) as :func:`draft_attention`."""
+    interp = _interpret()
+
+    def local(q, ctx_k, ctx_v, blk_k, blk_v, q_positions, ctx_len):
+        return draft_attention(q, ctx_k, ctx_v, blk_k, blk_v, q_positions.astype(jnp.int32),
+                               ctx_len.astype(jnp.int32), causal=causal, window=window, interpret=interp)
+
+    def reason(q, ctx_k, ctx_v, blk_k, blk_v, q_positions, ctx_len):
+        return unsupported_reason("draft", q, ctx_k, interpret=interp, window=window)
+
+    return run_kernel("pallas", "draft attention", (causal, window), local, reason,
+                      (q, ctx_k, ctx_v, blk_k, blk_v, q_positions, ctx_len),
+                      (HEADS,) * 5 + (row_layout(2), row_layout(1)), once=once, probe=native("pallas"))

@@ -1,11 +1,11 @@
 """TPU (Mosaic) grouped-expert MLP: the routed experts' SwiGLU for a few tokens, reading only the weights of
 experts some token routed to.
 
-Same semantics and signature as :func:`dflash_jax.models.moe.experts_gathered` (the jnp reference):
+Same semantics and signature as :func:`dflash_jax.kernels.moe.experts_gathered` (the jnp reference):
 ``x [N, D]``, routing ``weights``/``idx [N, K]``, experts ``gate``/``up [E, D, F]``, ``down [E, F, D]``,
 optional gpt-oss ``biases`` and any elementwise ``act(g, u)`` (float32 here). P = N·K pairs.
 
-Layout: the pairs are grouped by expert (:func:`dflash_jax.models.moe.group_pairs`); group g (one per routed
+Layout: the pairs are grouped by expert (:func:`dflash_jax.kernels.moe.group_pairs`); group g (one per routed
 expert, G = min(E, P) static groups) gets its own tile of ``Mt`` = round_up(N, sublane tile) rows in
 ``xg [G, Mt, D]`` (a token routes an expert at most once, so N rows always suffice; unused rows are zeros).
 A fixed tile per group keeps every block aligned — an expert-sorted packed layout would need tiles that
@@ -37,8 +37,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dflash_jax.models.moe import Biases, _combine, _swiglu, argument_reason, group_pairs
-from dflash_jax.pallas.attention import Interpret, _interpret_arg, _round_up, _sublanes
+from dflash_jax.kernels.common import compile_probe, native
+from dflash_jax.kernels.moe import Biases, argument_reason, combine, group_pairs, run_grouped, swiglu
+from dflash_jax.pallas.common import Interpret, interpret_arg, round_up, sublanes
+from dflash_jax.tuning import Kernels
 
 __all__ = ["grouped_experts", "unsupported_reason"]
 
@@ -58,7 +60,7 @@ def _vmem_bytes(mt: int, d: int, bf: int, dtype: Any) -> int:
     isz = jnp.dtype(dtype).itemsize
     weights = 2 * 3 * d * bf * isz
     rows = 2 * 2 * mt * d * isz + mt * d * 4  # x and output blocks (double-buffered), accumulator
-    temps = 3 * _round_up(mt, 8) * _round_up(bf, _LANES) * 4 + _round_up(mt, 8) * d * 4
+    temps = 3 * round_up(mt, 8) * round_up(bf, _LANES) * 4 + round_up(mt, 8) * d * 4
     return weights + rows + temps
 
 
@@ -105,9 +107,9 @@ def unsupported_reason(x, weights, idx, gate, up, down, *, biases: Biases | None
     bf = block_f or _block_f(d, f, x.dtype)
     if f % bf or (bf != f and bf % _LANES):
         return f"block_f={bf} must divide F={f} and be a multiple of {_LANES} (or F)"
-    if _interpret_arg(interpret):
+    if interpret_arg(interpret):
         return None
-    need, limit = _vmem_bytes(_round_up(n, _sublanes(x.dtype)), d, bf, x.dtype), vmem_limit_bytes or _VMEM_HARD_LIMIT
+    need, limit = _vmem_bytes(round_up(n, sublanes(x.dtype)), d, bf, x.dtype), vmem_limit_bytes or _VMEM_HARD_LIMIT
     if need > limit:
         return f"estimated VMEM {need / 2**20:.1f} MiB > {limit / 2**20:.0f} MiB (lower block_f)"
     if jax.default_backend() != "tpu":
@@ -116,16 +118,16 @@ def unsupported_reason(x, weights, idx, gate, up, down, *, biases: Biases | None
 
 
 def grouped_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Array, up: jax.Array,
-                    down: jax.Array, *, biases: Biases | None = None, act: Callable = _swiglu,
+                    down: jax.Array, *, biases: Biases | None = None, act: Callable = swiglu,
                     block_f: int | None = None, vmem_limit_bytes: int | None = None,
                     interpret: Interpret = None) -> jax.Array:
-    """The routed experts' MLP of :func:`dflash_jax.models.moe.experts_gathered` as one Mosaic kernel that reads
+    """The routed experts' MLP of :func:`dflash_jax.kernels.moe.experts_gathered` as one Mosaic kernel that reads
     only routed experts' weights (module docstring). Not jitted itself (``act`` may be a fresh closure each
     call): call it inside a jitted program. ``interpret``: ``pltpu.InterpretParams()`` (or True) on CPU."""
     n, k = idx.shape
     e, d, f = gate.shape
     groups = min(e, n * k)
-    mt = _round_up(n, _sublanes(x.dtype))
+    mt = round_up(n, sublanes(x.dtype))
     bf = block_f or _block_f(d, f, x.dtype)
     nf = f // bf
     grp = group_pairs(idx, e)
@@ -165,7 +167,18 @@ def grouped_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.
         out_shape=jax.ShapeDtypeStruct((groups, mt, d), x.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=vmem_limit_bytes),
-        interpret=_interpret_arg(interpret),
+        interpret=interpret_arg(interpret),
         name="dflash_moe_experts",
     )(grp.expert, grp.n_active[None], xg, gate, up, down, *bias_args)
-    return _combine(out.reshape(groups * mt, d)[slot].reshape(n, k, d), weights)
+    return combine(out.reshape(groups * mt, d)[slot].reshape(n, k, d), weights)
+
+
+def experts_kernel(x, weights, idx, gate, up, down, *, biases: Biases | None = None, act: Callable = swiglu,
+                   kernels: Kernels) -> jax.Array | None:
+    """The entry of the kernel dispatch (op ``"moe_experts"``): :func:`grouped_experts` (interpret mode off a TPU;
+    on a TPU compiled alone first — it has never met a real Mosaic compiler), per device under a mesh, or None
+    where the XLA paths must run."""
+    interp = None if native("pallas") else pltpu.InterpretParams()
+    return run_grouped("pallas", functools.partial(grouped_experts, interpret=interp),
+                       functools.partial(unsupported_reason, interpret=interp), x, weights, idx, gate, up, down,
+                       biases=biases, act=act, probe=compile_probe if native("pallas") else None)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from dflash_jax.attention import NEG_INF
+from dflash_jax.kernels.common import NEG_INF
 from dflash_jax.models.drafter import DFlashDrafter, DSparkDrafter
 from dflash_jax.models.layers import apply_rope
 from dflash_jax.models.target import TargetModel

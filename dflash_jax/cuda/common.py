@@ -1,0 +1,37 @@
+"""Helpers shared by the GPU kernels (Pallas lowered to Triton): integer arithmetic of tilings, the device's SM
+count, the dtypes they take and the precision JAX asks for."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+DEFAULT_SMS = 132  # H100 / H200 SXM; used when the device does not say (interpret mode)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two ≥ ``n`` (1 for n ≤ 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for integers."""
+    return -(-a // b)
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the first device (:data:`DEFAULT_SMS` off a GPU)."""
+    try:
+        dev = jax.devices()[0]
+        if dev.platform == "gpu":
+            return int(getattr(dev, "core_count", 0) or DEFAULT_SMS)
+    except Exception:  # noqa: BLE001 — no backend: keep the default
+        pass
+    return DEFAULT_SMS
+
+
+def highest_precision_requested() -> bool:
+    """Whether JAX's default matmul precision (read at trace time) asks for full float32."""
+    p = jax.config.jax_default_matmul_precision
+    return str(p).lower() in ("highest", "float32") or "F32_F32_F32" in str(p).upper()
