@@ -1,9 +1,9 @@
 """gpt-oss (``model_type: "gpt_oss"``): the parts that differ from the LLaMA/Qwen layers, and its checkpoints.
 
-Attention is :class:`dflash_jax.models.target.Attention` with two things the config turns on: a learned logit
-per query head (``self_attn.sinks``) that joins every softmax denominator and takes no value (a query can
-"attend to nothing"), and a sliding window of ``sliding_window`` keys on the layers in ``sliding_layers``
-(every other layer in the released models). Both live in :func:`dflash_jax.attention.cache_attention`, and
+The model is :class:`GptOssTargetModel`. Attention is :class:`dflash_jax.models.target.Attention` with two things
+the config turns on: a learned logit per query head (``self_attn.sinks``) that joins every softmax denominator
+and takes no value (a query can "attend to nothing"), and a sliding window of ``sliding_window`` keys on the
+layers in ``sliding_layers`` (every other layer in the released models). Both live in :func:`dflash_jax.attention.cache_attention`, and
 the verify kernels (``attention_impl`` "pallas" / "cuda") take both.
 
 The MLP of every layer is a routed MoE (:class:`GptOssMoE`): a router with a bias whose top-k *logits* are
@@ -33,10 +33,10 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from dflash_jax.checkpoints.safetensors_io import CheckpointError
-from dflash_jax.config import ModelConfig
+from dflash_jax.config import CheckpointError, ModelConfig
 from dflash_jax.models import moe
 from dflash_jax.models.layers import Dense, _normal, matmul
+from dflash_jax.models.target import DecoderLayer, TargetModel
 
 
 class RMSNorm(nnx.Module):
@@ -95,6 +95,24 @@ class GptOssMoE(nnx.Module):
                                biases=(e.gate_proj_bias[...], e.up_proj_bias[...], e.down_proj_bias[...]),
                                act=functools.partial(clamped_swiglu, alpha=self.alpha, limit=self.limit))
         return out.reshape(x.shape)
+
+
+class GptOssDecoderLayer(DecoderLayer):
+    """The shared decoder layer (its attention takes sinks and, on sliding layers, a window from ``cfg``) with
+    gpt-oss's norms and routed experts in every layer."""
+
+    norm_class = RMSNorm
+
+    def make_mlp(self, cfg: ModelConfig, idx: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        return GptOssMoE(cfg, dtype=dtype, rngs=rngs)
+
+
+class GptOssTargetModel(TargetModel):
+    """A gpt-oss causal LM: :class:`~dflash_jax.models.target.TargetModel` with :class:`GptOssDecoderLayer`\ s
+    and gpt-oss's final norm."""
+
+    layer_class = GptOssDecoderLayer
+    norm_class = RMSNorm
 
 
 # --------------------------------------------------------------------------------------------------
