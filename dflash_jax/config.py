@@ -234,15 +234,19 @@ class ModelConfig:
             if self.hybrid is None:
                 raise ConfigError(f"model family {self.family!r} needs its linear-attention settings (layer_types …)")
             self.hybrid.validate(self)
+        if schema.check is not None:
+            schema.check(self)
+        return self
+
+    def check_windows(self) -> None:
+        """Raise unless the sliding-window layers exist and have a window (for families with windows; other
+        configs may carry a target's fields unused, as a drafter's layers copied from one)."""
         bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
         if bad:
             raise ConfigError(f"sliding-window layers {bad} are out of range for {self.num_layers} layers")
         if self.sliding_layers and not (self.sliding_window or 0) > 0:
             raise ConfigError(f"config field sliding_window must be positive for sliding_attention layers, "
                               f"got {self.sliding_window}")
-        if schema.check is not None:
-            schema.check(self)
-        return self
 
     def check_experts(self) -> None:
         """Raise unless the routed-expert fields describe experts (for families with them)."""

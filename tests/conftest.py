@@ -228,7 +228,7 @@ FILE_SECONDS = {"test_train.py": 122, "test_real_pair.py": 127, "test_sharding.p
                 "test_dspark.py": 26, "test_target_vs_transformers.py": 25, "test_draft_vocab.py": 23,
                 "test_pallas_tpu.py": 22, "test_streaming.py": 16, "test_zlab_fixture.py": 14,
                 "test_delta_rule_kernel.py": 13, "test_moe_kernels.py": 12, "test_cuda_kernels.py": 11,
-                "test_gpt_oss.py": 11}
+                "test_gpt_oss.py": 11, "test_mistral.py": 12}
 SMOLLM2_UNIT = ("test_smollm2.py", "test_real_pair.py", "test_notebook.py")
 
 

@@ -53,6 +53,7 @@ def fields(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 def check(cfg: ModelConfig) -> None:
     cfg.check_experts()
+    cfg.check_windows()
     if not cfg.swiglu_limit > 0:
         raise ConfigError(f"config field swiglu_limit must be positive, got {cfg.swiglu_limit}")
 
