@@ -150,8 +150,9 @@ class HybridConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only transformer of the LLaMA-3 / Qwen3 / Qwen3-MoE families, or a Qwen3.5 / Qwen3-Next hybrid
-    (``hybrid``), as a target model."""
+    """A decoder-only transformer as a target model: LLaMA-3 / Qwen3 / Qwen3-MoE layers, a Qwen3.5 / Qwen3-Next
+    hybrid (``hybrid``), gpt-oss, … — ``family`` names a registered :class:`FamilySchema` (see
+    :mod:`dflash_jax.families`; docs/families.md lists them)."""
 
     family: str
     vocab_size: int

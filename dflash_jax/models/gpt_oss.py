@@ -1,9 +1,10 @@
-"""gpt-oss (``model_type: "gpt_oss"``): the parts that differ from the LLaMA/Qwen layers, and its checkpoints.
+"""gpt-oss (``model_type: "gpt_oss"``): the parts that differ from the LLaMA/Qwen layers (:class:`GptOssTargetModel`
+puts them together), and its checkpoints.
 
-The model is :class:`GptOssTargetModel`. Attention is :class:`dflash_jax.models.target.Attention` with two things
-the config turns on: a learned logit per query head (``self_attn.sinks``) that joins every softmax denominator
-and takes no value (a query can "attend to nothing"), and a sliding window of ``sliding_window`` keys on the
-layers in ``sliding_layers`` (every other layer in the released models). Both live in :func:`dflash_jax.attention.cache_attention`, and
+Attention is :class:`dflash_jax.models.target.Attention` with two things the config turns on: a learned logit
+per query head (``self_attn.sinks``) that joins every softmax denominator and takes no value (a query can
+"attend to nothing"), and a sliding window of ``sliding_window`` keys on the layers in ``sliding_layers``
+(every other layer in the released models). Both live in :func:`dflash_jax.attention.cache_attention`, and
 the verify kernels (``attention_impl`` "pallas" / "cuda") take both.
 
 The MLP of every layer is a routed MoE (:class:`GptOssMoE`): a router with a bias whose top-k *logits* are
