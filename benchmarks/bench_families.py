@@ -63,12 +63,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import copy_bandwidth, device_profile, param_bytes, print_profile  # noqa: E402
 from dflash_jax import generate, random_drafter, speculative_generate  # noqa: E402
-from dflash_jax import generation  # noqa: E402
+from dflash_jax import families, generation  # noqa: E402
 from dflash_jax.config import model_config_from_hf  # noqa: E402
 from dflash_jax.loading import Target, restrict_draft_vocab  # noqa: E402
 from dflash_jax.models import moe  # noqa: E402
-from dflash_jax.models.hybrid import HybridTargetModel  # noqa: E402
-from dflash_jax.models.target import TargetModel  # noqa: E402
 
 # Qwen/Qwen3-30B-A3B config.json (the fields the parser reads).
 QWEN3_30B_A3B = {
@@ -136,7 +134,7 @@ def _init_rule(path: tuple, shape: tuple, hybrid: bool) -> tuple[float, float]:
 def random_target(cfg, dtype, seed: int = 0) -> Target:
     """A target (dense / MoE or hybrid by ``cfg``) with random weights generated on the device: the module is
     built abstractly (``nnx.eval_shape``), then each parameter is one jitted draw in ``dtype``."""
-    cls = HybridTargetModel if cfg.hybrid is not None else TargetModel
+    cls = families.of(cfg).model
     model = nnx.eval_shape(lambda: cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     draw = jax.jit(lambda key, shape, shift, scale: (shift + scale * jax.random.normal(key, shape, jnp.float32)
                                                      ).astype(dtype), static_argnums=(1,))

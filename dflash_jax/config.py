@@ -11,15 +11,79 @@ import dataclasses
 import json
 import math
 from pathlib import Path
-from typing import Any, Mapping
-
-FAMILIES = ("llama", "qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next", "gpt_oss")
-HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # Gated DeltaNet + gated attention (models/hybrid.py)
-MOE_FAMILIES = ("qwen3_moe", "qwen3_5_moe", "qwen3_next")
+from typing import Any, Callable, Mapping
 
 
 class ConfigError(ValueError):
     """A config.json is missing, unreadable or describes something we cannot run."""
+
+
+class CheckpointError(ValueError):
+    """Missing, corrupt or mismatched weight files (raised by the checkpoint readers and by the families'
+    checkpoint mappings; it sits here, at the bottom, so that both can use it)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Target families: the config side. Each family module of :mod:`dflash_jax.families` registers its schema
+# (through ``families.register``); this module holds no family names itself.
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class FamilySchema:
+    """How a target family's ``config.json`` reads, and the switches the shared layers take from a
+    :class:`ModelConfig` of that family.
+
+    ``prepare(cfg, where)`` fills what the family's configs may leave out before parsing (e.g. transformers'
+    defaults); ``fields(cfg, where)`` gives the :class:`ModelConfig` fields beyond the shared ones
+    (:func:`shared_fields`), overriding those it repeats; ``check(cfg)`` adds the family's own validation.
+    """
+
+    name: str
+    model_types: tuple[str, ...]  # HF ``model_type`` values parsed as this family
+    fields: Callable[[Mapping[str, Any], str], dict] | None = None
+    prepare: Callable[[Mapping[str, Any], str], Mapping[str, Any]] | None = None
+    check: Callable[["ModelConfig"], None] | None = None
+    qk_norm: bool = False  # RMSNorm on each head's q and k before the rotation
+    moe: bool = False  # Qwen-MoE sparse blocks in the layers ModelConfig.is_moe_layer picks (expert fields checked)
+    linear_attention: bool = False  # Gated DeltaNet layers: needs ModelConfig.hybrid
+    attention_sinks: bool = False  # a learned logit per query head joins every attention softmax
+
+
+_SCHEMAS: dict[str, FamilySchema] = {}
+_MODEL_TYPES: dict[str, str] = {}
+
+
+def register_schema(schema: FamilySchema) -> FamilySchema:
+    """Make ``schema`` known to :class:`ModelConfig` and :func:`model_config_from_hf` (by its name and its
+    model types). Called by ``dflash_jax.families.register``; registering a name twice replaces it."""
+    taken = {t: _MODEL_TYPES[t] for t in schema.model_types if _MODEL_TYPES.get(t, schema.name) != schema.name}
+    if taken:
+        raise ValueError(f"family {schema.name!r}: model types already registered by other families: {taken}")
+    _SCHEMAS[schema.name] = schema
+    _MODEL_TYPES.update({t: schema.name for t in schema.model_types})
+    return schema
+
+
+def family_names() -> tuple[str, ...]:
+    """The registered families, in registration order."""
+    return tuple(_SCHEMAS)
+
+
+def family_schema(name: str) -> FamilySchema:
+    """The registered schema of family ``name`` (ConfigError naming the known ones if none)."""
+    if name not in _SCHEMAS:
+        hint = "" if _SCHEMAS else " (none registered: import dflash_jax.families)"
+        raise ConfigError(f"model family {name!r} is not supported (expected one of {family_names()}){hint}")
+    return _SCHEMAS[name]
+
+
+def schema_for_model_type(cfg: Mapping[str, Any], where: str) -> FamilySchema:
+    """The schema that parses a config of this ``model_type`` (ConfigError listing the accepted types if none)."""
+    mt = str(cfg.get("model_type", "")).lower()
+    if mt not in _MODEL_TYPES:
+        raise ConfigError(f"{where}: model_type {cfg.get('model_type')!r} is not supported "
+                          f"(expected one of {sorted(_MODEL_TYPES)})")
+    return _SCHEMAS[_MODEL_TYPES[mt]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +150,9 @@ class HybridConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only transformer of the LLaMA-3 / Qwen3 / Qwen3-MoE families, or a Qwen3.5 / Qwen3-Next hybrid
-    (``hybrid``), as a target model."""
+    """A decoder-only transformer as a target model: LLaMA-3 / Qwen3 / Qwen3-MoE layers, a Qwen3.5 / Qwen3-Next
+    hybrid (``hybrid``), gpt-oss, … — ``family`` names a registered :class:`FamilySchema` (see
+    :mod:`dflash_jax.families`; docs/families.md lists them)."""
 
     family: str
     vocab_size: int
@@ -122,18 +187,28 @@ class ModelConfig:
     swiglu_limit: float = 7.0
 
     @property
+    def schema(self) -> FamilySchema:
+        """The registered schema of this config's family."""
+        return family_schema(self.family)
+
+    @property
     def qk_norm(self) -> bool:
-        return self.family in ("qwen3", "qwen3_moe")
+        return self.schema.qk_norm
+
+    @property
+    def moe(self) -> bool:
+        """Qwen-MoE sparse blocks (in the layers :meth:`is_moe_layer` picks)."""
+        return self.schema.moe
 
     def is_moe_layer(self, i: int) -> bool:
         """transformers' rule: every ``decoder_sparse_step``-th layer is sparse unless in ``mlp_only_layers``."""
-        return (self.family in MOE_FAMILIES and self.num_experts > 0 and i not in self.mlp_only_layers
+        return (self.moe and self.num_experts > 0 and i not in self.mlp_only_layers
                 and (i + 1) % self.decoder_sparse_step == 0)
 
     @property
     def attention_sinks(self) -> bool:
-        """gpt-oss: a learned logit per query head joins every attention softmax (``self_attn.sinks``)."""
-        return self.family == "gpt_oss"
+        """A learned logit per query head joins every attention softmax (``self_attn.sinks``; gpt-oss)."""
+        return self.schema.attention_sinks
 
     def layer_window(self, i: int) -> int | None:
         """The attention window of layer ``i`` (None: it sees every earlier position)."""
@@ -144,8 +219,7 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     def validate(self) -> "ModelConfig":
-        if self.family not in FAMILIES:
-            raise ConfigError(f"model family {self.family!r} is not supported (expected one of {FAMILIES})")
+        schema = family_schema(self.family)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
@@ -155,28 +229,28 @@ class ModelConfig:
                               f"num_key_value_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.family in MOE_FAMILIES:
-            self._validate_moe()
-        if self.family in HYBRID_FAMILIES:  # (other families ignore ``hybrid``: drafter layers copied from a target)
+        if schema.moe:
+            self.check_experts()
+        if schema.linear_attention:  # (other families ignore ``hybrid``: drafter layers copied from a target)
             if self.hybrid is None:
                 raise ConfigError(f"model family {self.family!r} needs its linear-attention settings (layer_types …)")
             self.hybrid.validate(self)
-        if self.family == "gpt_oss":
-            self._validate_gpt_oss()
+        if schema.check is not None:
+            schema.check(self)
         return self
 
-    def _validate_gpt_oss(self) -> None:
-        self._validate_moe()
+    def check_windows(self) -> None:
+        """Raise unless the sliding-window layers exist and have a window (for families with windows; other
+        configs may carry a target's fields unused, as a drafter's layers copied from one)."""
         bad = [i for i in self.sliding_layers if not 0 <= i < self.num_layers]
         if bad:
             raise ConfigError(f"sliding-window layers {bad} are out of range for {self.num_layers} layers")
         if self.sliding_layers and not (self.sliding_window or 0) > 0:
             raise ConfigError(f"config field sliding_window must be positive for sliding_attention layers, "
                               f"got {self.sliding_window}")
-        if not self.swiglu_limit > 0:
-            raise ConfigError(f"config field swiglu_limit must be positive, got {self.swiglu_limit}")
 
-    def _validate_moe(self) -> None:
+    def check_experts(self) -> None:
+        """Raise unless the routed-expert fields describe experts (for families with them)."""
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config field {name} must be positive, got {getattr(self, name)}")
@@ -318,7 +392,8 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"corrupt config file {path}: {e}") from None
 
 
-def _get(cfg: Mapping[str, Any], key: str, where: str) -> Any:
+def required(cfg: Mapping[str, Any], key: str, where: str) -> Any:
+    """``cfg[key]``, or ConfigError naming the field and the file when it is missing or null."""
     if key not in cfg or cfg[key] is None:
         raise ConfigError(f"{where}: required field {key!r} is missing")
     return cfg[key]
@@ -352,22 +427,6 @@ def parse_rope(cfg: Mapping[str, Any]) -> RopeConfig:
     )
 
 
-_HYBRID_MODEL_TYPES = {"qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
-                       "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next"}
-
-
-def _family(cfg: Mapping[str, Any], where: str) -> str:
-    mt = str(cfg.get("model_type", "")).lower()
-    if mt in ("qwen3", "qwen3_moe", "gpt_oss"):
-        return mt
-    if mt in _HYBRID_MODEL_TYPES:
-        return _HYBRID_MODEL_TYPES[mt]
-    if mt in ("llama",):
-        return "llama"
-    raise ConfigError(f"{where}: model_type {cfg.get('model_type')!r} is not supported "
-                      f"(expected 'llama', 'qwen3', 'qwen3_moe', 'qwen3_5', 'qwen3_5_moe', 'qwen3_next' or 'gpt_oss')")
-
-
 def text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
     """The language model's settings of a vision-language wrapper (Qwen3.5 / 3.6 ship ``text_config``); the
     wrapper's own token ids and tying fill what the text part leaves out. Other configs as they are."""
@@ -379,24 +438,31 @@ def text_config(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def model_config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> ModelConfig:
+    """Parse a target's HF ``config.json`` (or the text part of a vision-language one). The family is the one
+    registered for its ``model_type`` (:mod:`dflash_jax.families` registers the supported ones on import)."""
     cfg = text_config(cfg)
-    family = _family(cfg, where)
-    if family == "gpt_oss":
-        cfg = _gpt_oss_defaults(cfg)
+    schema = schema_for_model_type(cfg, where)
+    if schema.prepare is not None:
+        cfg = schema.prepare(cfg, where)
     if cfg.get("use_sliding_window"):
         raise ConfigError(f"{where}: use_sliding_window=true targets are not supported")
-    hidden = int(_get(cfg, "hidden_size", where))
-    heads = int(_get(cfg, "num_attention_heads", where))
+    shared = shared_fields(cfg, where)
+    extra = schema.fields(cfg, where) if schema.fields is not None else {}
+    return ModelConfig(family=schema.name, **{**shared, **extra}).validate()
+
+
+def shared_fields(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The :class:`ModelConfig` fields every family reads the same way (LLaMA's names and defaults)."""
+    hidden = int(required(cfg, "hidden_size", where))
+    heads = int(required(cfg, "num_attention_heads", where))
     head_dim = cfg.get("head_dim") or hidden // heads
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else []))
-    return ModelConfig(
-        family=family,
-        vocab_size=int(_get(cfg, "vocab_size", where)),
+    return dict(
+        vocab_size=int(required(cfg, "vocab_size", where)),
         hidden_size=hidden,
-        intermediate_size=int(cfg.get("intermediate_size") or _get(cfg, "moe_intermediate_size", where)
-                              if family == "qwen3_5_moe" else _get(cfg, "intermediate_size", where)),  # all-MoE
-        num_layers=int(_get(cfg, "num_hidden_layers", where)),
+        intermediate_size=int(required(cfg, "intermediate_size", where)),
+        num_layers=int(required(cfg, "num_hidden_layers", where)),
         num_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(head_dim),
@@ -408,94 +474,6 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str = "config.json") -> 
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
-        **(_gpt_oss_fields(cfg, where) if family == "gpt_oss" else {}),
-        **{**(_moe_fields(cfg, where) if family in MOE_FAMILIES else {}),
-           **(_hybrid_fields(cfg, family, where) if family in HYBRID_FAMILIES else {})},
-    ).validate()
-
-
-def _hybrid_fields(cfg: Mapping[str, Any], family: str, where: str) -> dict[str, Any]:
-    """Qwen3.5 / Qwen3-Next settings. Absent fields take transformers' defaults (e.g. a full-attention layer every
-    ``full_attention_interval`` = 4 layers, partial_rotary_factor 0.25); Qwen3.5-MoE has no dense layers and
-    always renormalises its top-k weights."""
-    layers = int(_get(cfg, "num_hidden_layers", where))
-    types = cfg.get("layer_types")
-    if types is None:
-        every = int(cfg.get("full_attention_interval") or 4)
-        types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
-    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), Mapping) else {}
-    factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)) or 0.25)
-    head_dim = int(cfg.get("head_dim") or int(_get(cfg, "hidden_size", where)) // int(
-        _get(cfg, "num_attention_heads", where)))
-    out: dict[str, Any] = dict(hybrid=HybridConfig(
-        layer_types=tuple(str(t) for t in types),
-        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
-        key_heads=int(cfg.get("linear_num_key_heads", 16)),
-        value_heads=int(cfg.get("linear_num_value_heads", 32)),
-        key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
-        value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
-        rotary_dim=int(head_dim * factor),
-        fused_projections=family == "qwen3_next",
-    ))
-    if family in MOE_FAMILIES:
-        out["shared_expert_intermediate_size"] = int(cfg.get("shared_expert_intermediate_size") or 0)
-    if family == "qwen3_5_moe":
-        out.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=())
-    return out
-
-
-# transformers' GptOssConfig defaults, for fields a gpt_oss config.json leaves out (released configs give them all).
-_GPT_OSS_DEFAULTS = {"attention_bias": True, "rms_norm_eps": 1e-5, "rope_theta": 150000.0, "sliding_window": 128,
-                     "num_experts_per_tok": 4, "swiglu_alpha": 1.702, "swiglu_limit": 7.0}
-_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                 "original_max_position_embeddings": 4096}
-
-
-def _gpt_oss_defaults(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    out = {**_GPT_OSS_DEFAULTS, **cfg}
-    if not out.get("rope_parameters") and not out.get("rope_scaling"):
-        out["rope_parameters"] = dict(_GPT_OSS_ROPE)
-    return out
-
-
-def _gpt_oss_fields(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """gpt-oss settings: experts in every layer (their width is ``intermediate_size``); ``layer_types`` gives the
-    sliding-window layers (transformers' default: the even-numbered ones)."""
-    experts = cfg.get("num_local_experts", cfg.get("num_experts"))
-    if experts is None:
-        raise ConfigError(f"{where}: required field 'num_local_experts' is missing")
-    layers = int(_get(cfg, "num_hidden_layers", where))
-    types = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-    if len(types) != layers:
-        raise ConfigError(f"{where}: layer_types has {len(types)} entries for {layers} layers")
-    bad = sorted(set(types) - {"sliding_attention", "full_attention"})
-    if bad:
-        raise ConfigError(f"{where}: layer_types has unknown kinds {bad} (gpt_oss layers are 'sliding_attention' "
-                          f"or 'full_attention')")
-    window = cfg.get("sliding_window")
-    return dict(
-        num_experts=int(experts),
-        num_experts_per_tok=int(_get(cfg, "num_experts_per_tok", where)),
-        moe_intermediate_size=int(_get(cfg, "intermediate_size", where)),
-        sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
-        sliding_window=int(window) if window is not None else None,
-        swiglu_alpha=float(_get(cfg, "swiglu_alpha", where)),
-        swiglu_limit=float(_get(cfg, "swiglu_limit", where)),
-    )
-
-
-def _moe_fields(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """Qwen3-MoE settings (transformers 5 writes ``num_experts`` as ``num_local_experts``)."""
-    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-    if experts is None:
-        raise ConfigError(f"{where}: required field 'num_experts' is missing")
-    return dict(
-        num_experts=int(experts),
-        num_experts_per_tok=int(_get(cfg, "num_experts_per_tok", where)),
-        moe_intermediate_size=int(_get(cfg, "moe_intermediate_size", where)),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", cfg.get("model_type") == "qwen3_next")),  # HF defaults
-        decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
-        mlp_only_layers=tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
     )
 
 

@@ -22,11 +22,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dflash_jax.checkpoints import gguf_io
-from dflash_jax.checkpoints.safetensors_io import (CheckpointError, load_into, read_safetensors,
-                                                   safetensors_files, stack_experts)
+from dflash_jax import families
+from dflash_jax.checkpoints.safetensors_io import CheckpointError, load_into, read_safetensors, safetensors_files
 from dflash_jax.config import (ConfigError, DrafterConfig, ModelConfig, default_target_layer_ids,
                                drafter_config_from_hf, model_config_from_hf, read_config_json)
-from dflash_jax.models import gpt_oss
 from dflash_jax.models.drafter import DFlashDrafter, DraftHead, DSparkDrafter, TokenMap
 from dflash_jax.models.split import SplitModel, split_model
 from dflash_jax.models.target import TargetModel
@@ -162,9 +161,10 @@ def _build(model_cls, cfg, dtype, tensors: dict, prefix: str, source: str, mesh:
         shd.check_splittable(shape_cfg, shd.mesh_size(mesh, "tp"), source)
         mesh = shd.as_auto(mesh)
         mapping = shd.logical_to_mesh(shape_cfg, mesh)
+        rules = families.of(shape_cfg).sharding_rules
 
         def place(path, arr):
-            spec = shd.spec_for(".".join(str(p) for p in path), arr.ndim, mapping)
+            spec = shd.spec_for(".".join(str(p) for p in path), arr.ndim, mapping, rules)
             return jax.device_put(np.asarray(arr).astype(dtype), NamedSharding(mesh, spec))
     load_into(model, tensors, prefix=prefix, source=source, dtype=dtype, place=place,
               ignore=lambda n: n.endswith("rotary_emb.inv_freq") or ignore(n))
@@ -174,7 +174,7 @@ def _build(model_cls, cfg, dtype, tensors: dict, prefix: str, source: str, mesh:
 def shard(obj: "Target | Drafter", mesh: Mesh) -> "Target | Drafter":
     """Place an already-loaded target or drafter on ``mesh`` (in place); returns it."""
     cfg = obj.config if isinstance(obj, Target) else obj.config.layers
-    shd.shard_module(obj.model, cfg, mesh, obj.name)
+    shd.shard_module(obj.model, cfg, mesh, obj.name, families.of(cfg).sharding_rules)
     obj.mesh = mesh
     return obj
 
@@ -198,17 +198,10 @@ def load_target(source: str | Path, dtype: Any = "float32", *, chat_template_kwa
         hf_cfg = read_config_json(path)
         cfg = model_config_from_hf(hf_cfg, where=str(path / "config.json"))
         tensors = read_safetensors(safetensors_files(path))
-        if cfg.family == "gpt_oss":  # fused, interleaved or MXFP4 experts → [E, …] per projection
-            tensors = gpt_oss.checkpoint_tensors(tensors, dtype)
-        else:
-            tensors = stack_experts(tensors)  # MoE: per-expert → [E, …]
         tokenizer = Tokenizer.from_dir(path, **(chat_template_kwargs or {}))
-    model_cls, ignore = TargetModel, (lambda name: False)
-    if cfg.hybrid is not None:  # Qwen3.5 / Qwen3-Next: the text part of VL checkpoints, fused projections split
-        from dflash_jax.models import hybrid
-        tensors, ignore = hybrid.text_tensors(cfg, tensors, str(path))
-        model_cls = hybrid.HybridTargetModel
-    model = _build(model_cls, cfg, dtype, tensors, "model.", str(path), mesh, ignore=ignore)
+    family = families.of(cfg)
+    tensors, ignore = family.checkpoint(cfg, tensors, dtype, str(path))  # the checkpoint's names → the model's
+    model = _build(family.model, cfg, dtype, tensors, "model.", str(path), mesh, ignore=ignore)
     stops = set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
     return Target(model, tokenizer, name, tuple(sorted(stops)), mesh)
 

@@ -1,7 +1,8 @@
 """Tensor and data parallelism with ``jax.sharding`` meshes: every partition rule lives here.
 
 Mesh axes: ``dp`` (batch rows) and ``tp`` (Megatron-style tensor parallelism). Parameters get *logical*
-axis names from their path (``RULES``), and logical names map to mesh axes (``logical_to_mesh``):
+axis names from their path (a family's own rules, registered in :mod:`dflash_jax.families`, then ``RULES``, the
+shared layers'), and logical names map to mesh axes (``logical_to_mesh``):
 
 * attention heads (q_proj columns, o_proj rows) and the MLP hidden (gate/up columns, down rows) over ``tp``:
   two all-reduces per layer (after o_proj and after down_proj); MoE experts likewise, each expert's hidden F
@@ -32,14 +33,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dflash_jax.config import MOE_FAMILIES, ModelConfig
+from dflash_jax.config import ModelConfig
 
 
 class ShardingError(ValueError):
     """The requested mesh cannot split this model."""
 
 
-# (path regex, logical axes of the array's dimensions); first match wins, no match = replicated.
+# (path regex, logical axes of the array's dimensions) of the shared layers; a family's own rules are tried first;
+# first match wins, no match = replicated.
 RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"embed_tokens\.embedding$", ("vocab", "embed")),
     (r"lm_head\.kernel$", ("embed", "vocab")),
@@ -48,17 +50,6 @@ RULES: tuple[tuple[str, tuple[str | None, ...]], ...] = (
     (r"self_attn\.[kv]_proj\.kernel$", ("embed", "kv_heads")),
     (r"self_attn\.[kv]_proj\.bias$", ("kv_heads",)),
     (r"self_attn\.o_proj\.kernel$", ("q_heads", "embed")),
-    (r"mlp\.experts\.(gate|up)_proj$", ("experts", "embed", "mlp")),
-    (r"mlp\.experts\.down_proj$", ("experts", "mlp", "embed")),
-    (r"mlp\.experts\.(gate|up)_proj_bias$", ("experts", "mlp")),  # gpt-oss
-    (r"self_attn\.sinks$", ("q_heads",)),  # gpt-oss
-    # Gated DeltaNet (hybrid targets): channels grouped by key head, value heads next to their key head
-    (r"linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a)\.kernel$", ("embed", "linear_heads")),
-    (r"linear_attn\.conv1d\.weight$", ("linear_heads", None, None)),
-    (r"linear_attn\.(dt_bias|A_log)$", ("linear_heads",)),
-    (r"linear_attn\.out_proj\.kernel$", ("linear_heads", "embed")),
-    (r"mlp\.shared_expert\.(gate|up)_proj\.kernel$", ("embed", "mlp")),  # Qwen3.5-MoE / Qwen3-Next
-    (r"mlp\.shared_expert\.down_proj\.kernel$", ("mlp", "embed")),
     (r"mlp\.(gate|up)_proj\.kernel$", ("embed", "mlp")),
     (r"mlp\.(gate|up)_proj\.bias$", ("mlp",)),
     (r"mlp\.down_proj\.kernel$", ("mlp", "embed")),
@@ -104,9 +95,9 @@ def check_splittable(cfg: ModelConfig, tp: int, what: str = "model") -> None:
         problems.append(f"MLP width {cfg.intermediate_size}")
     if cfg.vocab_size % tp:
         problems.append(f"vocabulary {cfg.vocab_size}")
-    if cfg.family in MOE_FAMILIES and cfg.moe_intermediate_size % tp:
+    if cfg.moe and cfg.moe_intermediate_size % tp:
         problems.append(f"expert MLP width {cfg.moe_intermediate_size}")
-    if cfg.family in MOE_FAMILIES and cfg.shared_expert_intermediate_size % tp:
+    if cfg.moe and cfg.shared_expert_intermediate_size % tp:
         problems.append(f"shared expert width {cfg.shared_expert_intermediate_size}")
     if cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
         problems.append(f"{cfg.num_kv_heads} KV heads (neither a multiple nor a divisor of tp)")
@@ -127,23 +118,26 @@ def logical_to_mesh(cfg: ModelConfig, mesh: Mesh) -> dict[str, str | None]:
             "batch": "dp"}
 
 
-def spec_for(path: str, ndim: int, mapping: dict[str, str | None]) -> P:
-    for pattern, axes in RULES:
+def spec_for(path: str, ndim: int, mapping: dict[str, str | None], rules: Sequence = ()) -> P:
+    """The partition spec of parameter ``path``: the first of ``rules`` (a family's), then of ``RULES``, to match."""
+    for pattern, axes in (*rules, *RULES):
         if re.search(pattern, path):
             assert len(axes) == ndim, (path, axes, ndim)
             return P(*(mapping[a] if a is not None else None for a in axes))
     return P()
 
 
-def shard_module(module: nnx.Module, cfg: ModelConfig, mesh: Mesh, what: str = "model") -> nnx.Module:
-    """Place every parameter of ``module`` on ``mesh`` according to ``RULES`` (in place; returns it)."""
+def shard_module(module: nnx.Module, cfg: ModelConfig, mesh: Mesh, what: str = "model",
+                 rules: Sequence = ()) -> nnx.Module:
+    """Place every parameter of ``module`` on ``mesh`` according to ``rules`` (its family's), then ``RULES``
+    (in place; returns it)."""
     check_splittable(cfg, mesh_size(mesh, "tp"), what)
     mesh = as_auto(mesh)
     mapping = logical_to_mesh(cfg, mesh)
     for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
         name = ".".join(str(p) for p in path)
         value = var[...]
-        var.set_value(jax.device_put(value, NamedSharding(mesh, spec_for(name, np.ndim(value), mapping))))
+        var.set_value(jax.device_put(value, NamedSharding(mesh, spec_for(name, np.ndim(value), mapping, rules))))
     return module
 
 

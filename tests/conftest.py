@@ -20,7 +20,7 @@ from flax import nnx
 from dflash_jax.config import DrafterConfig, ModelConfig, RopeConfig
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.models.drafter import DFlashDrafter
-from dflash_jax.models.target import TargetModel
+from dflash_jax import families
 
 # Under pytest-xdist (`make test`: one worker per core) torch's OpenMP threads spin-wait for a core the other
 # worker holds: the HF reference forward of SmolLM2 took 4.8 s on two threads against 0.5 s on one. Set before
@@ -228,7 +228,7 @@ FILE_SECONDS = {"test_train.py": 122, "test_real_pair.py": 127, "test_sharding.p
                 "test_dspark.py": 26, "test_target_vs_transformers.py": 25, "test_draft_vocab.py": 23,
                 "test_pallas_tpu.py": 22, "test_streaming.py": 16, "test_zlab_fixture.py": 14,
                 "test_delta_rule_kernel.py": 13, "test_moe_kernels.py": 12, "test_cuda_kernels.py": 11,
-                "test_gpt_oss.py": 11}
+                "test_gpt_oss.py": 11, "test_mistral.py": 12}
 SMOLLM2_UNIT = ("test_smollm2.py", "test_real_pair.py", "test_notebook.py")
 
 
@@ -311,7 +311,7 @@ def tiny_config(family: str = "qwen3", **kw) -> ModelConfig:
 def tiny_target(family: str = "qwen3", seed: int = 0, **kw) -> Target:
     """A random tiny target without tokenizer (token-id prompts only)."""
     cfg = tiny_config(family, **kw)
-    model = TargetModel(cfg, rngs=nnx.Rngs(seed))
+    model = families.of(cfg).model(cfg, rngs=nnx.Rngs(seed))
     return Target(model, None, f"tiny-{family}", ())
 
 

@@ -10,8 +10,6 @@ Stacked MoE experts (``mlp.experts.{gate,up,down}_proj``) are likewise ``[E, out
 from __future__ import annotations
 
 import json
-import re
-from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
@@ -22,9 +20,8 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-
-class CheckpointError(ValueError):
-    """Missing, corrupt or mismatched weight files."""
+from dflash_jax.config import CheckpointError  # noqa: F401 — defined at the bottom layer, raised here too
+from dflash_jax.models.moe import stack_experts  # noqa: F401 — kept importable from here
 
 
 def safetensors_files(directory: Path) -> list[Path]:
@@ -75,33 +72,6 @@ def hf_name(path: tuple, prefix: str) -> tuple[str, bool]:
 def _to_module(arr: np.ndarray) -> np.ndarray:
     """``[..., out, in]`` (PyTorch) → ``[..., in, out]`` (ours), and back: swap the last two axes."""
     return np.swapaxes(arr, -1, -2)
-
-
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """HF MoE expert tensors → one ``{base}.experts.{gate,up,down}_proj`` ``[E, out, in]`` each (in place).
-
-    Accepts the per-expert ``experts.{e}.{gate,up,down}_proj.weight`` of the public Qwen3-MoE checkpoints
-    (what ``save_pretrained`` writes too) and the fused ``experts.gate_up_proj`` ``[E, 2F, D]`` (gate rows
-    first) / ``experts.down_proj`` ``[E, D, F]`` of transformers 5's in-memory layout; others are left alone.
-    """
-    groups: dict[tuple[str, str], dict[int, str]] = defaultdict(dict)
-    for name in list(tensors):
-        m = _EXPERT.match(name)
-        if m:
-            groups[m[1], m[3]][int(m[2])] = name
-        elif name.endswith(".experts.gate_up_proj"):
-            gate_up = tensors.pop(name)
-            f = gate_up.shape[1] // 2
-            base = name[: -len("gate_up_proj")]
-            tensors[base + "gate_proj"], tensors[base + "up_proj"] = gate_up[:, :f], gate_up[:, f:]
-    for (base, proj), names in groups.items():
-        if sorted(names) != list(range(len(names))):
-            raise CheckpointError(f"{base}.{proj}: experts {sorted(names)} are not numbered 0..{len(names) - 1}")
-        tensors[f"{base}.{proj}"] = np.stack([tensors.pop(names[e]) for e in range(len(names))])
-    return tensors
 
 
 def param_leaves(model: nnx.Module) -> list[tuple[tuple, nnx.Variable]]:

@@ -30,7 +30,6 @@ from dflash_jax.decode import sampling, schedule
 from dflash_jax.decode.state import DecodeState, DecodeView, LoopSpec, ScheduleState
 from dflash_jax.kernels.packed import PackedLayout
 from dflash_jax.models.drafter import DFlashDrafter, DSparkDrafter
-from dflash_jax.models.hybrid import HybridCache, HybridTargetModel
 from dflash_jax.models.split import merge_model
 from dflash_jax.models.target import KVCache, TargetModel
 from dflash_jax.sharding import Plan, constrain
@@ -155,8 +154,8 @@ def _new_schedule(drafter: DFlashDrafter, b: int, spec: LoopSpec, step_cost) -> 
 
 
 def _lengths(target: TargetModel, n: Int[Array, "B"]) -> dict:
-    """Hybrid targets: advance the linear layers' states over ``n[b]`` tokens of the call (none elsewhere)."""
-    return {"lengths": n} if isinstance(target, HybridTargetModel) else {}
+    """Targets with recurrent states advance them over ``n[b]`` tokens of the call (the others ignore it)."""
+    return {"lengths": n}
 
 
 def _prefill_in_chunks(target: TargetModel, prompt: Int[Array, "B P"], positions: Int[Array, "B P"],
@@ -188,13 +187,7 @@ def _prefill_in_chunks(target: TargetModel, prompt: Int[Array, "B P"], positions
 def _shard_cache(cache: KVCache | None, plan: Plan | None, sharded_heads: bool) -> KVCache | None:
     if cache is None or plan is None:
         return cache
-    s = plan.cache(sharded_heads)
-    out = dataclasses.replace(cache, k=tuple(constrain(k, s) for k in cache.k),
-                              v=tuple(constrain(v, s) for v in cache.v))
-    if isinstance(cache, HybridCache):  # linear-attention states: by row, and by head where tp splits them
-        out = dataclasses.replace(out, conv=tuple(constrain(x, plan.conv_history()) for x in cache.conv),
-                                  recurrent=tuple(constrain(x, plan.recurrent()) for x in cache.recurrent))
-    return out
+    return cache.constrained(plan, sharded_heads)  # K/V, and whatever state the target's cache kind carries
 
 
 def shard_state(state: DecodeState, plan: Plan | None) -> DecodeState:
@@ -320,13 +313,12 @@ def verify(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeStat
     """Target forward over the whole block, acceptance (greedy or rejection sampling) + bonus, commit, drafter
     context update (SPEC §3, §5). ``window`` (cap-accept): commit at most that many drafts per row."""
     positions = block_positions(state, block.shape[1])
-    hybrid = isinstance(target, HybridTargetModel)
     hidden, feats, tcache = target(block, positions, state.target_cache, capture=spec.capture, kernels=spec.kernels,
-                                   **({"defer": True} if hybrid else {}))
+                                   defer=True)
     logits = target.logits(hidden)  # [B, L, V] float32
     state, accepted, last, untrimmed = _accept(state, block, logits, None, spec, q, window)
-    if hybrid:  # linear states after the anchor and the accepted drafts (a row cut short by commit is done)
-        tcache = target.settle(tcache, accepted + 1)
+    # recurrent states after the anchor and the accepted drafts (a row cut short by commit is done)
+    tcache = target.settle(tcache, accepted + 1)
     return _commit_verified(drafter, state, block, positions, tcache, feats, accepted, last, untrimmed, window)
 
 
@@ -436,8 +428,7 @@ def _packed_step(target, drafter, state: DecodeState, spec: LoopSpec, window, ti
     logits, choice = (scored, None) if spec.sampling else (None, scored)
     state, accepted, last, _ = _accept(state, block, logits, choice, spec, q, window)
     tcache = pending.write(state.target_cache, spec.kernels)
-    if isinstance(target, HybridTargetModel):  # linear states after the anchor and the accepted drafts
-        tcache = target.settle(tcache, accepted + 1)
+    tcache = target.settle(tcache, accepted + 1)  # recurrent states after the anchor and the accepted drafts
     return _commit_verified(drafter, state, block, positions, tcache, feats, accepted, last, None, window)
 
 

@@ -1,4 +1,5 @@
-"""gpt-oss (``model_type: "gpt_oss"``): the parts that differ from the LLaMA/Qwen layers, and its checkpoints.
+"""gpt-oss (``model_type: "gpt_oss"``): the parts that differ from the LLaMA/Qwen layers (:class:`GptOssTargetModel`
+puts them together), and its checkpoints.
 
 Attention is :class:`dflash_jax.models.target.Attention` with two things the config turns on: a learned logit
 per query head (``self_attn.sinks``) that joins every softmax denominator and takes no value (a query can
@@ -33,10 +34,10 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from dflash_jax.checkpoints.safetensors_io import CheckpointError
-from dflash_jax.config import ModelConfig
+from dflash_jax.config import CheckpointError, ModelConfig
 from dflash_jax.kernels.moe import experts_auto
 from dflash_jax.models.layers import Dense, _normal, matmul
+from dflash_jax.models.target import DecoderLayer, TargetModel
 from dflash_jax.tuning import Kernels
 
 
@@ -97,6 +98,24 @@ class GptOssMoE(nnx.Module):
                            biases=(e.gate_proj_bias[...], e.up_proj_bias[...], e.down_proj_bias[...]),
                            act=functools.partial(clamped_swiglu, alpha=self.alpha, limit=self.limit))
         return out.reshape(x.shape)
+
+
+class GptOssDecoderLayer(DecoderLayer):
+    """The shared decoder layer (its attention takes sinks and, on sliding layers, a window from ``cfg``) with
+    gpt-oss's norms and routed experts in every layer."""
+
+    norm_class = RMSNorm
+
+    def make_mlp(self, cfg: ModelConfig, idx: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        return GptOssMoE(cfg, dtype=dtype, rngs=rngs)
+
+
+class GptOssTargetModel(TargetModel):
+    """A gpt-oss causal LM: :class:`~dflash_jax.models.target.TargetModel` with :class:`GptOssDecoderLayer`\ s
+    and gpt-oss's final norm."""
+
+    layer_class = GptOssDecoderLayer
+    norm_class = RMSNorm
 
 
 # --------------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from dflash_jax.models import linear_attention as la
 from dflash_jax.models.layers import MLP, Dense, Embed, Rope, apply_rope
 from dflash_jax.models.moe import SparseMoE
 from dflash_jax.models.target import KVCache, PendingKV, TargetModel, write_rows
+from dflash_jax.sharding import Plan, constrain
 from dflash_jax.tuning import Kernels
 
 log = logging.getLogger("dflash_jax")
@@ -45,6 +46,12 @@ class HybridCache(KVCache):
     conv: tuple[jax.Array, ...] = ()
     recurrent: tuple[jax.Array, ...] = ()
     pending: tuple = ()
+
+    def constrained(self, plan: Plan, sharded_heads: bool) -> "HybridCache":
+        """As :meth:`KVCache.constrained`; the linear-attention states by row, and by head where tp splits them."""
+        out = super().constrained(plan, sharded_heads)
+        return dataclasses.replace(out, conv=tuple(constrain(x, plan.conv_history()) for x in self.conv),
+                                   recurrent=tuple(constrain(x, plan.recurrent()) for x in self.recurrent))
 
 
 class ZeroCenteredRMSNorm(nnx.Module):

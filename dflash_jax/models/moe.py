@@ -9,13 +9,16 @@ itself (its jnp forms and the grouped kernels) is :mod:`dflash_jax.kernels.moe`'
 from __future__ import annotations
 
 import math
+import re
+from collections import defaultdict
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from dflash_jax.config import ModelConfig
+from dflash_jax.config import CheckpointError, ModelConfig
 from dflash_jax.kernels.moe import experts_auto
 from dflash_jax.models.layers import MLP, Dense, _normal, matmul
 from dflash_jax.tuning import Kernels
@@ -67,3 +70,34 @@ class SparseMoE(nnx.Module):
         if self.shared_expert is not None:
             out = out + jax.nn.sigmoid(self.shared_expert_gate(flat, kernels)) * self.shared_expert(flat, kernels)
         return out.reshape(x.shape)
+
+
+# --------------------------------------------------------------------------------------------------
+# Checkpoints
+# --------------------------------------------------------------------------------------------------
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF MoE expert tensors → one ``{base}.experts.{gate,up,down}_proj`` ``[E, out, in]`` each (in place).
+
+    Accepts the per-expert ``experts.{e}.{gate,up,down}_proj.weight`` of the public Qwen3-MoE checkpoints
+    (what ``save_pretrained`` writes too) and the fused ``experts.gate_up_proj`` ``[E, 2F, D]`` (gate rows
+    first) / ``experts.down_proj`` ``[E, D, F]`` of transformers 5's in-memory layout; others are left alone.
+    """
+    groups: dict[tuple[str, str], dict[int, str]] = defaultdict(dict)
+    for name in list(tensors):
+        m = _EXPERT.match(name)
+        if m:
+            groups[m[1], m[3]][int(m[2])] = name
+        elif name.endswith(".experts.gate_up_proj"):
+            gate_up = tensors.pop(name)
+            f = gate_up.shape[1] // 2
+            base = name[: -len("gate_up_proj")]
+            tensors[base + "gate_proj"], tensors[base + "up_proj"] = gate_up[:, :f], gate_up[:, f:]
+    for (base, proj), names in groups.items():
+        if sorted(names) != list(range(len(names))):
+            raise CheckpointError(f"{base}.{proj}: experts {sorted(names)} are not numbered 0..{len(names) - 1}")
+        tensors[f"{base}.{proj}"] = np.stack([tensors.pop(names[e]) for e in range(len(names))])
+    return tensors

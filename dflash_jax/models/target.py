@@ -1,4 +1,5 @@
-"""Target models: LLaMA-3, Qwen3 and Qwen3-MoE decoder-only transformers in Flax NNX.
+"""Target models: LLaMA-3, Qwen3 and Qwen3-MoE decoder-only transformers in Flax NNX (the base the other
+families' models subclass: :mod:`dflash_jax.models.gpt_oss`, :mod:`dflash_jax.models.hybrid`).
 
 The KV cache lives outside the module (:class:`KVCache`, a pytree of per-layer arrays indexed by absolute
 position) and is returned updated, so the decode loop can carry and donate it. A forward can capture the
@@ -18,10 +19,10 @@ from dflash_jax.config import ModelConfig
 from dflash_jax.kernels.attention import cache_attention, prefill_attention, read_after
 from dflash_jax.kernels.cache_write import place_pending, write_pending, write_rows
 from dflash_jax.kernels.packed import PackedLayout, gather_windows, packed_verify
-from dflash_jax.models import gpt_oss
 from dflash_jax.models.layers import MLP, Dense, Embed, RMSNorm, Rope, apply_rope
 from dflash_jax.models.linear_attention import pad_record
 from dflash_jax.models.moe import SparseMoE
+from dflash_jax.sharding import Plan, constrain
 from dflash_jax.tuning import Kernels
 
 
@@ -42,6 +43,12 @@ class KVCache:
     @property
     def capacity(self) -> int:
         return self.k[0].shape[1]
+
+    def constrained(self, plan: Plan, sharded_heads: bool) -> "KVCache":
+        """Pinned to its mesh placement: rows over dp, and KV heads over tp when ``sharded_heads``."""
+        s = plan.cache(sharded_heads)
+        return dataclasses.replace(self, k=tuple(constrain(k, s) for k in self.k),
+                                   v=tuple(constrain(v, s) for v in self.v))
 
 
 @jax.tree_util.register_dataclass
@@ -150,20 +157,22 @@ class Attention(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """Pre-norm attention + MLP; the MLP is Qwen3-MoE's sparse block in the layers ``cfg`` makes sparse, and
-    gpt-oss's routed experts in every gpt-oss layer (whose attention has sinks, and a window on sliding layers)."""
+    """Pre-norm attention + MLP; the MLP is Qwen3-MoE's sparse block in the layers ``cfg`` makes sparse. A family
+    with other norms or MLPs subclasses it (``norm_class``, :meth:`make_mlp`), as gpt-oss does."""
+
+    norm_class = RMSNorm
 
     def __init__(self, cfg: ModelConfig, idx: int, *, dtype, rngs: nnx.Rngs):
-        norm = gpt_oss.RMSNorm if cfg.family == "gpt_oss" else RMSNorm
+        norm = self.norm_class
         self.input_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs, window=cfg.layer_window(idx))
         self.post_attention_layernorm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
-        if cfg.family == "gpt_oss":
-            self.mlp = gpt_oss.GptOssMoE(cfg, dtype=dtype, rngs=rngs)
-        elif cfg.is_moe_layer(idx):
-            self.mlp = SparseMoE(cfg, dtype=dtype, rngs=rngs)
-        else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+        self.mlp = self.make_mlp(cfg, idx, dtype=dtype, rngs=rngs)
+
+    def make_mlp(self, cfg: ModelConfig, idx: int, *, dtype, rngs: nnx.Rngs) -> nnx.Module:
+        if cfg.is_moe_layer(idx):
+            return SparseMoE(cfg, dtype=dtype, rngs=rngs)
+        return MLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, positions, cos, sin, k_cache, v_cache, *, prefill: bool, kernels: Kernels, packed=None):
         a, k_cache, v_cache = self.self_attn(self.input_layernorm(x), positions, cos, sin, k_cache, v_cache,
@@ -173,15 +182,22 @@ class DecoderLayer(nnx.Module):
 
 
 class TargetModel(nnx.Module):
-    """A LLaMA-3 / Qwen3 / Qwen3-MoE causal LM. Weights follow HF names (``layers.i.self_attn.q_proj`` …)."""
+    """A LLaMA-3 / Qwen3 / Qwen3-MoE causal LM. Weights follow HF names (``layers.i.self_attn.q_proj`` …).
+
+    What the decode loop asks of every target, whatever its family: the forward (``lengths`` / ``defer`` are
+    for targets with recurrent states and change nothing here: a K/V slot written by a rejected draft is
+    overwritten before it is read), :meth:`settle` after acceptance, and its cache's ``constrained``. A family
+    subclasses it with its own ``layer_class`` / ``norm_class`` or more (:mod:`dflash_jax.families`)."""
+
+    layer_class = DecoderLayer
+    norm_class = RMSNorm
 
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = cfg
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
-        norm = gpt_oss.RMSNorm if cfg.family == "gpt_oss" else RMSNorm
-        self.norm = norm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.layers = nnx.List([self.layer_class(cfg, i, dtype=dtype, rngs=rngs) for i in range(cfg.num_layers)])
+        self.norm = self.norm_class(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
         self.lm_head = None if cfg.tie_word_embeddings else Dense(cfg.hidden_size, cfg.vocab_size, bias=False,
                                                                    dtype=dtype, rngs=rngs)
         self.rope = Rope(cfg)
@@ -218,6 +234,8 @@ class TargetModel(nnx.Module):
         prefill: bool = False,
         kernels: Kernels = Kernels(),
         packed: PackedLayout | None = None,
+        lengths: Int[Array, "B"] | None = None,
+        defer: bool = False,
     ) -> tuple[Float[Array, "B T D"], Float[Array, "B T F"] | None, KVCache]:
         """Run ``tokens`` at ``positions`` (consecutive per row), writing their K/V into ``cache``.
 
@@ -226,7 +244,8 @@ class TargetModel(nnx.Module):
         ``positions`` are ``[1, T]`` (``packed.pack`` of the block and its positions), and the cache is only
         read. Returns the final-normed hidden states, the concatenated outputs of the ``capture`` layers (HF
         ``hidden_states[l+1]``; for the last layer HF reports it after the final norm, and so do we) and the
-        updated cache (``packed``: the writes still to make, :class:`PendingKV`).
+        updated cache (``packed``: the writes still to make, :class:`PendingKV`). ``lengths`` and ``defer`` (see
+        :class:`~dflash_jax.models.hybrid.HybridTargetModel`) have nothing to act on here.
         """
         cos, sin = self.rope(positions)
         x = self.embed(tokens)
@@ -247,3 +266,8 @@ class TargetModel(nnx.Module):
         if packed is not None:
             return h, feats, PendingKV.of(packed, tuple(ks))  # each layer's [T, 2, K, H]
         return h, feats, KVCache(tuple(ks), tuple(vs)) if cache is not None else None
+
+    def settle(self, cache: KVCache, n: Int[Array, "B"]) -> KVCache:
+        """The cache after a verify forward once each row's ``n[b]`` committed tokens are known: as it is here
+        (a target with recurrent states advances them here, :meth:`HybridTargetModel.settle`)."""
+        return cache

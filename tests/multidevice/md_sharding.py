@@ -141,6 +141,18 @@ def test_checkpoint_loaded_onto_shards_and_smollm2_head_layout(zlab_reference):
             shard(Target(nnx.clone(ref_t.model), None, "smollm2-shaped"), make_mesh(tp=tp))
 
 
+def test_mistral_under_a_mesh():
+    """The worked example of docs/port-a-model.md: a family with no partition rules of its own (the shared ones
+    split it) and a sliding window on every layer, token-identical under tp × dp."""
+    window = dict(SHAPE, sliding_layers=(0, 1), sliding_window=5)
+    kw = dict(max_new_tokens=12, stop_token_ids=[])
+    want = generate(tiny_target("mistral", seed=1, **window), PROMPTS, **kw).token_ids
+    t = shard(tiny_target("mistral", seed=1, **window), make_mesh(tp=2, dp=2))
+    assert t.model.layers[0].self_attn.q_proj.kernel[...].sharding.spec == P(None, "tp")
+    d = random_drafter(t, block_size=4, num_layers=1, seed=2)
+    assert speculative_generate(t, d, PROMPTS, **kw).token_ids == want
+
+
 def test_mesh_errors():
     with pytest.raises(ShardingError, match="needs 16 devices, 8 available"):
         make_mesh(tp=4, dp=4)
