@@ -286,9 +286,9 @@ def verify(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeStat
 def verify_compact(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, block: Int[Array, "B L"],
                    spec: LoopSpec, q: jax.Array | None, window: Int[Array, "B"], tier: Int[Array, ""]
                    ) -> DecodeState:
-    """Verify only each row's window (anchor + ``window`` drafts) of a block drafted already (by a
-    drafter that scores its drafts, whose confidences chose the windows), packed into the compiled tier ``spec.tiers[tier]``.
-    Finished rows verify nothing. Commits what :func:`verify` with the same window commits."""
+    """Verify only each row's window (anchor + ``window`` drafts) of a block drafted already (by a drafter
+    that scores its drafts, whose confidences chose the windows), packed into the compiled tier
+    ``spec.tiers[tier]``. Finished rows verify nothing. Commits what :func:`verify` with the same window commits."""
     return _packed_step(target, drafter, state, spec, window, tier, lambda size, drafted: drafted,
                         (block, q, state.rng))
 

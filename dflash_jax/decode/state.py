@@ -101,7 +101,7 @@ class DecodeState:
     draft_cache: KVCache | None
     rng: jax.Array | None = None  # one PRNG key per row (sampling only)
     sampling: SamplingParams | None = None
-    survival_sum: Float[Array, "B G"] | None = None  # DSpark: Σ over cycles of each draft's predicted survival
+    survival_sum: Float[Array, "B G"] | None = None  # confidences: Σ over cycles of each draft's predicted survival
     schedule: ScheduleState | None = None
     return_at_done: Int[Array, ""] | None = None  # the loop returns once this many rows are done (None: all);
     #                                               continuous batching then hands their rows to new prompts
