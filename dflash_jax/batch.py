@@ -32,7 +32,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dflash_jax import generation
-from dflash_jax.decode import schedule
+from dflash_jax.decode import verify_modes
 from dflash_jax.loading import Drafter, Target
 
 log = logging.getLogger("dflash_jax")
@@ -231,7 +231,7 @@ def run_batch(
     output = Path(output_path)
     generation.sampling_params(1, temperature, top_k, top_p)  # validate before any work
     generation.check_max_new_tokens(max_new_tokens)
-    schedule.check_verify_mode(verify_mode)
+    verify_modes.by_name(verify_mode)
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     if drafter is not None:

@@ -11,8 +11,8 @@ import textwrap
 
 from pathlib import Path
 
+from dflash_jax.decode import verify_modes
 from dflash_jax.kernels import IMPLS
-from dflash_jax.decode.schedule import VERIFY_MODES
 
 DEMO_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number.",
@@ -170,7 +170,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _verify_mode_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--verify-mode", default="auto", choices=("auto",) + VERIFY_MODES,
+    parser.add_argument("--verify-mode", default="auto", choices=verify_modes.names(),
                         help="auto: compact where the cost table says trimming pays, else static; static: verify "
                              "whole blocks; compact: the confidence scheduler's windows only, packed; "
                              "cap-accept: whole blocks, commit the windows (measures what trimming gives up)")

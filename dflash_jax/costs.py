@@ -322,7 +322,7 @@ def _time_compact_steps(target, drafter, ids: list[list[int]], block: int, repea
     graphdefs = (job.target.split().static, job.drafter.split().static)
 
     def step(params, state, tier):
-        t, d = loop._merge(graphdefs, params)
+        t, d = loop.merge_models(graphdefs, params)
         window = jnp.full((b,), (jnp.asarray(tiers + (b,), jnp.int32) // b - 1)[tier], jnp.int32)  # AR: 0
         return _same_positions(loop.compact_step(t, d, state, spec, d.config.mask_token_id, window, tier), state)
 
@@ -343,7 +343,7 @@ def _time_static_step(target, drafter, ids: list[list[int]], block: int, repeats
     graphdefs = (job.target.split().static, job.drafter.split().static)
 
     def step(params, state, _):
-        t, d = loop._merge(graphdefs, params)
+        t, d = loop.merge_models(graphdefs, params)
         return _same_positions(loop.cycle(t, d, state, job.spec, d.config.mask_token_id), state)
 
     fn, state = _step_program(job, step)

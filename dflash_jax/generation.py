@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import os
 import time
 from typing import Any, Sequence
@@ -19,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import costs
+from dflash_jax import costs, drafters
 from dflash_jax.cuda import graphs
-from dflash_jax.decode import loop, schedule
+from dflash_jax.decode import loop, verify_modes
 from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.decode.state import DecodeView, LoopSpec
 from dflash_jax.kernels import resolve_impl
@@ -390,53 +389,32 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], *, ma
                step_cost)
 
 
-def resolve_verify_mode(mode: str, drafter: Drafter | None, batch: int, block_size: int, cost_table=None,
-                        dp: int = 1) -> tuple[str, tuple[int, ...], np.ndarray | None, bool]:
+def resolve_verify_mode(mode, drafter: Drafter | None, batch: int, block_size: int, cost_table=None,
+                        dp: int = 1, tuning: Tuning | None = None
+                        ) -> tuple[verify_modes.VerifyMode, tuple[int, ...], np.ndarray | None, bool]:
     """(verify mode, compiled tiers, step cost per tier [+ the AR step's], AR step offered) for a batch of
-    ``batch`` rows, from the cost table: ``"auto"`` becomes compact where the table times static's step, else
-    where whole blocks cost ≥ ``AUTO_COMPACT_RATIO`` × one token per row; compact keeps the tiers worth their
-    conditional and offers a step without drafting when the table times one that saves as much on the cheapest
-    tier kept (DFlash drafters: windows known before drafting); compact left with the whole block alone, or
-    (where the table times the static verify's step) with no tier that saves as much on static's step, runs
-    the static program. Under a ``dp`` mesh the costs are those of a device's ``batch / dp`` rows (what each
-    device runs). Host work only (nothing compiles)."""
-    if mode == "static":
-        return mode, (), None, False
-    tiers = schedule.tiers_for(batch, block_size)
-    table = costs.resolve(cost_table, jax.default_backend(), drafter.cost_tables)
-    rows = batch // dp
-    step_cost = table.step_costs(rows, tuple(t // dp for t in tiers)).astype(np.float32)
-    static_cost = table.static_cost(rows)
-    if mode == "auto":
-        trims_pay = static_cost is not None or step_cost[-1] >= AUTO_COMPACT_RATIO * step_cost[0]
-        if AUTO_COMPACT_RATIO == math.inf or not trims_pay:
-            return "static", (), None, False
-        mode = "compact"
-    if mode != "compact":  # cap-accept: every tier (its windows match compact's with the same table)
-        return mode, tiers, step_cost, False
-    tiers, step_cost = schedule.prune_tiers(tiers, step_cost)
-    if static_cost is not None and step_cost[0] > (1 - schedule.TIER_MIN_SAVING) * static_cost:
-        # Every drafted step of compact's would cost about static's or more and commit no more than static's
-        # whole block: static's program. (The step without drafting is left out of this: it pays only where
-        # drafts are mostly rejected, and static's whole blocks then still commit a token per row.)
-        return "static", (), None, False
-    ar_cost = table.ar_cost(rows) if getattr(drafter.model, "confidence_head", None) is None else None
-    if ar_cost is not None and ar_cost > (1 - schedule.TIER_MIN_SAVING) * step_cost[0]:
-        ar_cost = None  # the AR step would be one more branch (and a conditional around drafting) for ~nothing
-    if ar_cost is not None:
-        return mode, tiers, np.append(step_cost, np.float32(ar_cost)), True
-    if len(tiers) == 1:  # nothing to trim: compact would verify whole blocks, i.e. run static's steps
-        return "static", (), None, False
-    return mode, tiers, step_cost, False
+    ``batch`` rows, from the cost table: the mode's (or, for ``"auto"``, the policy's) own resolution
+    (:meth:`dflash_jax.decode.verify_modes.VerifyPolicy.resolve`; docs/verify-modes.md). ``mode``: a name or a
+    strategy. Under a ``dp`` mesh the costs are those of a device's ``batch / dp`` rows (what each device
+    runs). ``tuning``: its ``auto_compact_ratio`` steers auto (default: :data:`AUTO_COMPACT_RATIO`). Host work
+    only (nothing compiles)."""
+    policy = verify_modes.by_name(mode)
+    if tuning is None:
+        tuning = Tuning(auto_compact_ratio=AUTO_COMPACT_RATIO)
+    has_confidence = drafter is not None and drafters.kind_of(drafter.model).has_confidence
+    batch_costs = verify_modes.BatchCosts(
+        batch, block_size, dp, has_confidence,
+        lambda: costs.resolve(cost_table, jax.default_backend(), drafter.cost_tables))
+    return tuple(policy.resolve(batch_costs, tuning))
 
 
-def _check_verify_mode(mode: str, drafter: Drafter | None, block_size: int) -> str:
-    """The verify mode this batch runs ("static" for autoregressive decoding; "auto" still to be resolved
-    against the cost table), or a clear error."""
-    schedule.check_verify_mode(mode)
-    if drafter is None or block_size == 1 or mode == "static":
-        return "static"
-    return mode
+def _check_verify_mode(mode, drafter: Drafter | None, block_size: int) -> verify_modes.VerifyPolicy:
+    """The verify mode (or policy, still to be resolved against the cost table) this batch runs — static for
+    autoregressive decoding —, or a clear error naming the choices."""
+    policy = verify_modes.by_name(mode)
+    if drafter is None or block_size == 1:
+        return verify_modes.STATIC
+    return policy
 
 
 def pack_inputs(prompt: np.ndarray, lens: np.ndarray, max_new: np.ndarray, stops: np.ndarray, seed: int,
@@ -491,42 +469,22 @@ def collect(job: Job, packed, stats: dict | None = None) -> GenerationOutput:
 
 
 def survival_stats(survival_sum: np.ndarray, acc_lens: list[list[int]]) -> dict:
-    """A DSpark drafter's calibration, over every cycle of every row: ``predicted_survival[j]`` the mean
-    predicted probability that draft j is accepted (Π of the confidences up to it) next to
-    ``realized_survival[j]`` the fraction of cycles that accepted it; ``predicted_tau`` vs the realised τ."""
-    cycles = sum(len(a) for a in acc_lens)
-    if not cycles:
-        return {}
-    g = survival_sum.shape[1]
-    accepted = np.asarray([a - 1 for row in acc_lens for a in row])
-    predicted = survival_sum.sum(0) / cycles
-    return {"predicted_survival": predicted.round(4).tolist(),
-            "realized_survival": [float((accepted > j).mean().round(4)) for j in range(g)],
-            "predicted_tau": float(1 + predicted.sum())}
+    """A scoring drafter's calibration (:func:`dflash_jax.drafters.survival_stats`): ``predicted_survival[j]``
+    the mean predicted probability that draft j is accepted next to ``realized_survival[j]`` the fraction of
+    cycles that accepted it; ``predicted_tau`` vs the realised τ."""
+    return drafters.survival_stats(survival_sum, acc_lens)
 
 
 def verify_stats(spec: LoopSpec, view: DecodeView, n: int, acc_lens: list[list[int]]) -> dict:
-    """What verifying cost: ``verify_mode``, ``verify_tokens`` (tokens through the target's verify, summed over
-    rows and cycles), ``mean_window`` (the tokens per row and cycle the schedule verifies or — cap-accept —
-    commits from, anchor included: L for static); for scheduled modes ``tier_steps`` (steps per compiled tier:
-    {tokens: steps}), ``ar_steps`` (steps the scheduler ran without drafting, when offered) and
-    ``row_verify_tokens`` (each row's windows, summed); for cap-accept ``utilization``:
-    committed tokens ÷ what committing every accepted draft of the whole block would have given (1.0:
-    trimming gave up nothing) and ``row_untrimmed`` (per row, that whole-block figure)."""
-    cycles = int(view.num_cycles[:n].sum())
-    windows = int(view.verify_tokens[:n].sum()) if spec.scheduled else cycles * spec.block_size
-    verified = cycles * spec.block_size if spec.verify_mode in ("static", "cap-accept") else windows
-    out = {"verify_mode": spec.verify_mode, "verify_tokens": verified, "mean_window": windows / max(cycles, 1)}
-    if spec.scheduled:
-        out["tier_steps"] = {int(t): int(c) for t, c in zip(spec.tiers, view.tier_steps[0]) if c}
-        if spec.ar_step:
-            out["ar_steps"] = int(view.tier_steps[0, len(spec.tiers)])
-        out["row_verify_tokens"] = view.verify_tokens[:n, 0].tolist()
-    if spec.verify_mode == "cap-accept":
-        committed = sum(sum(row) for row in acc_lens)
-        out["utilization"] = committed / max(int(view.untrimmed[:n].sum()), 1)
-        out["row_untrimmed"] = view.untrimmed[:n, 0].tolist()
-    return out
+    """What verifying cost, as the verify mode reports it (:meth:`dflash_jax.decode.verify_modes.VerifyMode.stats`):
+    ``verify_mode``, ``verify_tokens`` (tokens through the target's verify, summed over rows and cycles),
+    ``mean_window`` (the tokens per row and cycle the schedule verifies or — cap-accept — commits from, anchor
+    included: L for static); for scheduled modes ``tier_steps`` (steps per compiled tier: {tokens: steps}),
+    ``ar_steps`` (steps the scheduler ran without drafting, when offered) and ``row_verify_tokens`` (each row's
+    windows, summed); for cap-accept ``utilization``: committed tokens ÷ what committing every accepted draft of
+    the whole block would have given (1.0: trimming gave up nothing) and ``row_untrimmed`` (per row, that
+    whole-block figure)."""
+    return spec.verify_mode.stats(spec, view, n, acc_lens)
 
 
 def _checked_ids(target: Target, prompts, *, chat: bool, **kw) -> list[list[int]]:

@@ -26,7 +26,7 @@ from dflash_jax import families
 from dflash_jax.checkpoints.safetensors_io import CheckpointError, load_into, read_safetensors, safetensors_files
 from dflash_jax.config import (ConfigError, DrafterConfig, ModelConfig, default_target_layer_ids,
                                drafter_config_from_hf, model_config_from_hf, read_config_json)
-from dflash_jax.models.drafter import DFlashDrafter, DraftHead, DSparkDrafter, TokenMap
+from dflash_jax.models.drafter import DFlashDrafter, DraftHead, DSparkDrafter, TokenMap, module_class
 from dflash_jax.models.split import SplitModel, split_model
 from dflash_jax.models.target import TargetModel
 from dflash_jax.tokenizer import Tokenizer
@@ -309,7 +309,7 @@ def random_drafter(target: Target | TargetModel, *, num_layers: int = 2, block_s
     ).validate()
     cfg.check_target(tc)
     dtype = as_target(target).model.dtype if dtype is None else parse_dtype(dtype)
-    model_cls = DSparkDrafter if cfg.sequential else DFlashDrafter
+    model_cls = module_class(cfg)
     drafter = Drafter(model_cls(cfg, dtype=dtype, rngs=nnx.Rngs(seed)), f"random {kind} (untrained)", False)
     mesh = as_target(target).mesh
     return shard(drafter, mesh) if mesh is not None else drafter

@@ -14,13 +14,13 @@ from flax import nnx
 
 from conftest import random_prompts, tiny_target
 from test_sampling import V, chi2_pvalue, draw, exact_distribution, logits, pair  # noqa: F401 (fixtures)
-from dflash_jax import generate, generation, load_drafter, random_drafter, speculative_generate
+from dflash_jax import drafters, generate, generation, load_drafter, random_drafter, speculative_generate
 from dflash_jax.checkpoints.export import export_drafter
 from dflash_jax.checkpoints.safetensors_io import CheckpointError, read_safetensors, save_safetensors
-from dflash_jax.config import ConfigError
+from dflash_jax.config import DRAFTER_KINDS, ConfigError
 from dflash_jax.decode import loop
 from dflash_jax.loading import Drafter
-from dflash_jax.models.drafter import DSparkDrafter
+from dflash_jax.models.drafter import MODULE_CLASSES, DSparkDrafter
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +99,19 @@ def test_drafts_follow_the_sequential_formula(target, dspark):
     assert np.asarray(block[:, 0]).tolist() == np.asarray(state.anchor).tolist()
     # The Markov head matters: without it, some drafts differ.
     assert (np.argmax(u, -1) != np.asarray(block[:, 1:])).any()
+
+
+def test_every_drafter_kind_has_a_module_and_a_drafting(target, dspark):
+    """The config's kinds, the module classes and the drafting kinds the loop calls are the same set; a kind
+    says what the loop needs to know about it."""
+    assert set(drafters.names()) == set(DRAFTER_KINDS) == set(MODULE_CLASSES)
+    kind = drafters.kind_of(dspark.model)
+    assert kind.sequential and kind.has_confidence and kind.trunk_width(8) == 7
+    headless = random_drafter(target, kind="dspark", block_size=4, num_layers=1, markov_rank=8,
+                              confidence_head=False)
+    assert not drafters.kind_of(headless.model).has_confidence
+    dflash = drafters.kind_of(random_drafter(target, block_size=4, num_layers=1).model)
+    assert not dflash.sequential and not dflash.has_confidence and dflash.trunk_width(8) == 8
 
 
 @pytest.mark.parametrize("width", [2, 5, 8])

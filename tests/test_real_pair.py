@@ -65,7 +65,7 @@ def test_default_is_compact_on_the_cpu_and_lossless(smollm2, smollm2_drafter, re
     # The default on this CPU, from the shipped table: compact (whole blocks cost ~2x one token per row), with
     # steps without drafting offered (decided on the host; nothing compiles).
     mode, tiers, cost, ar_step = generation.resolve_verify_mode("auto", drafter, 2, 16)
-    assert mode == "compact" and ar_step and len(tiers) >= 2 and len(cost) == len(tiers) + 1
+    assert mode.name == "compact" and ar_step and len(tiers) >= 2 and len(cost) == len(tiers) + 1
     # Lossless on the real pair with a table that keeps two tiers (up to 8 tokens a row, or whole blocks) and the
     # AR step (fewer branches to compile than the default's five; the tiers' code is the same).
     small = CostTable("cpu", "test", "float32", "smollm2", 16, 64, {2: {8: 1.0, 16: 2.0}}, ar_ms={2: 0.6})

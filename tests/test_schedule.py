@@ -5,10 +5,12 @@ one program whatever tier a step picks, cost tables."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import json
 import logging
 import types
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -17,12 +19,12 @@ import pytest
 
 from conftest import ZLAB, fast_jit, oracle_drafter, random_prompts, tiny_target
 from test_sampling import V, chi2_pvalue, draw, exact_distribution, logits, pair  # noqa: F401 (fixtures)
-from dflash_jax import costs, generate, generation, random_drafter, speculative_generate
+from dflash_jax import cli, costs, generate, generation, random_drafter, speculative_generate
 from dflash_jax.kernels import common
 from dflash_jax.kernels.attention import cache_attention
 from dflash_jax.kernels.packed import PackedLayout, packed_verify_attention
 from dflash_jax.costs import CostTable
-from dflash_jax.decode import loop, schedule
+from dflash_jax.decode import schedule, verify_modes
 from dflash_jax.decode.state import LoopSpec
 from dflash_jax.models.target import KVCache, PendingKV
 from dflash_jax.tuning import Kernels, KernelTuning, Tuning
@@ -73,12 +75,11 @@ def test_admission_is_the_best_window_assignment(b, g):
         assert rate_of(windows, surv, active, tiers, step_cost) == pytest.approx(want, rel=1e-5), (case, windows)
 
 
-@pytest.mark.parametrize("compare_all_max", [schedule.RANK_COMPARE_ALL_MAX, 0])  # all pairs compared; a sort
-def test_descending_rank_is_a_stable_sort_s(compare_all_max, monkeypatch):
-    monkeypatch.setattr(schedule, "RANK_COMPARE_ALL_MAX", compare_all_max)
+@pytest.mark.parametrize("compare_all_max", [Tuning().rank_compare_all_max, 0])  # all pairs compared; a sort
+def test_descending_rank_is_a_stable_sort_s(compare_all_max):
     x = jnp.asarray([0.5, 0.9, 0.5, -1.0, 0.0, 0.9, 0.5, 0.0], jnp.float32)
     want = np.argsort(np.argsort(-np.asarray(x), kind="stable"), kind="stable")
-    assert schedule.descending_rank(x).tolist() == want.tolist()
+    assert schedule.descending_rank(x, compare_all_max).tolist() == want.tolist()
 
 
 def admit_by_sorting(surv, active, step_cost, *, tiers, ar_cost=None):
@@ -100,14 +101,13 @@ def admit_by_sorting(surv, active, step_cost, *, tiers, ar_cost=None):
 
 
 @pytest.mark.parametrize("b,g,compare_all_max", [(3, 4, None), (16, 15, 0), (64, 15, None)])  # 0: ranks by sorting
-def test_admission_matches_the_sorted_search(b, g, compare_all_max, monkeypatch):
+def test_admission_matches_the_sorted_search(b, g, compare_all_max):
     """Against every k of the sorted drafts (batches past brute force): the same rate — the same windows but
     where a draft's survival is too small to move a float32 sum (the sorted search then stops before it; it
     costs nothing in the same tier) or two tiers' rates tie to rounding."""
-    if compare_all_max is not None:
-        monkeypatch.setattr(schedule, "RANK_COMPARE_ALL_MAX", compare_all_max)
+    rank = {} if compare_all_max is None else {"compare_all_max": compare_all_max}
     tiers = schedule.tiers_for(b, g + 1)
-    new = fast_jit(lambda s, a, c, ar: schedule.admit(s, a, c, tiers=tiers, ar_cost=ar))
+    new = fast_jit(lambda s, a, c, ar: schedule.admit(s, a, c, tiers=tiers, ar_cost=ar, **rank))
     old = fast_jit(lambda s, a, c, ar: admit_by_sorting(s, a, c, tiers=tiers, ar_cost=ar))
     rng = np.random.default_rng(b * 100 + g)
     same = 0
@@ -190,47 +190,55 @@ def test_tiers_that_cannot_pay_for_their_conditional_are_pruned():
     assert kept == (8, 16, 32, 64) and cost.tolist() == [151.0, 172.0, 204.0, 256.0]
 
 
+# What resolve_verify_mode reads of a drafter handle: its kind (a DFlash drafter: no confidences) and tables.
+DFLASH_HANDLE = types.SimpleNamespace(cost_tables=None,
+                                      model=types.SimpleNamespace(config=types.SimpleNamespace(kind="dflash")))
+STATIC_RESOLVED = (verify_modes.STATIC, (), None, False)
+
+
 def test_the_ar_step_is_offered_only_where_it_saves_on_the_cheapest_tier():
-    dflash = types.SimpleNamespace(cost_tables=None, model=types.SimpleNamespace())  # no confidence head
+    dflash = DFLASH_HANDLE  # no confidence head
     h200 = CostTable("gpu", "x", "bfloat16", "p", 16, 256, {1: {1: 1.93, 2: 1.78, 4: 1.71, 8: 1.68, 16: 1.69}},
                      ar_ms={1: 1.67})  # batch 1 on an H200: one tier kept, the AR step as dear
-    assert generation.resolve_verify_mode("compact", dflash, 1, 16, h200) == ("static", (), None, False)
+    assert generation.resolve_verify_mode("compact", dflash, 1, 16, h200) == STATIC_RESOLVED
     mode, tiers, cost, ar_step = generation.resolve_verify_mode("compact", dflash, 1, 16,
                                                                 dataclasses.replace(h200, ar_ms={1: 1.2}))
-    assert (mode, tiers, ar_step) == ("compact", (16,), True) and cost.tolist() == pytest.approx([1.69, 1.2])
+    assert (mode, tiers, ar_step) == (verify_modes.Compact(), (16,), True)
+    assert cost.tolist() == pytest.approx([1.69, 1.2])
 
 
 def test_compact_runs_static_where_no_tier_saves_on_static_s_step():
     """With the static verify's step in the table, compact runs static's program where even its cheapest tier
     kept does not save on that step (each of its steps would then cost as much and commit no more), even with a
     cheap step without drafting; elsewhere its tiers are pruned against its own costs, as without it."""
-    dflash = types.SimpleNamespace(cost_tables=None, model=types.SimpleNamespace())  # no confidence head
+    dflash = DFLASH_HANDLE  # no confidence head
     b4 = CostTable("gpu", "x", "bfloat16", "p", 16, 256, {4: {1: 2.10, 2: 1.94, 4: 1.95, 8: 2.01, 16: 2.11}},
                    ar_ms={4: 1.71})  # batch 4 on an H200
     mode, tiers, cost, ar_step = generation.resolve_verify_mode("compact", dflash, 4, 16, b4)
-    assert (mode, tiers, ar_step) == ("compact", (8, 32, 64), True)
+    assert (mode, tiers, ar_step) == (verify_modes.Compact(), (8, 32, 64), True)
     with_static = dataclasses.replace(b4, static_ms={4: 1.96})
-    assert generation.resolve_verify_mode("compact", dflash, 4, 16, with_static) == ("static", (), None, False)
+    assert generation.resolve_verify_mode("compact", dflash, 4, 16, with_static) == STATIC_RESOLVED
     for static in (2.05, 6.0):  # tiers cheaper than static's step: compact, its tiers as without static
         got = generation.resolve_verify_mode("compact", dflash, 4, 16, dataclasses.replace(b4, static_ms={4: static}))
-        assert got[0] == "compact" and got[1] == tiers and got[2].tolist() == pytest.approx(cost.tolist())
+        assert got[0].name == "compact" and got[1] == tiers and got[2].tolist() == pytest.approx(cost.tolist())
 
 
 @pytest.mark.auto_verify
-def test_auto_is_compact_where_the_table_times_static_s_step(monkeypatch):
+def test_auto_is_compact_where_the_table_times_static_s_step():
     """With static's step in the table, auto is compact (which runs static's program itself where no tier saves
     on that step), whatever the whole block's ratio to one token a row; without it, that ratio decides."""
-    dflash = types.SimpleNamespace(cost_tables=None, model=types.SimpleNamespace())
+    dflash = DFLASH_HANDLE
     b4 = CostTable("gpu", "x", "bfloat16", "p", 16, 256, {4: {1: 2.10, 2: 1.94, 4: 1.95, 8: 2.01, 16: 2.11}},
                    ar_ms={4: 1.71})  # whole blocks ~1.0× one token a row: far under the ratio
-    assert generation.resolve_verify_mode("auto", dflash, 4, 16, b4)[0] == "static"
+    assert generation.resolve_verify_mode("auto", dflash, 4, 16, b4)[0].name == "static"
     got = generation.resolve_verify_mode("auto", dflash, 4, 16, dataclasses.replace(b4, static_ms={4: 2.05}))
-    assert got[:2] == generation.resolve_verify_mode("compact", dflash, 4, 16, b4)[:2] and got[0] == "compact"
+    assert got[:2] == generation.resolve_verify_mode("compact", dflash, 4, 16, b4)[:2] and got[0].name == "compact"
     cheap_static = dataclasses.replace(b4, static_ms={4: 1.96})
-    assert generation.resolve_verify_mode("auto", dflash, 4, 16, cheap_static) == ("static", (), None, False)
-    monkeypatch.setattr(generation, "AUTO_COMPACT_RATIO", float("inf"))  # the opt-out still holds
-    got = generation.resolve_verify_mode("auto", dflash, 4, 16, dataclasses.replace(b4, static_ms={4: 2.05}))
-    assert got[0] == "static"
+    assert generation.resolve_verify_mode("auto", dflash, 4, 16, cheap_static) == STATIC_RESOLVED
+    opt_out = Tuning(auto_compact_ratio=float("inf"))  # the opt-out still holds
+    got = generation.resolve_verify_mode("auto", dflash, 4, 16, dataclasses.replace(b4, static_ms={4: 2.05}),
+                                         tuning=opt_out)
+    assert got[0].name == "static"
 
 
 def test_a_flipped_kernel_knob_is_a_program_of_its_own(monkeypatch):
@@ -477,15 +485,32 @@ def test_steps_without_drafting_are_lossless(target, runs, reference):
     assert "ar_steps" not in runs["compact"].stats  # TABLE has no autoregressive step time: not offered
 
 
+def speculative_generate_tuned(target, drafter, prompts, max_new_tokens, tuning: Tuning, **kw):
+    """``speculative_generate(..., tuning=tuning)``; where the public API does not take ``tuning`` yet, the same
+    run from the prepared job with ``tuning`` put into its loop spec (a program of its own)."""
+    if "tuning" in inspect.signature(speculative_generate).parameters:
+        return speculative_generate(target, drafter, prompts, max_new_tokens, tuning=tuning, **kw)
+    job = generation.make_job(target, drafter, prompts, chat=False, max_new_tokens=max_new_tokens,
+                              block_size=drafter.config.verify_width, **kw)
+    spec = dataclasses.replace(job.spec, tuning=tuning)
+    key = tuple(spec if isinstance(k, LoopSpec) else k for k in job.key)
+    shapes = dict(batch=job.host.prompt.shape[0], prompt_len=job.host.prompt.shape[1],
+                  num_stops=len(job.host.stops))
+    graphdefs = (job.target.split().static, job.drafter.split().static)
+    programs = generation._programs(key, graphdefs, job.params, job.pre_args, spec,
+                                    dict(capacity=job.host.capacity, **shapes), drafter.config.mask_token_id)
+    job = dataclasses.replace(job, spec=spec, programs=programs)
+    return generation.collect(job, generation.launch(job))
+
+
 def test_capped_sequential_drafting_stays_lossless(target, reference, monkeypatch):
-    """The GPU experiment switch of compact's drafting (off by default; a fresh program cache, so neither the
-    programs it compiles nor the default ones leak across tests): a sequential drafter drafting only its first
-    positions stays lossless and no window passes them."""
+    """The GPU experiment knob of compact's drafting (``Tuning.sequential_draft_cap``, off by default; a fresh
+    program cache, so neither the programs it compiles nor the default ones leak across tests): a sequential
+    drafter drafting only its first positions stays lossless and no window passes them."""
     monkeypatch.setattr(generation, "_PROGRAMS", {})
-    monkeypatch.setattr(loop, "SEQUENTIAL_DRAFT_CAP", 2)
     dspark = random_drafter(target, kind="dspark", block_size=5, num_layers=1, markov_rank=8, seed=4)
-    capped = speculative_generate(target, dspark, PROMPTS, MAX_NEW, stop_token_ids=[], verify_mode="compact",
-                                  cost_table=TABLE)
+    capped = speculative_generate_tuned(target, dspark, PROMPTS, MAX_NEW, Tuning(sequential_draft_cap=2),
+                                        stop_token_ids=[], verify_mode="compact", cost_table=TABLE)
     assert capped.token_ids == reference.token_ids
     assert capped.stats["mean_window"] <= 2 + 1  # the anchor and ≤ 2 drafts (3.73 without the cap)
 
@@ -503,9 +528,9 @@ def test_compact_steps_update_the_caches_in_place(target, oracle, runs):
     texts = {}
     for key, programs in generation._PROGRAMS.items():
         spec = next((k for k in key if isinstance(k, LoopSpec)), None)
-        if spec is not None and spec.verify_mode in ("static", "compact") and spec.block_size == 8:
+        if spec is not None and spec.verify_mode.name in ("static", "compact") and spec.block_size == 8:
             shape = programs.prefill.out_info[0].target_cache.k[0].shape
-            texts[spec.verify_mode, spec.ar_step] = (programs.decode.as_text(), shape)
+            texts[spec.verify_mode.name, spec.ar_step] = (programs.decode.as_text(), shape)
     assert {("static", False), ("compact", False), ("compact", True)} <= set(texts), set(texts)
     for (mode, _), (text, shape) in texts.items():
         # compact's one conditional is its tier switch: with the AR offer too, a parallel drafter drafts inside
@@ -537,7 +562,7 @@ def test_dspark_confidences_schedule_compact_and_cap_accept_alike(target, refere
     for key, programs in generation._PROGRAMS.items():
         spec = next((k for k in key if isinstance(k, LoopSpec)), None)
         state = programs.prefill.out_info[0]
-        if spec is not None and spec.verify_mode == "compact" and state.schedule.counts is None:  # confidences
+        if spec is not None and spec.verify_mode.name == "compact" and state.schedule.counts is None:  # confidences
             text = programs.decode.as_text()
             assert _cache_copies(text, state.target_cache.k[0].shape) == []
             assert _cache_copies(text, state.draft_cache.k[0].shape) == []
@@ -581,6 +606,48 @@ def test_verify_mode_errors(target, oracle):
         speculative_generate(target, oracle, PROMPTS, 4, verify_mode="fast")
     with pytest.raises(costs.CostTableError, match="does not exist"):
         speculative_generate(target, oracle, PROMPTS, 4, verify_mode="compact", cost_table="/nonexistent.json")
+
+
+def test_verify_modes_are_named_by_their_registry():
+    """Every registered name round-trips to a hashable strategy (what the loop spec holds); an unknown name is one
+    error naming the choices; a policy (auto) is not a loop mode until resolved."""
+    assert verify_modes.names() == ("auto", "static", "compact", "cap-accept")
+    for name in verify_modes.names():
+        strategy = verify_modes.by_name(name)
+        assert strategy.name == name and str(strategy) == name and verify_modes.by_name(strategy) is strategy
+        assert strategy == verify_modes.by_name(name) and hash(strategy) == hash(verify_modes.by_name(name))
+    for name in MODES:
+        spec = LoopSpec(block_size=8, new_capacity=16, capture=(), verify_mode=name)
+        assert spec.verify_mode == verify_modes.by_name(name) and spec == dataclasses.replace(spec)
+        assert spec.scheduled == (name != "static")
+    assert len({verify_modes.by_name(m) for m in MODES}) == len(MODES)
+    with pytest.raises(ValueError, match="verify_mode must be 'auto' or one of 'static', 'compact', 'cap-accept', "
+                                         "got 'fast'"):
+        verify_modes.by_name("fast")
+    with pytest.raises(ValueError, match="policy"):
+        LoopSpec(block_size=8, new_capacity=16, capture=(), verify_mode="auto")
+
+
+def test_a_new_verify_mode_is_one_registered_class(target, oracle, runs, monkeypatch):
+    """A mode defined and registered here — cap-accept's steps under another name — is accepted by the registry,
+    the public API and the CLI with no other change, and runs."""
+    monkeypatch.setattr(verify_modes, "REGISTRY", dict(verify_modes.REGISTRY))
+
+    @verify_modes.register
+    @dataclasses.dataclass(frozen=True)
+    class Trimmed(verify_modes.CapAccept):
+        name: ClassVar[str] = "trimmed"
+
+    assert verify_modes.names()[-1] == "trimmed" and verify_modes.by_name("trimmed") == Trimmed()
+    for name, code in (("trimmed", 0), ("fast", 2)):  # the CLI's choices come from the registry
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["generate", "--verify-mode", name, "--help"])
+        assert exit_.value.code == code, name
+    out = speculative_generate(target, oracle, PROMPTS, MAX_NEW, stop_token_ids=[], verify_mode="trimmed",
+                               cost_table=TABLE)
+    cap = runs["cap-accept"]
+    assert out.stats["verify_mode"] == "trimmed" and out.token_ids == cap.token_ids
+    assert out.acceptance_lengths == cap.acceptance_lengths and out.stats["utilization"] == cap.stats["utilization"]
 
 
 # --------------------------------------------------------------------------------------------------

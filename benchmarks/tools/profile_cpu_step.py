@@ -53,7 +53,7 @@ def _cycle(target, drafter, ids, spec_changes: dict, *, block_size: int = 16, **
     graphs = (job.target.split().static, job.drafter.split().static if job.drafter is not None else None)
 
     def step(params, s, tier):
-        t, d = loop._merge(graphs, params)
+        t, d = loop.merge_models(graphs, params)
         return _same_positions(loop.cycle(t, d, s, job.spec, d.config.mask_token_id if d is not None else 0), s)
     return job, step
 
@@ -79,7 +79,7 @@ def compact_step(target, drafter, ids, batch: int, *, ar_step: bool = True, one_
     graphs = (job.target.split().static, job.drafter.split().static)
 
     def step(params, s, tier):
-        t, d = loop._merge(graphs, params)
+        t, d = loop.merge_models(graphs, params)
         window = jnp.full((batch,), (jnp.asarray(spec.tiers + (batch,), jnp.int32) // batch - 1)[tier], jnp.int32)
         return _same_positions(loop.compact_step(t, d, s, spec, d.config.mask_token_id, window, tier), s)
     return job, step

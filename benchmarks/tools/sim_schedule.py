@@ -63,7 +63,7 @@ def compact_batch(target, drafter, batch: list[list[int]], table, max_new: int) 
         "compact", drafter, len(batch), drafter.config.verify_width, table)
     out = speculative_generate(target, drafter, batch, max_new_tokens=max_new, verify_mode="compact",
                                cost_table=table)
-    if mode == "static":  # the table says no tier saves on static's step: compact runs static's program
+    if mode.name == "static":  # the table says no tier saves on static's step: compact runs static's program
         steps = {"static": out.stats["cycles"]}
         ms = out.stats["cycles"] * table.static_cost(len(batch))
     else:

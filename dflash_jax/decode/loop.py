@@ -26,10 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from dflash_jax.decode import sampling, schedule
+from dflash_jax import drafters
+from dflash_jax.decode import sampling, schedule, verify_modes
 from dflash_jax.decode.state import DecodeState, DecodeView, LoopSpec, ScheduleState
 from dflash_jax.kernels.packed import PackedLayout
-from dflash_jax.models.drafter import DFlashDrafter, DSparkDrafter
+from dflash_jax.models.drafter import DFlashDrafter
 from dflash_jax.models.split import merge_model
 from dflash_jax.models.target import KVCache, TargetModel
 from dflash_jax.sharding import Plan, constrain
@@ -134,7 +135,7 @@ def prefill(
         rng=rng if spec.sampling else None,
         sampling=sampling_params if spec.sampling else None,
         survival_sum=(jnp.zeros((b, spec.block_size - 1), jnp.float32)
-                      if drafter is not None and getattr(drafter, "confidence_head", None) is not None else None),
+                      if drafter is not None and drafters.kind_of(drafter).has_confidence else None),
         schedule=_new_schedule(drafter, b, spec, step_cost) if spec.scheduled and drafter is not None else None,
         return_at_done=jnp.asarray(b if return_at_done is None else return_at_done, jnp.int32),
     )
@@ -147,7 +148,7 @@ def prefill(
 
 def _new_schedule(drafter: DFlashDrafter, b: int, spec: LoopSpec, step_cost) -> ScheduleState:
     g, k = spec.block_size - 1, len(spec.tiers) + spec.ar_step
-    confident = getattr(drafter, "confidence_head", None) is not None
+    confident = drafters.kind_of(drafter).has_confidence
     zeros = jnp.zeros((b,), jnp.int32)
     return ScheduleState(step_cost.astype(jnp.float32), None if confident else schedule.AcceptanceCounts.zeros(b, g),
                          zeros, zeros, jnp.zeros((b, k), jnp.int32))
@@ -214,31 +215,34 @@ def _split_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def propose(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, spec: LoopSpec,
             mask_token_id: int) -> tuple[Int[Array, "B L"], jax.Array | None, jax.Array | None, DecodeState]:
-    """The block to verify, ``[anchor, d_1 … d_{L-1}]``, from one drafter forward (SPEC §2; DSpark §7).
+    """The block to verify, ``[anchor, d_1 … d_{L-1}]``, from one drafter forward (SPEC §2; DSpark §7): the
+    trunk here, the drafts from the drafter's kind (:meth:`dflash_jax.drafters.DrafterKind.draft`).
 
     Returns the block, the drafts' distribution ``q`` [B, L-1, V] when drafts are sampled (else None), the
-    drafts' confidences [B, L-1] (DSpark drafters with a confidence head, else None), and the state (its PRNG
-    keys advanced when sampling).
+    drafts' confidences [B, L-1] (drafters that score their drafts, else None), and the state (its PRNG keys
+    advanced when sampling).
     """
     anchor = state.anchor[:, None]
     if drafter is None or spec.block_size == 1:
         return anchor, None, None, state
+    kind = drafters.kind_of(drafter)
     h = _draft_hidden(target, drafter, state, spec, mask_token_id)
-    if drafter.config.sequential:
-        drafts, q, conf, state = _draft_sequential(target, drafter, h, state, spec)
-        return jnp.concatenate([anchor, drafts], axis=1), q, conf, state
     state, k_draft = _draft_keys(state, spec)
-    drafts, q = _pick_drafts(drafter.draft_logits(h[:, 1:], target), state, spec, k_draft, drafter)
-    return jnp.concatenate([anchor, drafts], axis=1), q, None, state
+    drafts, q, conf = kind.draft(target, h, state.anchor, _picker(state, spec), k_draft,
+                                 cap=spec.verify_mode.draft_cap(spec.tuning))
+    return jnp.concatenate([anchor, drafts], axis=1), q, conf, state
 
 
 def _draft_hidden(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, spec: LoopSpec,
-                  mask_token_id: int) -> Float[Array, "B L D"]:
-    """The drafter trunk over ``[anchor, MASK…]`` (DSpark: γ = L − 1 inputs, the anchor predicting draft 1)."""
-    n_in = spec.block_size - 1 if drafter.config.sequential else spec.block_size
+                  mask_token_id: int) -> Float[Array, "B G D"]:
+    """The drafter trunk over ``[anchor, MASK…]`` (as many inputs as the kind's
+    :meth:`~dflash_jax.drafters.DrafterKind.trunk_width`): its hidden states at the G = L − 1 positions that
+    predict the drafts."""
+    n_in = drafters.kind_of(drafter).trunk_width(spec.block_size)
     masks = jnp.full((state.anchor.shape[0], n_in - 1), mask_token_id, jnp.int32)
-    return drafter(target.embed(jnp.concatenate([state.anchor[:, None], masks], axis=1)),
-                   block_positions(state, n_in), state.draft_cache, state.anchor_pos, kernels=spec.kernels)
+    h = drafter(target.embed(jnp.concatenate([state.anchor[:, None], masks], axis=1)),
+                block_positions(state, n_in), state.draft_cache, state.anchor_pos, kernels=spec.kernels)
+    return h[:, n_in - (spec.block_size - 1):]
 
 
 def _draft_keys(state: DecodeState, spec: LoopSpec) -> tuple[DecodeState, jax.Array | None]:
@@ -249,63 +253,15 @@ def _draft_keys(state: DecodeState, spec: LoopSpec) -> tuple[DecodeState, jax.Ar
     return dataclasses.replace(state, rng=rng), k_draft
 
 
-def _pick_drafts(logits: Float[Array, "B G Vd"], state: DecodeState, spec: LoopSpec, k_draft,
-                 drafter: DFlashDrafter):
-    """(drafts [B, G] as target ids, q [B, G, V] or None): argmax, or draws from the filtered distribution q
-    (over the draft vocabulary, then zero outside it: still exactly the distribution drafts are drawn from)."""
-    if k_draft is None:
-        return drafter.to_target_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32)), None
-    q = sampling.filtered_probs(logits, state.sampling, use_top_k=spec.top_k, use_top_p=spec.top_p)
-    return drafter.to_target_ids(jax.vmap(sampling.sample)(k_draft, q)), drafter.to_target_probs(q)
-
-
-def _draft_sequential(target: TargetModel, drafter: DSparkDrafter, hidden: Float[Array, "B G D"],
-                      state: DecodeState, spec: LoopSpec):
-    """DSpark drafting, left to right over the block (a scan of G steps, each a [B, R] × [R, Vd] product):
-    ``x_k = pick(U_k + W2·W1[x_{k-1}])`` with ``x_{-1}`` = the anchor; pick = argmax, or a draw from
-    ``softmax`` of the filtered logits when drafts are sampled (then ``q_k`` is exactly that distribution,
-    conditioned on the drafts before it, which keeps the ratio test of :func:`sampling.accept_sampled` exact).
-
-    Returns drafts [B, G] (target ids), q [B, G, V] or None, confidences [B, G] or None, and the state.
-    """
-    g_all = hidden.shape[1]
-    if SEQUENTIAL_DRAFT_CAP and spec.verify_mode == "compact" and drafter.confidence_head is not None:
-        hidden = hidden[:, :SEQUENTIAL_DRAFT_CAP]
-    base = drafter.base_logits(hidden, target).swapaxes(0, 1)  # [G, B, Vd]
-    g, b = base.shape[:2]
-    sampled = spec.sampling and spec.draft_sampling
-    if sampled:
-        rng, k_draft = _split_rows(state.rng)
-        keys = jax.vmap(lambda k: jax.random.split(k, g))(k_draft).swapaxes(0, 1)  # [G, B]
-        state = dataclasses.replace(state, rng=rng)
-    else:
-        keys = jnp.zeros((g, b), jnp.int32)  # unused
-    head = drafter.markov_head
-
-    def step(prev, xs):
-        u, key = xs
-        e = head.embed(prev)  # [B, R]
-        logits = u + head.bias(e)
-        if sampled:
-            q = sampling.filtered_probs(logits, state.sampling, use_top_k=spec.top_k, use_top_p=spec.top_p)
-            x = jax.vmap(sampling.sample)(key, q)
-        else:
-            q, x = None, jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        x = drafter.to_target_ids(x)
-        return x, (x, e, q)
-
-    # Unrolled: as a loop, each of the G steps launched 7 kernels on a GPU (its outputs' slice updates
-    # included); unrolled, 3.4 (static's step at batch 64: 534 kernels instead of 588, count_gpu_kernels.py).
-    _, (drafts, embeds, q) = jax.lax.scan(step, state.anchor, (base, keys), unroll=True)
-    drafts, embeds = drafts.swapaxes(0, 1), embeds.swapaxes(0, 1)  # [B, G], [B, G, R]
-    q = drafter.to_target_probs(q.swapaxes(0, 1)) if sampled else None
-    conf = None
-    if drafter.confidence_head is not None:
-        conf = jax.nn.sigmoid(drafter.confidence_head(hidden, embeds) / drafter.temperatures(g))
-    if g < g_all:  # past the cap: drafts 0 with confidence 0, which no window reaches
-        pad = lambda x: jnp.pad(x, [(0, 0), (0, g_all - g)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-        drafts, conf, q = pad(drafts), pad(conf), (pad(q) if q is not None else None)
-    return drafts, q, conf, state
+def _picker(state: DecodeState, spec: LoopSpec) -> drafters.Pick:
+    """How drafts are picked from draft logits [B, *, Vd]: the argmax without keys, else draws from the filtered
+    distribution q (over the draft vocabulary: exactly the distribution drafts are drawn from)."""
+    def pick(logits, keys):
+        if keys is None:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+        q = sampling.filtered_probs(logits, state.sampling, use_top_k=spec.top_k, use_top_p=spec.top_p)
+        return jax.vmap(sampling.sample)(keys, q), q
+    return pick
 
 
 def verify(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, block: Int[Array, "B L"],
@@ -325,17 +281,15 @@ def verify(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeStat
 def verify_compact(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, block: Int[Array, "B L"],
                    spec: LoopSpec, q: jax.Array | None, window: Int[Array, "B"], tier: Int[Array, ""]
                    ) -> DecodeState:
-    """Verify only each row's window (anchor + ``window`` drafts) of a block drafted already (a DSpark
-    drafter's, whose confidences chose the windows), packed into the compiled tier ``spec.tiers[tier]``.
-    Finished rows verify nothing. Commits what :func:`verify` with the same window commits."""
+    """Verify only each row's window (anchor + ``window`` drafts) of a block drafted already (by a drafter
+    that scores its drafts, whose confidences chose the windows), packed into the compiled tier
+    ``spec.tiers[tier]``. Finished rows verify nothing. Commits what :func:`verify` with the same window commits."""
     return _packed_step(target, drafter, state, spec, window, tier, lambda size, drafted: drafted,
                         (block, q, state.rng))
 
 
-# A sequential (DSpark) drafter's compact steps draft only its first SEQUENTIAL_DRAFT_CAP positions (None: all;
-# the trunk still runs over the whole block): the LM head and the left-to-right head are most of its drafting.
-# Confidences past the cap are 0, so no window reaches them. An experiment switch: on the H200 it measured within
-# noise of drafting everything (RESULTS, session 26), so it stays off.
+# Not read by the loop: a sequential drafter's compact steps draft ``Tuning.sequential_draft_cap`` positions
+# (:meth:`dflash_jax.decode.verify_modes.VerifyMode.draft_cap`). Kept only while the program key still lists it.
 SEQUENTIAL_DRAFT_CAP: int | None = None
 
 
@@ -347,9 +301,10 @@ def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState
     third of a draft's time); a sequential one drafts its whole block. With ``spec.ar_step`` the drafting is
     skipped when the scheduler picked a plain autoregressive step (tier index K): a parallel drafter drafts
     inside each tier's branch (traced once per tier), so a step runs one conditional, not a ``lax.cond``
-    around the drafting before the tier switch as well (H200, batches 64 / 128: compact ~4 % faster, RESULTS
-    session 26); a sequential one keeps that cond. Drafts past a window are 0 (never verified)."""
-    if drafter.config.sequential:
+    around the drafting before the tier switch as well (measured a few percent faster on a GPU at large
+    batches); a sequential one keeps that cond. Drafts past a window are 0 (never verified)."""
+    kind = drafters.kind_of(drafter)
+    if kind.sequential:
         def draft():
             block, q, _, drafted = propose(target, drafter, state, spec, mask_token_id)
             return block, q, drafted.rng
@@ -357,24 +312,25 @@ def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState
     else:
         def draft():  # the trunk's hidden states [B, G, D] and the PRNG keys after drawing the drafts
             drafted, k_draft = _draft_keys(state, spec)
-            return _draft_hidden(target, drafter, state, spec, mask_token_id)[:, 1:], k_draft, drafted.rng
+            return _draft_hidden(target, drafter, state, spec, mask_token_id), k_draft, drafted.rng
 
         def make_block(size: int, drafted):
             hidden, k_draft, rng = drafted
             b, g = hidden.shape[:2]
             layout = PackedLayout.build(jnp.where(state.done, 0, window), jnp.zeros((b,), jnp.int32),
                                         size, g, spec.packed_groups, spec.kernels.tuning)
-            logits = drafter.draft_logits(layout.pack(hidden)[None], target)[0]  # [T, Vd]
+            logits = kind.draft_logits(layout.pack(hidden)[None], target)[0]  # [T, Vd]
+            pick = _picker(state, spec)
             if k_draft is None:
-                drafts = layout.unpack(drafter.to_target_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32)))
-                q = None
+                drafts, q = layout.unpack(kind.to_target_ids(pick(logits, None)[0])), None
             else:
-                drafts, q = _pick_drafts(layout.unpack(logits), state, spec, k_draft, drafter)
+                ids, q = pick(layout.unpack(logits), k_draft)
+                drafts, q = kind.to_target_ids(ids), kind.to_target_probs(q)
             return jnp.concatenate([state.anchor[:, None], drafts], axis=1), q, rng
 
     if not spec.ar_step:
         return _packed_step(target, drafter, state, spec, window, tier, make_block, draft())
-    if not drafter.config.sequential:
+    if not kind.sequential:
         return _packed_step(target, drafter, state, spec, window, tier,
                             lambda size, _: make_block(size, draft()), None)
     skipped = lambda: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(draft))  # noqa: E731
@@ -490,39 +446,49 @@ def _record_schedule(state: DecodeState, accepted, untrimmed, window) -> DecodeS
         untrimmed=trimmed_off))
 
 
+class Step:
+    """The loop's operations bound to its models and spec: what a verify mode composes into a cycle
+    (:class:`dflash_jax.decode.verify_modes.StepOps`)."""
+
+    def __init__(self, target: TargetModel, drafter: DFlashDrafter | None, spec: LoopSpec, mask_token_id: int):
+        self.target, self.drafter, self.spec, self.mask_token_id = target, drafter, spec, mask_token_id
+
+    def propose(self, state: DecodeState):
+        return propose(self.target, self.drafter, state, self.spec, self.mask_token_id)
+
+    def schedule(self, state: DecodeState, rates):
+        return _schedule(state, rates, self.spec)
+
+    def count_tier(self, state: DecodeState, tier):
+        return _count_tier(state, tier, self.spec)
+
+    def record_survival(self, state: DecodeState, conf):
+        return _record_survival(state, conf)
+
+    def verify(self, state: DecodeState, block, q, window=None):
+        return verify(self.target, self.drafter, state, block, self.spec, q, window)
+
+    def verify_packed(self, state: DecodeState, block, q, window, tier):
+        return verify_compact(self.target, self.drafter, state, block, self.spec, q, window, tier)
+
+    def draft_and_verify_packed(self, state: DecodeState, window, tier):
+        return compact_step(self.target, self.drafter, state, self.spec, self.mask_token_id, window, tier)
+
+    def plan_next(self, state: DecodeState):
+        return plan_next(self.target, self.drafter, state, self.spec, self.mask_token_id)
+
+
 def cycle(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState, spec: LoopSpec,
           mask_token_id: int) -> DecodeState:
-    """One draft → verify → accept → commit step for every row (finished rows commit nothing).
+    """One draft → verify → accept → commit step for every row (finished rows commit nothing), as the verify
+    mode composes it (:meth:`dflash_jax.decode.verify_modes.VerifyMode.cycle`; without a drafter or a
+    scheduler: the static verify's).
 
-    Scheduled modes pick each row's window from the drafts' survival: the confidences of a DSpark drafter
-    (known after drafting), else the running acceptance counts (known before: compact then drafts only the
-    windows)."""
-    if not spec.scheduled or drafter is None:
-        block, q, conf, state = propose(target, drafter, state, spec, mask_token_id)
-        state = _record_survival(state, conf)
-        return shard_state(verify(target, drafter, state, block, spec, q), spec.plan)
-    sch = state.schedule
-    compact = spec.verify_mode == "compact"
-    if plans_ahead(state, spec):  # the windows this step verifies were chosen at the end of the step before
-        state = _count_tier(state, sch.tier, spec)
-        if sch.block is None:  # windows from the counts: a DFlash drafter drafts in the tier's branch
-            state = compact_step(target, drafter, state, spec, mask_token_id, sch.window, sch.tier)
-        else:  # drafted at the end of the step before, windows from the drafts' confidences
-            state = _record_survival(state, sch.conf)
-            state = verify_compact(target, drafter, state, sch.block, spec, None, sch.window, sch.tier)
-        return shard_state(plan_next(target, drafter, state, spec, mask_token_id), spec.plan)
-    if sch.counts is not None:  # cap-accept: windows before drafting
-        state, window, tier = _schedule(state, sch.counts.conditional_rates(), spec)
-        block, q, conf, state = propose(target, drafter, state, spec, mask_token_id)
-    else:
-        block, q, conf, state = propose(target, drafter, state, spec, mask_token_id)
-        state, window, tier = _schedule(state, conf, spec)
-    state = _record_survival(state, conf)
-    if compact:
-        state = verify_compact(target, drafter, state, block, spec, q, window, tier)
-    else:
-        state = verify(target, drafter, state, block, spec, q, window)
-    return shard_state(state, spec.plan)
+    Scheduled modes pick each row's window from the drafts' survival: the confidences of a drafter that scores
+    its drafts (known after drafting), else the running acceptance counts (known before: compact then drafts
+    only the windows)."""
+    mode = spec.verify_mode if spec.scheduled and drafter is not None else verify_modes.STATIC
+    return shard_state(mode.cycle(Step(target, drafter, spec, mask_token_id), state), spec.plan)
 
 
 def _schedule(state: DecodeState, rates: Float[Array, "B G"], spec: LoopSpec):
@@ -535,7 +501,8 @@ def _admit(state: DecodeState, rates: Float[Array, "B G"], spec: LoopSpec):
     """(windows [B], tier index) of a step from per-draft acceptance rates (:func:`schedule.admit`)."""
     sch, k = state.schedule, len(spec.tiers)
     return schedule.admit(schedule.survival(rates), ~state.done, sch.step_cost[:k], tiers=spec.tiers,
-                          ar_cost=sch.step_cost[k] if spec.ar_step else None, groups=spec.packed_groups)
+                          ar_cost=sch.step_cost[k] if spec.ar_step else None, groups=spec.packed_groups,
+                          compare_all_max=spec.tuning.rank_compare_all_max)
 
 
 def _count_tier(state: DecodeState, tier: Int[Array, ""], spec: LoopSpec) -> DecodeState:
@@ -552,11 +519,10 @@ def plans_ahead(state: DecodeState, spec: LoopSpec) -> bool:
     tier known. Its tier switch can then run as a host-side conditional whose index is ready when the step
     starts (on a GPU the host reads it while the GPU would idle anyway, instead of waiting for the GPU to drain
     in mid-step; :func:`dflash_jax.generation.decode_compiler_options`). The same computations in another
-    order: the same drafts, windows, tokens and statistics. Not for drafts sampled from a drafter with a
-    confidence head (``draft_sampling``: their distribution q, [B, G, V], would have to be carried)."""
-    sch = state.schedule
-    return (spec.verify_mode == "compact" and spec.block_size > 1 and sch is not None
-            and (sch.counts is not None or not spec.draft_sampling))
+    order: the same drafts, windows, tokens and statistics. The verify mode decides
+    (:meth:`dflash_jax.decode.verify_modes.VerifyMode.plans_ahead`: compact, but not for drafts sampled from a
+    drafter with confidences — their distribution q, [B, G, V], would have to be carried)."""
+    return spec.verify_mode.plans_ahead(spec, state.schedule)
 
 
 def plan_next(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, spec: LoopSpec,
@@ -568,8 +534,8 @@ def plan_next(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, s
         return dataclasses.replace(state, schedule=dataclasses.replace(state.schedule, window=window, tier=tier))
     # The barrier keeps the drafting as it was at the start of a step: otherwise XLA merges each drafter
     # layer's K/V projection of the drafts with the one of the context just committed (same weights), which
-    # splits the drafter's fused projections into more GEMMs (deviceless H200 compile at 64 rows: 35 instead
-    # of 30 in the loop's body).
+    # splits the drafter's fused projections into more GEMMs (a GPU compile at 64 rows: 35 instead of 30 in
+    # the loop's body).
     block, _, conf, state = propose(target, drafter, jax.lax.optimization_barrier(state), spec, mask_token_id)
     window, tier = _admit(state, conf, spec)
     return dataclasses.replace(state, schedule=dataclasses.replace(state.schedule, window=window, tier=tier,
@@ -606,7 +572,7 @@ def decode(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeStat
 # Pure entry points (graph definitions static, parameters as pytrees) for jit / AOT compilation.
 # --------------------------------------------------------------------------------------------------
 
-def _merge(statics, params):
+def merge_models(statics, params):
     """(target, drafter) modules from their splits (:func:`dflash_jax.loading.split_model`): ``statics`` are
     static arguments, ``params`` the parameter leaves."""
     target = merge_model(statics[0], params[0])
@@ -638,7 +604,7 @@ def unpack_inputs(ints: Int[Array, "N"], floats: jax.Array | None, spec: LoopSpe
 def prefill_fn(graphdefs, params, ints, floats, *, spec: LoopSpec, capacity: int, batch: int, prompt_len: int,
                num_stops: int):
     """→ (state, its packed view)."""
-    target, drafter = _merge(graphdefs, params)
+    target, drafter = merge_models(graphdefs, params)
     prompt, lens, max_new, stops, seed, sp, cost, return_at = unpack_inputs(ints, floats, spec, batch, prompt_len,
                                                                             num_stops)
     state = prefill(target, drafter, prompt, lens, max_new, stops, spec, capacity, seed, sp, cost, return_at)
@@ -650,7 +616,7 @@ def refill_fn(graphdefs, params, state, ints, floats, *, spec: LoopSpec, capacit
     """Continuous batching: prefill ``batch`` new prompts and put them in the rows of ``state`` (donated) that
     ``ints`` ends with (rows past the state's batch are dropped: padding); the state's ``return_at_done``
     becomes the one packed with them. → (state, its packed view)."""
-    target, drafter = _merge(graphdefs, params)
+    target, drafter = merge_models(graphdefs, params)
     prompt, lens, max_new, stops, seed, sp, cost, return_at = unpack_inputs(ints, floats, spec, batch, prompt_len,
                                                                             num_stops)
     new = prefill(target, drafter, prompt, lens, max_new, stops, spec, capacity, seed, sp, cost, plan=False)
@@ -663,6 +629,6 @@ def refill_fn(graphdefs, params, state, ints, floats, *, spec: LoopSpec, capacit
 
 def decode_fn(graphdefs, params, state, max_cycles, *, spec: LoopSpec, mask_token_id: int):
     """→ (state, its packed view) after at most ``max_cycles`` cycles."""
-    target, drafter = _merge(graphdefs, params)
+    target, drafter = merge_models(graphdefs, params)
     state = decode(target, drafter, state, spec, mask_token_id, max_cycles)
     return state, DecodeView.pack(state)

@@ -30,7 +30,6 @@ from jaxtyping import Array, Bool, Float, Int
 
 from dflash_jax.kernels.common import find_bucket
 
-VERIFY_MODES = ("static", "compact", "cap-accept")  # and "auto": compact where the cost table says it pays
 # Running acceptance counts start from this prior per draft position (a Beta(PRIOR_ACCEPT, PRIOR_REJECT), mean
 # 0.8): optimistic on purpose — compact mode never sees past a window, so a pessimistic estimate for a position
 # would never be corrected, while an optimistic one is verified and corrected; a few cycles outweigh it.
@@ -41,12 +40,6 @@ POOL = 4.0
 # A step without drafting observes nothing, so the counts then fade by this factor (towards the optimistic
 # prior): a run of such steps ends with drafting tried again, and the text may have become easier.
 UNOBSERVED_DECAY = 0.7
-
-
-def check_verify_mode(mode: str) -> str:
-    if mode != "auto" and mode not in VERIFY_MODES:
-        raise ValueError(f"verify_mode must be 'auto' or one of {', '.join(map(repr, VERIFY_MODES))}, got {mode!r}")
-    return mode
 
 
 def tiers_for(batch: int, block_size: int) -> tuple[int, ...]:
@@ -103,8 +96,8 @@ def tier_index(tokens: Int[Array, "*n"], tiers: tuple[int, ...]) -> Int[Array, "
 
 
 def admit(surv: Float[Array, "B G"], active: Bool[Array, "B"], step_cost: Float[Array, "K"], *,
-          tiers: tuple[int, ...], ar_cost: Float[Array, ""] | None = None, groups: int = 1
-          ) -> tuple[Int[Array, "B"], Int[Array, ""]]:
+          tiers: tuple[int, ...], ar_cost: Float[Array, ""] | None = None, groups: int = 1,
+          compare_all_max: int = 2048) -> tuple[Int[Array, "B"], Int[Array, ""]]:
     """Windows (drafts to verify per row; 0 for inactive rows) and the tier index of the step. ``ar_cost``:
     the cost of a plain autoregressive step (no drafting, one token per active row); when it buys more
     tokens per second than any window assignment, the windows are 0 and the tier index is K.
@@ -112,11 +105,14 @@ def admit(surv: Float[Array, "B G"], active: Bool[Array, "B"], step_cost: Float[
     ``groups`` > 1 (compact under a dp mesh, rows in equal groups that each pack into their share of the
     tier's slots): each group is admitted alone, against tiers of 1/``groups`` the size (a device's share of
     the step), and the step runs the largest tier a group with active rows chose — drafting unless every such
-    group chose the autoregressive step (a group that chose it then verifies its anchors only)."""
+    group chose the autoregressive step (a group that chose it then verifies its anchors only).
+
+    ``compare_all_max``: :func:`descending_rank` compares all pairs up to this many drafts (``Tuning.
+    rank_compare_all_max``), and sorts above it."""
     if groups > 1:
         k = len(tiers)
         windows, tier = jax.vmap(lambda s, a: admit(s, a, step_cost, tiers=tuple(t // groups for t in tiers),
-                                                    ar_cost=ar_cost))(
+                                                    ar_cost=ar_cost, compare_all_max=compare_all_max))(
             surv.reshape(groups, -1, surv.shape[1]), active.reshape(groups, -1))
         drafted = (tier < k) & active.reshape(groups, -1).any(axis=1)
         tier = jnp.where(drafted.any(), jnp.max(jnp.where(drafted, tier, 0)), k if ar_cost is not None else 0)
@@ -130,7 +126,7 @@ def admit(surv: Float[Array, "B G"], active: Bool[Array, "B"], step_cost: Float[
     b, g = surv.shape
     n = active.sum().astype(jnp.int32)
     flat = jnp.where(active[:, None], surv, -1.0).reshape(-1)  # [B·G]; inactive rows rank last, never admitted
-    rank = descending_rank(flat)
+    rank = descending_rank(flat, compare_all_max)
     positive = jnp.maximum(flat, 0.0)
     sizes = jnp.asarray(tiers, jnp.int32)
     # Tier t runs steps of n + k tokens for k in [lo_t, hi_t] (the largest tier: everything past the others).
@@ -148,17 +144,14 @@ def admit(surv: Float[Array, "B G"], active: Bool[Array, "B"], step_cost: Float[
     return windows, tier
 
 
-# descending_rank compares all pairs up to this many elements (N² = 4M: a few µs on a GPU, a few ms on a CPU;
-# B·G = 1,920 at 128 rows and blocks of 16), and sorts above it (a 10,000-row batch: ~10⁹ comparisons a step).
-RANK_COMPARE_ALL_MAX = 2048
-
-
-def descending_rank(x: Float[Array, "N"]) -> Int[Array, "N"]:
+def descending_rank(x: Float[Array, "N"], compare_all_max: int = 2048) -> Int[Array, "N"]:
     """Each element's index in ``x`` sorted in descending order, ties in index order (a stable sort's):
-    ``argsort(argsort(-x, stable=True))`` — from all N² comparisons in one reduction, or a sort for large N."""
+    ``argsort(argsort(-x, stable=True))`` — from all N² comparisons in one reduction up to ``compare_all_max``
+    elements (N² = 4M: a few µs on a GPU, a few ms on a CPU; B·G = 1,920 at 128 rows and blocks of 16), or a
+    sort above it (a 10,000-row batch would be ~10⁹ comparisons a step)."""
     n = x.shape[0]
     i = jnp.arange(n, dtype=jnp.int32)
-    if n > RANK_COMPARE_ALL_MAX:
+    if n > compare_all_max:
         return jnp.zeros((n,), jnp.int32).at[jnp.argsort(-x, stable=True)].set(i)
     ahead = (x[None, :] > x[:, None]) | ((x[None, :] == x[:, None]) & (i[None, :] < i[:, None]))
     return jnp.sum(ahead, axis=1, dtype=jnp.int32)
@@ -167,8 +160,7 @@ def descending_rank(x: Float[Array, "N"]) -> Int[Array, "N"]:
 # A smaller tier is compiled only if its step costs at least this much less than the next larger tier kept (and
 # the step without drafting is offered only if it costs this much less than the cheapest tier kept):
 # choosing a tier is a conditional on the device (on a GPU one host read per step), and the table's noise is a
-# few percent. Measured on the H200 (RESULTS.md, 2026-12-02 night): a 10 % margin dropped tiers that paid at
-# batch 64-128 (compact ÷ static 0.95 / 0.93 instead of 0.99 / 1.02 with 3 %).
+# few percent. A 10 % margin was measured to drop tiers that paid at batches 64-128 on a GPU.
 TIER_MIN_SAVING = 0.03
 
 

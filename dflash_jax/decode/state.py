@@ -9,9 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from dflash_jax.decode import verify_modes
 from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.decode.schedule import AcceptanceCounts
-from dflash_jax.sharding import Plan, mesh_size
+from dflash_jax.decode.verify_modes import VerifyMode
+from dflash_jax.sharding import Plan
 from dflash_jax.models.target import KVCache
 from dflash_jax.tuning import Kernels, Tuning
 
@@ -30,10 +32,14 @@ class LoopSpec:
     top_p: bool = False  # some row uses top-p
     plan: Plan | None = None  # mesh placement of the state (None: one device)
     prefill_chunk: int | None = None  # longer prompts are prefilled this many positions at a time
-    verify_mode: str = "static"  # see dflash_jax.decode.schedule: "static", "compact" or "cap-accept"
+    # How much of each block is verified (dflash_jax.decode.verify_modes; a registered name is accepted too)
+    verify_mode: VerifyMode = verify_modes.STATIC
     tiers: tuple[int, ...] = ()  # compiled packed-verify sizes (scheduled modes; the last is B·L)
     ar_step: bool = False  # compact: the scheduler may also pick a plain autoregressive step (tier index K)
     tuning: Tuning = Tuning()  # every run-time knob (dflash_jax.tuning): part of the program's key
+
+    def __post_init__(self):
+        object.__setattr__(self, "verify_mode", verify_modes.mode(self.verify_mode))
 
     @property
     def kernels(self) -> Kernels:
@@ -42,13 +48,14 @@ class LoopSpec:
 
     @property
     def scheduled(self) -> bool:
-        return self.verify_mode != "static" and self.block_size > 1
+        """The confidence scheduler picks windows (the verify mode uses it, and there are drafts to schedule)."""
+        return self.verify_mode.scheduled and self.block_size > 1
 
     @property
     def packed_groups(self) -> int:
-        """Compact: groups of rows packed apart, one per dp shard (each device packs, verifies and writes its own
-        rows' windows; :class:`dflash_jax.kernels.packed.PackedLayout`)."""
-        return mesh_size(self.plan.mesh, "dp") if self.plan is not None and self.verify_mode == "compact" else 1
+        """Groups of rows a packed verify packs apart (:meth:`VerifyMode.packed_groups`: compact, one per dp
+        shard — each device packs, verifies and writes its own rows' windows)."""
+        return self.verify_mode.packed_groups(self.plan)
 
 
 @jax.tree_util.register_dataclass
@@ -94,7 +101,7 @@ class DecodeState:
     draft_cache: KVCache | None
     rng: jax.Array | None = None  # one PRNG key per row (sampling only)
     sampling: SamplingParams | None = None
-    survival_sum: Float[Array, "B G"] | None = None  # DSpark: Σ over cycles of each draft's predicted survival
+    survival_sum: Float[Array, "B G"] | None = None  # confidences: Σ over cycles of each draft's predicted survival
     schedule: ScheduleState | None = None
     return_at_done: Int[Array, ""] | None = None  # the loop returns once this many rows are done (None: all);
     #                                               continuous batching then hands their rows to new prompts

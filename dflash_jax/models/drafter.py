@@ -191,7 +191,7 @@ class DSparkDrafter(DFlashDrafter):
     ``c_k = σ(z_k / T_k)`` with ``z_k = w·[h_k ; W1[x_{k-1}]] + b`` (``h_k`` the trunk's final-normed hidden
     state, the one the lm_head reads; ``T_k`` the STS temperatures, 1 until fitted).
 
-    The left-to-right scan itself lives in the decode loop (:func:`dflash_jax.decode.loop.propose`); this
+    The left-to-right scan itself is the kind's drafting (:class:`dflash_jax.drafters.dspark.DSpark`); this
     module gives its pieces, which training also uses teacher-forced.
     """
 
@@ -212,3 +212,13 @@ class DSparkDrafter(DFlashDrafter):
     def temperatures(self, g: int) -> Float[Array, "G"]:
         temps = self.config.confidence_temperatures
         return jnp.asarray(temps[:g] if temps else (1.0,) * g, jnp.float32)
+
+
+# The module class of each drafter kind (``DrafterConfig.kind``); the decoding side of a kind is in
+# :mod:`dflash_jax.drafters`.
+MODULE_CLASSES: dict[str, type[DFlashDrafter]] = {"dflash": DFlashDrafter, "dspark": DSparkDrafter}
+
+
+def module_class(cfg: DrafterConfig) -> type[DFlashDrafter]:
+    """The module class a drafter of config ``cfg`` is built from."""
+    return MODULE_CLASSES[cfg.kind]

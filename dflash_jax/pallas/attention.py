@@ -422,7 +422,7 @@ def draft_attention(
     kv_heads_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
 ) -> Float[Array, "B L N H"]:
-    """Pallas TPU version of :func:`dflash_jax.attention.draft_attention` (see the module docstring).
+    """Pallas TPU version of :func:`dflash_jax.kernels.attention.draft_attention` (see the module docstring).
 
     Requires ``q_positions[b] = q_positions[b, 0] + arange(L)``. ``interpret``: ``pltpu.InterpretParams()``
     (or True) to run on CPU. ``block_kv``: context slots per KV block (default: 512, halved while the K/V
@@ -480,7 +480,7 @@ def ragged_verify_attention(
     kv_heads_per_block: int | None = None,
     vmem_limit_bytes: int | None = None,
 ) -> Float[Array, "T N H"]:
-    """Pallas TPU version of :func:`dflash_jax.attention.ragged_verify_attention` (see the module docstring).
+    """Pallas TPU version of :func:`dflash_jax.kernels.attention.ragged_verify_attention` (see the module docstring).
 
     ``max_q_len``: static bound on every window length ℓ_r (default T; pass the block size L). Rows of a
     longer window come out NaN. ``sinks``: a logit per query head that joins every softmax denominator and

@@ -20,6 +20,7 @@ import numpy as np
 import yaml
 from tqdm.auto import tqdm
 
+from dflash_jax import drafters
 from dflash_jax.config import DRAFTER_KINDS, ConfigError
 from dflash_jax.loading import (Drafter, Target, deepen_drafter, dspark_from_dflash, load_drafter, load_target,
                                 random_drafter, with_confidence_temperatures)
@@ -379,7 +380,7 @@ class Pipeline:
                 "completed": trainer.completed,
                 "rows": int(len(data["lengths"])), "settings": dataclasses.asdict(self.cfg.train),
                 "drafter": dataclasses.asdict(self.cfg.drafter)}
-        if drafter.config.sequential and drafter.model.confidence_head is not None:
+        if drafters.kind_of(drafter.model).has_confidence:
             drafter = self.calibrate(trainer, data, drafter)
             meta["sts"] = json.loads((self.out / "sts.json").read_text())
         (self.out / "train_summary.json").write_text(json.dumps(meta, indent=1))
@@ -456,7 +457,7 @@ class Pipeline:
                              "speedup": ar_s / max(spec_s, 1e-9), "identical_rows": same,
                              "acceptance_histogram": np.bincount(acc, minlength=drafter.config.verify_width + 1)
                              .tolist()}
-            if drafter.config.sequential and drafter.model.confidence_head is not None:
+            if drafters.kind_of(drafter.model).has_confidence:
                 results[name]["calibration"] = self._eval_calibration(drafter, name, *answered)
             log.warning("%s: tau %.2f over %d prompts (speculative %.1fs vs AR %.1fs)", name,
                         results[name]["tau"], len(prompts), spec_s, ar_s)

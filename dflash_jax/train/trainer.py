@@ -23,6 +23,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm.auto import tqdm
 
+from dflash_jax import drafters
 from dflash_jax.config import ConfigError
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.train.objective import (anchor_acceptance, cosine_with_warmup, default_gamma, dflash_loss,
@@ -242,7 +243,7 @@ class Trainer:
             self._build()
         bs, a_max, n = self.s.batch_size, self.s.max_anchors, len(rows["lengths"])
         acceptance = np.zeros(rows["tokens"].shape, np.int32)
-        scored = self.drafter.config.sequential and self.drafter.model.confidence_head is not None
+        scored = drafters.kind_of(self.drafter.model).has_confidence
         z_all = np.zeros((*rows["tokens"].shape, self.block_size - 1), np.float32) if scored else None
         for r0 in range(0, n, bs):
             idx = np.minimum(np.arange(r0, r0 + bs), n - 1)  # the last batch repeats its last row
