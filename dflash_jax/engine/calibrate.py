@@ -22,13 +22,14 @@ from dflash_jax.engine import programs as progs
 from dflash_jax.loading import as_drafter, as_target
 from dflash_jax.models.split import merge_model
 from dflash_jax.settings import DecodeSettings
+from dflash_jax.tuning import Tuning
 
 ROUNDS = 3  # timed calls per tier in measure()
 
 
 def measure(target, drafter, *, batches=(1, 4, 16, 32, 64, 128), block_size: int | None = None,
-            context: int = 256, repeats: int = 20, pair: str = "", progress=None, time_static: bool = True
-            ) -> CostTable:
+            context: int = 256, repeats: int = 20, pair: str = "", progress=None, time_static: bool = True,
+            tuning: Tuning | None = None) -> CostTable:
     """Time one compact step (draft + packed verify of ``per_row`` tokens per row + accept + commit) at every
     tier of every batch, the scheduler's autoregressive step (no drafting) and the static verify's step, the
     rows' caches holding ``context`` tokens. One program per batch and mode (the tier is a runtime argument,
@@ -36,7 +37,8 @@ def measure(target, drafter, *, batches=(1, 4, 16, 32, 64, 128), block_size: int
     and the host's wait are spread over its steps instead of added to each (on a GPU they are a large part of
     a small model's step, and timing one step per call flattened the table). ``repeats`` steps per tier after
     one warm-up, in ``ROUNDS`` calls; the median of the calls' per-step times is kept. ``progress``: called
-    with a line per batch; ``time_static=False`` leaves the static step out (one program less to compile)."""
+    with a line per batch; ``time_static=False`` leaves the static step out (one program less to compile);
+    ``tuning``: the programs' knobs (default ``Tuning()``)."""
     target, drafter = as_target(target), as_drafter(drafter)
     drafter.config.check_target(target.config)
     block = DecodeSettings.build(target, drafter, 1, 1, block_size=block_size).block_size
@@ -46,11 +48,11 @@ def measure(target, drafter, *, batches=(1, 4, 16, 32, 64, 128), block_size: int
     static_ms: dict[int, float] = {}
     for b in batches:
         ids = rng.integers(0, target.config.vocab_size, (b, context)).tolist()
-        row = _time_compact_steps(target, drafter, ids, block, repeats)
+        row = _time_compact_steps(target, drafter, ids, block, repeats, tuning)
         ar_ms[b] = row.pop(0)
         step_ms[b] = row
         if time_static:
-            static_ms[b] = _time_static_step(target, drafter, ids, block, repeats)
+            static_ms[b] = _time_static_step(target, drafter, ids, block, repeats, tuning)
         if progress:
             progress(f"batch {b:4d}: " + "  ".join(f"{n}/row {ms:.2f} ms" for n, ms in row.items())
                      + f"  autoregressive {ar_ms[b]:.2f} ms"
@@ -62,14 +64,15 @@ def measure(target, drafter, *, batches=(1, 4, 16, 32, 64, 128), block_size: int
                      f"{datetime.date.today().isoformat()} {commit}".strip(), ar_ms, static_ms)
 
 
-def _time_compact_steps(target, drafter, ids: list[list[int]], block: int, repeats: int) -> dict[int, float]:
+def _time_compact_steps(target, drafter, ids: list[list[int]], block: int, repeats: int,
+                        tuning: Tuning | None = None) -> dict[int, float]:
     """tokens per row → ms of the compact step at each tier of ``len(ids)`` rows; 0 → the AR step's."""
     b = len(ids)
     tiers = schedule.tiers_for(b, block)
     # Costs proportional to the tokens keep every tier (schedule.prune_tiers) and offer the AR step.
     proportional = CostTable("", "", "", "", block, 0, {1: {t // b: float(t) for t in tiers}}, ar_ms={1: 0.5})
     job = jobs.make(target, drafter, ids, 4 * block, block_size=block, stop_token_ids=[], verify_mode="compact",
-                    cost_table=proportional, decode=False)  # the steps below are timed in a program of their own
+                    cost_table=proportional, tuning=tuning, decode=False)  # the steps below are timed in a program of their own
     assert job.spec.tiers == tiers
     # The AR step is a branch of the compact step only where the scheduler may pick it (drafters without a
     # confidence head); it is timed for every drafter (the table's ar_ms explains when drafting pays).
@@ -88,10 +91,11 @@ def _time_compact_steps(target, drafter, ids: list[list[int]], block: int, repea
     return row
 
 
-def _time_static_step(target, drafter, ids: list[list[int]], block: int, repeats: int) -> float:
+def _time_static_step(target, drafter, ids: list[list[int]], block: int, repeats: int,
+                      tuning: Tuning | None = None) -> float:
     """ms of the static verify's step (the decode loop's cycle) of ``len(ids)`` rows."""
     job = jobs.make(target, drafter, ids, 4 * block, block_size=block, stop_token_ids=[], verify_mode="static",
-                    decode=False)
+                    tuning=tuning, decode=False)
     graphdefs = (job.target.split().static, job.drafter.split().static)
 
     def step(params, state, _):
