@@ -71,8 +71,9 @@ def _time_compact_steps(target, drafter, ids: list[list[int]], block: int, repea
     tiers = schedule.tiers_for(b, block)
     # Costs proportional to the tokens keep every tier (schedule.prune_tiers) and offer the AR step.
     proportional = CostTable("", "", "", "", block, 0, {1: {t // b: float(t) for t in tiers}}, ar_ms={1: 0.5})
+    # decode=False: the steps below are timed in a program of their own
     job = jobs.make(target, drafter, ids, 4 * block, block_size=block, stop_token_ids=[], verify_mode="compact",
-                    cost_table=proportional, tuning=tuning, decode=False)  # the steps below are timed in a program of their own
+                    cost_table=proportional, tuning=tuning, decode=False)
     assert job.spec.tiers == tiers
     # The AR step is a branch of the compact step only where the scheduler may pick it (drafters without a
     # confidence head); it is timed for every drafter (the table's ar_ms explains when drafting pays).

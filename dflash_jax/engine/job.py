@@ -26,7 +26,7 @@ from dflash_jax.decode.state import DecodeView, LoopSpec
 from dflash_jax.engine import programs as progs
 from dflash_jax.engine.programs import Programs
 from dflash_jax.loading import Drafter, Target
-from dflash_jax.settings import DecodeSettings, Prompt, RowValues, check_prompts
+from dflash_jax.settings import DecodeSettings, Prompt, check_prompts
 from dflash_jax.tokenizer import TokenizerMissingError
 from dflash_jax.tuning import Tuning
 
