@@ -333,4 +333,14 @@ class DecodeSettings:
         return LoopSpec(block_size=self.block_size, new_capacity=new_capacity, capture=capture,
                         impl=self.attention_impl, sampling=s.sampled, draft_sampling=s.draft_sampling,
                         top_k=s.top_k, top_p=s.top_p, plan=plan, prefill_chunk=self.tuning.prefill_chunk,
-                        verify_mode=verify_mode, tiers=tiers, ar_step=ar_step, tuning=self.tuning)
+                        verify_mode=verify_mode, tiers=tiers, ar_step=ar_step, tuning=traced(self.tuning))
+
+
+# Knobs the host has used up before a spec is built (the verify mode is resolved with them): the spec carries
+# them at a fixed value, so that they do not split the program cache.
+_HOST_ONLY = dict(auto_compact_ratio=1.0)
+
+
+def traced(tuning: Tuning) -> Tuning:
+    """``tuning`` as a loop spec carries it: its host-only knobs (:data:`_HOST_ONLY`) at a fixed value."""
+    return dataclasses.replace(tuning, **_HOST_ONLY)
