@@ -12,7 +12,7 @@ only its cost and the acceptance pattern matter here.
 
 Per batch (prompts of ``--prompt-len`` random ids, ``--max-new`` new tokens, no stop tokens): the AR reference
 (which also gives the continuation the drafter knows), the cost table for that batch
-(:func:`dflash_jax.costs.measure`, unless ``--cost-table``), then static and compact, each timed after an
+(:func:`dflash_jax.engine.calibrate.measure`, unless ``--cost-table``), then static and compact, each timed after an
 untimed first call (median of ``--repeats``): tokens/s, τ, verified tokens per committed token, compact's tiers,
 and whether each mode's tokens equal AR's (bf16: a verify of several tokens may round differently from one
 step, so a few rows can differ; float32 runs are token-identical, tests/test_schedule.py).
@@ -44,9 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import QWEN3_8B, random_target  # noqa: E402
-from dflash_jax import costs, generate, generation, random_drafter, speculative_generate  # noqa: E402
+from dflash_jax import costs, generate, random_drafter, speculative_generate  # noqa: E402
+from dflash_jax.engine import calibrate  # noqa: E402
 from dflash_jax.loading import Drafter  # noqa: E402
 from dflash_jax.models.drafter import DFlashDrafter  # noqa: E402
+from dflash_jax.tuning import Tuning  # noqa: E402
 
 SMALL = dataclasses.replace(QWEN3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4,
                             num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096)
@@ -138,7 +140,7 @@ def earlier_table(path: Path, batch: int) -> costs.CostTable:
 def batch_case(target, batch: int, args, table_file: Path | None) -> dict:
     rng = np.random.default_rng(batch)
     prompts = rng.integers(0, target.config.vocab_size, (batch, args.prompt_len)).tolist()
-    kw = dict(max_new_tokens=args.max_new, stop_token_ids=[])
+    kw = dict(max_new_tokens=args.max_new, stop_token_ids=[], tuning=args.tuning)
     ar, ar_s = timed(lambda: generate(target, prompts, **kw), args.repeats)
     drafter = known_drafter(target, prompts, ar.token_ids, layers=args.drafter_layers, block=args.block_size,
                             corrupt=args.corrupt)
@@ -146,10 +148,10 @@ def batch_case(target, batch: int, args, table_file: Path | None) -> dict:
     if table_file is not None:
         table = earlier_table(table_file, batch)
     else:
-        table = costs.measure(target, drafter, batches=(batch,), block_size=args.block_size,
-                              context=args.prompt_len + args.max_new // 2, pair="qwen3-8b-shaped",
-                              progress=lambda line: print("  " + line, flush=True),
-                              time_static=False)  # static runs below: compact's own tiers are compared with it
+        table = calibrate.measure(target, drafter, batches=(batch,), block_size=args.block_size,
+                                  context=args.prompt_len + args.max_new // 2, pair="qwen3-8b-shaped",
+                                  progress=lambda line: print("  " + line, flush=True), tuning=args.tuning,
+                                  time_static=False)  # static runs below: compact's own tiers are compared with it
     calibrate_s = time.perf_counter() - t0
     tokens = sum(map(len, ar.token_ids))
     out = dict(ar=dict(tokens_per_s=tokens / ar_s, wall_s=ar_s), cost_table=table.to_json(),
@@ -191,8 +193,9 @@ def main() -> int:
                     help="a costs file, or an earlier run's JSON (its table at each batch), instead of timing them")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    args.tuning = Tuning()
     if args.small and jax.default_backend() == "cpu":
-        generation.COMPILER_OPTIONS = CPU_FAST_COMPILE
+        args.tuning = args.tuning.with_compiler_options(CPU_FAST_COMPILE)
     cfg = SMALL if args.small else QWEN3_8B
     target = random_target(cfg, jnp.dtype(args.dtype))
     if not args.flat_logits:

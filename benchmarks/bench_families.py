@@ -63,7 +63,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import copy_bandwidth, device_profile, param_bytes, print_profile  # noqa: E402
 from dflash_jax import generate, random_drafter, speculative_generate  # noqa: E402
-from dflash_jax import families, generation  # noqa: E402
+from dflash_jax import families  # noqa: E402
+from dflash_jax.engine import job as jobs  # noqa: E402
+from dflash_jax.engine import programs as engine_programs  # noqa: E402
+from dflash_jax.tuning import Tuning  # noqa: E402
 from dflash_jax.config import model_config_from_hf  # noqa: E402
 from dflash_jax.loading import Target, restrict_draft_vocab  # noqa: E402
 from dflash_jax.models import moe  # noqa: E402
@@ -224,17 +227,20 @@ def decode_call(target, drafter, prompts, **kw):
     """The decode program alone, as a call to profile: the prefill runs here, before the trace. (Profiling whole
     ``generate`` calls spread the prefill's kernels over the steps: in the 2026-12-04 MoE profile a transpose
     and a GEMM of 0.76 calls a step were the prefill's 96 = 2 per layer.)"""
-    job = generation.prepare(target, drafter, prompts, **kw)  # the programs the timed calls compiled
+    kw = dict(kw)
+    if drafter is None:
+        kw.pop("block_size", None)
+    job = jobs.make(target, drafter, prompts, kw.pop("max_new_tokens"), **kw)  # the timed calls' programs
     state, _ = job.programs.prefill(*job.pre_args)
     jax.block_until_ready(state)
-    return lambda: generation.fetch_view(job, job.programs.decode(job.params, state, generation.ALL_CYCLES)[1])
+    return lambda: jobs.fetch_view(job, job.programs.decode(job.params, state, jobs.ALL_CYCLES)[1])
 
 
 def hlo_lines(profile: dict, out_dir: str) -> dict[str, str]:
     """The optimized HLO of the program just run (the AR call's prefill and decode, written to ``out_dir``) and,
     for each top kernel of ``profile`` that XLA made, its defining instruction (output shape and operands: what
     a fusion named only ``loop_pad_fusion_140`` does), printed and returned by kernel name."""
-    programs = list(generation._PROGRAMS.values())[-1]  # the AR b1 call's (inserted last)
+    programs = list(engine_programs.CACHE.values())[-1]  # the AR b1 call's (inserted last)
     text = programs.decode.as_text()
     Path(out_dir, "decode.hlo.txt").write_text(text)
     Path(out_dir, "prefill.hlo.txt").write_text(programs.prefill.as_text())
@@ -285,7 +291,7 @@ def family_case(kind: str, hf: dict, args, bw: float, dtype) -> dict:
     print(f"[{kind}] {res['params'] / 1e6:.1f} M params, init {init_s:.1f} s; drafter "
           f"{res['drafter_params'] / 1e6:.1f} M", flush=True)
     ctx = args.prompt_len + args.max_new / 2  # mean context over the decode
-    kw = dict(max_new_tokens=args.max_new, stop_token_ids=[])
+    kw = dict(max_new_tokens=args.max_new, stop_token_ids=[], tuning=args.tuning)
     for b in args.batches:
         prompts = _prompts(cfg.vocab_size, b, args.prompt_len)
         t = timed(lambda: generate(target, prompts, **kw), args.repeats)
@@ -330,7 +336,7 @@ def family_case(kind: str, hf: dict, args, bw: float, dtype) -> dict:
 
 def free() -> None:
     """Drop the compiled programs (the models went with family_case's frame) before the next model is built."""
-    generation._PROGRAMS.clear()
+    engine_programs.CACHE.clear()
     jax.clear_caches()
     gc.collect()
 
@@ -401,8 +407,9 @@ def main() -> int:
         ap.error(f"unknown models {bad} (expected moe, hybrid)")
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     logging.getLogger("dflash_jax").setLevel(logging.INFO)  # kernel fallbacks, if any, are worth seeing
+    args.tuning = Tuning()
     if args.small and jax.default_backend() == "cpu":
-        generation.COMPILER_OPTIONS = CPU_FAST_COMPILE
+        args.tuning = args.tuning.with_compiler_options(CPU_FAST_COMPILE)
 
     dev = jax.devices()[0]
     info = dict(device=str(dev.device_kind), platform=dev.platform, jax=jax.__version__,

@@ -32,8 +32,11 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from dflash_jax import generation
-from dflash_jax.decode import verify_modes
-from dflash_jax.loading import Drafter, Target
+from dflash_jax.engine import job as jobs
+from dflash_jax.engine import pool
+from dflash_jax.loading import Drafter, Target, as_drafter, as_target
+from dflash_jax.settings import DecodeSettings, check_prompt
+from dflash_jax.tuning import Tuning
 
 log = logging.getLogger("dflash_jax")
 
@@ -103,7 +106,13 @@ def _check_value(field: str, value) -> str | None:
     if field == "messages":
         ok = (isinstance(value, list) and value and all(isinstance(m, dict) and isinstance(m.get("content"), str)
                                                         and "role" in m for m in value))
-        return None if ok else "'messages' must be a non-empty list of {role, content}"
+        if not ok:
+            return "'messages' must be a non-empty list of {role, content}"
+        try:
+            check_prompt(value, 0)
+        except ValueError as e:
+            return f"'messages': {str(e).removeprefix('prompt 0: ')}"
+        return None
     ok = isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
     return None if ok else "'token_ids' must be a non-empty list of integers"
 
@@ -133,9 +142,9 @@ _QUEUE_AHEAD = 2
 @dataclasses.dataclass
 class _Batch:
     rows: list[Row]
-    job: generation.Job
+    job: jobs.Job
     dispatched: Any = None  # Future of the dispatch thread; its result is ``state``
-    state: Any = None  # the final packed view (generation.launch)
+    state: Any = None  # the final packed view (jobs.launch)
     launched: float | None = None  # dispatch start
     ready: float | None = None
 
@@ -178,8 +187,14 @@ class _ReadyWatcher(threading.Thread):
             self.cv.notify_all()
 
 
-def _compile_ahead(target: Target, drafter: Drafter | None, batches: list[list[Row]], kw: dict,
-                   batch_size: int, seed: int, progress: bool) -> float:
+def _batch_settings(settings: DecodeSettings, rows: list[Row], index: int) -> DecodeSettings:
+    """Batch ``index``'s settings: the run's, its rows' values, and a seed of its own."""
+    values = settings.rows.take(np.zeros(len(rows), int))  # the run's one value for every row
+    return dataclasses.replace(settings, seed=settings.seed + index, rows=values)
+
+
+def _compile_ahead(target: Target, drafter: Drafter | None, batches: list[list[Row]], settings: DecodeSettings,
+                   batch_size: int, progress: bool) -> float:
     """Compile the prefill and decode programs of every distinct batch shape; returns the seconds spent.
 
     Batches of one prompt-length bucket share their programs, so one batch per bucket is prepared (its
@@ -188,11 +203,11 @@ def _compile_ahead(target: Target, drafter: Drafter | None, batches: list[list[R
     t0 = time.perf_counter()
     first_of_bucket: dict[int, int] = {}
     for i, rows in enumerate(batches):
-        first_of_bucket.setdefault(generation.bucket(max(len(r.ids) for r in rows)), i)
+        first_of_bucket.setdefault(jobs.bucket(max(len(r.ids) for r in rows)), i)
     for i in tqdm(list(first_of_bucket.values()), disable=not progress or len(first_of_bucket) < 2,
                   desc="compile", unit="shape", dynamic_ncols=True):
-        generation.prepare(target, drafter, [r.ids for r in batches[i]], seed=seed + i, pad_batch_to=batch_size,
-                           **kw)  # compiles the bucket's prefill and decode programs
+        jobs.prepare(target, drafter, [r.ids for r in batches[i]], _batch_settings(settings, batches[i], i),
+                     pad_batch_to=batch_size)  # compiles the bucket's prefill and decode programs
     return time.perf_counter() - t0
 
 
@@ -219,23 +234,26 @@ def run_batch(
     attention_impl: str = "auto",
     verify_mode: str = "auto",
     continuous_batching: bool = False,
+    tuning: Tuning | None = None,
 ) -> dict:
     """Generate for every prompt of ``input_path`` into ``output_path``; returns the summary dict.
-    ``verify_mode``: see :func:`dflash_jax.speculative_generate`. ``continuous_batching``: one pool of
-    ``batch_size`` rows whose finished rows take the next prompts (:mod:`dflash_jax.continuous`), records written
-    as prompts finish, instead of consecutive batches.
+    ``verify_mode``, ``tuning`` and the sampling options: see :func:`dflash_jax.speculative_generate`.
+    ``continuous_batching``: one pool of ``batch_size`` rows whose finished rows take the next prompts
+    (:mod:`dflash_jax.engine.pool`), records written as prompts finish, instead of consecutive batches.
 
     ``speedup_estimate``: afterwards, decode one batch of this run again both speculatively and
     autoregressively (synchronously timed) and report the ratio of their decode tokens/s in the summary.
     """
     output = Path(output_path)
-    generation.sampling_params(1, temperature, top_k, top_p)  # validate before any work
-    generation.check_max_new_tokens(max_new_tokens)
-    verify_modes.by_name(verify_mode)
-    if batch_size <= 0:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    target = as_target(target)
+    options = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, attention_impl=attention_impl,
+                   tuning=tuning)
     if drafter is not None:
-        target, drafter, block_size = generation.speculative_settings(target, drafter, block_size)
+        drafter = as_drafter(drafter)
+        drafter.config.check_target(target.config)
+        options.update(block_size=block_size, verify_mode=verify_mode)
+    settings = DecodeSettings.build(target, drafter, 1, max_new_tokens, batch_size=batch_size,
+                                    **options)  # every argument validated before any work
     rows, bad = _read_and_tokenize(target, input_path, limit, max_new_tokens)
     _report_bad_rows(bad, output, skip_bad)
     if output.exists() and not resume:
@@ -245,27 +263,25 @@ def run_batch(
     todo.sort(key=lambda r: len(r.ids))  # one shape bucket per batch, shortest first
     batches = [todo[i: i + batch_size] for i in range(0, len(todo), batch_size)]
 
-    kw = dict(max_new_tokens=max_new_tokens, block_size=block_size if drafter is not None else 1,
-              temperature=temperature, top_k=top_k, top_p=top_p, draft_sampling=False,
-              attention_impl=attention_impl, verify_mode=verify_mode)
     t_start = time.perf_counter()
-    acc_hist = np.zeros(max(block_size or 1, 1) + 1, np.int64)  # cycles per acceptance length
+    acc_hist = np.zeros(settings.block_size + 1, np.int64)  # cycles per acceptance length
     if continuous_batching and todo:
-        pool, totals = _decode_continuous(target, drafter, todo, output, kw, batch_size, seed, acc_hist, progress)
-        summary = _summary(input_path, output, None, totals, acc_hist, t_start, pool.pop("compile_s"), len(done),
-                           len(bad), 0, batch_size, kw["block_size"])
-        summary["continuous"] = pool
+        stats, totals = _decode_continuous(target, drafter, todo, output, settings, acc_hist, progress)
+        summary = _summary(input_path, output, None, totals, acc_hist, t_start, stats.pop("compile_s"), len(done),
+                           len(bad), 0, batch_size, settings.block_size)
+        summary["continuous"] = stats
     else:
         # Every program of the run is compiled before the first batch is dispatched: a compile between two
         # batches would leave the device idle (on a GPU one decode program takes seconds to compile).
-        compile_s = _compile_ahead(target, drafter, batches, kw, batch_size, seed, progress)
-        launched, totals = _decode_and_write(target, drafter, batches, output, kw, batch_size, seed, acc_hist,
+        compile_s = _compile_ahead(target, drafter, batches, settings, batch_size, progress)
+        launched, totals = _decode_and_write(target, drafter, batches, output, settings, batch_size, acc_hist,
                                              t_start, progress)
         summary = _summary(input_path, output, launched, totals, acc_hist, t_start, compile_s, len(done),
-                           len(bad), len(batches), batch_size, kw["block_size"])
+                           len(bad), len(batches), batch_size, settings.block_size)
     if speedup_estimate and drafter is not None and batches:
         full = [b for b in batches if len(b) == batch_size] or batches
-        summary["speedup_estimate"] = _speedup_estimate(target, drafter, full[len(full) // 2], kw, seed)
+        summary["speedup_estimate"] = _speedup_estimate(target, drafter, full[len(full) // 2], max_new_tokens,
+                                                        options)
     summary_path = Path(summary_path) if summary_path else output.with_name(output.name + ".summary.json")
     summary_path.write_text(json.dumps(summary, indent=1) + "\n")
     if acc_hist.sum():
@@ -308,8 +324,8 @@ def _report_bad_rows(bad: list[dict], output: Path, skip_bad: bool) -> None:
     log.warning("%d bad row(s) written to %s", len(bad), errors_path)
 
 
-def _decode_and_write(target: Target, drafter: Drafter | None, batches: list[list[Row]], output: Path, kw: dict,
-                      batch_size: int, seed: int, acc_hist: np.ndarray, t_start: float, progress: bool
+def _decode_and_write(target: Target, drafter: Drafter | None, batches: list[list[Row]], output: Path,
+                      settings: DecodeSettings, batch_size: int, acc_hist: np.ndarray, t_start: float, progress: bool
                       ) -> tuple[list["_Batch"], dict]:
     """Decode every batch and append its records (fsync'd) in order; ``acc_hist`` is filled in place.
 
@@ -326,15 +342,15 @@ def _decode_and_write(target: Target, drafter: Drafter | None, batches: list[lis
 
     def dispatch(b: _Batch):
         b.launched = time.perf_counter()
-        b.state = generation.launch(b.job)
+        b.state = jobs.launch(b.job)
         watcher.add(b)
         return b.state
 
     def launch(i: int) -> None:
         """Prepare batch ``i`` here (host work) and queue its dispatch behind the batches already queued."""
         rows_i = batches[i]
-        job = generation.prepare(target, drafter, [r.ids for r in rows_i], seed=seed + i,
-                                 pad_batch_to=batch_size, **kw)
+        job = jobs.prepare(target, drafter, [r.ids for r in rows_i], _batch_settings(settings, rows_i, i),
+                           pad_batch_to=batch_size)
         b = _Batch(rows_i, job)
         b.dispatched = dispatcher.submit(dispatch, b)
         launched.append(b)
@@ -348,7 +364,7 @@ def _decode_and_write(target: Target, drafter: Drafter | None, batches: list[lis
                 if i + _QUEUE_AHEAD < len(batches):
                     launch(i + _QUEUE_AHEAD)  # queued behind batches i … on the dispatch thread
                 b = launched[i]
-                res = generation.collect(b.job, b.dispatched.result())
+                res = jobs.collect(b.job, b.dispatched.result())
                 watcher.wait_ready(b)
                 out.write("".join(_records(b, res, i, acc_hist)))
                 out.flush()
@@ -365,13 +381,11 @@ def _decode_and_write(target: Target, drafter: Drafter | None, batches: list[lis
     return launched, totals
 
 
-def _decode_continuous(target: Target, drafter: Drafter | None, rows: list[Row], output: Path, kw: dict,
-                       batch_size: int, seed: int, acc_hist: np.ndarray, progress: bool) -> tuple[dict, dict]:
-    """Every row through one pool (:func:`dflash_jax.continuous.run`); the records of the prompts finished at
+def _decode_continuous(target: Target, drafter: Drafter | None, rows: list[Row], output: Path,
+                       settings: DecodeSettings, acc_hist: np.ndarray, progress: bool) -> tuple[dict, dict]:
+    """Every row through one pool (:func:`dflash_jax.engine.pool.run`); the records of the prompts finished at
     each return to the host are appended and fsync'd then ("batch": that return's number). → (the pool's
     statistics, totals)."""
-    from dflash_jax import continuous
-
     totals = {"prompts": 0, "tokens": 0}
     bar = tqdm(total=len(rows), disable=not progress, desc="generate", unit="prompt", dynamic_ncols=True)
     t0 = time.perf_counter()
@@ -383,7 +397,7 @@ def _decode_continuous(target: Target, drafter: Drafter | None, rows: list[Row],
             lines = []
             for i, toks, acc in finished:
                 text = target.tokenizer.decode(toks) if target.tokenizer else None
-                fin = generation.finish_reasons([toks], target.stop_token_ids)[0]
+                fin = jobs.finish_reasons([toks], settings.stop_token_ids)[0]
                 lines.append(_record(rows[i], toks, text, acc, fin, segment[0], acc_hist))
                 totals["tokens"] += len(toks)
             out.write("".join(lines))
@@ -396,15 +410,15 @@ def _decode_continuous(target: Target, drafter: Drafter | None, rows: list[Row],
                             tau=f"{_tau(acc_hist) or 0:.2f}")
 
         try:
-            res = continuous.run(target, drafter, [r.ids for r in rows], batch_size=batch_size, seed=seed,
-                                 on_finish=write, **kw)
+            res = pool.run(target, drafter, [r.ids for r in rows],
+                           _batch_settings(settings, rows, 0), on_finish=write)
         finally:
             bar.close()
-    pool = {k: res.stats[k] for k in ("segments", "refills", "refill_size", "cycles", "compile_s")}
-    return pool, totals
+    stats = {k: res.stats[k] for k in ("segments", "refills", "refill_size", "cycles", "compile_s")}
+    return stats, totals
 
 
-def _records(b: "_Batch", res: generation.GenerationOutput, index: int, acc_hist: np.ndarray) -> list[str]:
+def _records(b: "_Batch", res: jobs.GenerationOutput, index: int, acc_hist: np.ndarray) -> list[str]:
     """One JSON line per row of a finished batch; its acceptance lengths are added to ``acc_hist``."""
     return [_record(r, toks, text, acc, fin, index, acc_hist)
             for r, toks, text, acc, fin in zip(b.rows, res.token_ids, res.texts, res.acceptance_lengths,
@@ -451,16 +465,15 @@ def _summary(input_path, output: Path, launched: list["_Batch"] | None, totals: 
     }
 
 
-def _speedup_estimate(target: Target, drafter: Drafter, rows: list[Row], kw: dict, seed: int) -> dict:
+def _speedup_estimate(target: Target, drafter: Drafter, rows: list[Row], max_new_tokens: int, options: dict
+                      ) -> dict:
     """Speculative vs autoregressive decode tokens/s on one batch of the run (the middle full one: a typical
     prompt length), each timed synchronously after its compile — the run itself overlaps batches, so its
     own timings are not per batch."""
     ids = [r.ids for r in rows]
-    common = dict(max_new_tokens=kw["max_new_tokens"], temperature=kw["temperature"], top_k=kw["top_k"],
-                  top_p=kw["top_p"], seed=seed, attention_impl=kw["attention_impl"])
-    spec = generation.speculative_generate(target, drafter, ids, block_size=kw["block_size"],
-                                           verify_mode=kw["verify_mode"], **common)
-    ar = generation.generate(target, ids, **common)
+    common = {k: v for k, v in options.items() if k not in ("block_size", "verify_mode")}
+    spec = generation.speculative_generate(target, drafter, ids, max_new_tokens, **options)
+    ar = generation.generate(target, ids, max_new_tokens, **common)
     s_tps, a_tps = spec.stats["decode_tokens_per_s"], ar.stats["decode_tokens_per_s"]
     return {"rows": len(ids), "tau": spec.tau, "speculative_decode_tokens_per_s": s_tps,
             "autoregressive_decode_tokens_per_s": a_tps, "speedup": s_tps / max(a_tps, 1e-9)}

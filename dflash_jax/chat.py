@@ -13,6 +13,7 @@ from typing import TextIO
 
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.streaming import TokenStream, speculative_stream, stream_generate
+from dflash_jax.tuning import Tuning
 
 HELP = "/reset clears the conversation · /exit (or Ctrl-D) ends the chat · Ctrl-C stops an answer"
 
@@ -20,9 +21,10 @@ HELP = "/reset clears the conversation · /exit (or Ctrl-D) ends the chat · Ctr
 def run_chat(target: Target, drafter: Drafter | None, *, stdin: TextIO | None = None, stdout: TextIO | None = None,
              system: str | None = None, max_new_tokens: int = 512, temperature: float | None = 0.0,
              top_k: int | None = 0, top_p: float | None = 1.0, seed: int = 0, block_size: int | None = None,
-             attention_impl: str = "auto", verify_mode: str = "auto") -> int:
+             attention_impl: str = "auto", verify_mode: str = "auto", tuning: Tuning | None = None) -> int:
     """The chat loop over ``stdin`` / ``stdout`` (the terminal by default); ``drafter=None`` decodes
-    autoregressively. Returns the exit status."""
+    autoregressively; the decode options as :func:`dflash_jax.speculative_generate`'s. Returns the exit
+    status."""
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     if target.tokenizer is None:
         raise ValueError(f"target {target.name!r} has no tokenizer: chat needs one")
@@ -56,7 +58,7 @@ def run_chat(target: Target, drafter: Drafter | None, *, stdin: TextIO | None = 
             continue
         messages.append({"role": "user", "content": text})
         kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                  seed=seed + turn, attention_impl=attention_impl)
+                  seed=seed + turn, attention_impl=attention_impl, tuning=tuning)
         try:
             stream = (speculative_stream(target, drafter, [messages], block_size=block_size,
                                          verify_mode=verify_mode, **kw)

@@ -143,6 +143,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     import jax
 
     from dflash_jax import costs
+    from dflash_jax.engine import calibrate
     from dflash_jax.pairs import find_pair_file
 
     if args.target and not args.out:
@@ -157,9 +158,10 @@ def _calibrate(args: argparse.Namespace) -> int:
           f"context {args.context}, batches {batches} …", flush=True)
     out = Path(args.out) if args.out else costs.tables_path(pair_file)
     for b in batches:  # each batch's row written as soon as it is timed: an interrupted calibration keeps them
-        table = costs.measure(target, drafter, batches=(b,), block_size=args.block_size, context=args.context,
-                              repeats=args.repeats, pair=Path(pair_file).stem if pair_file else Path(args.target).name,
-                              progress=lambda line: print(line, flush=True))
+        table = calibrate.measure(target, drafter, batches=(b,), block_size=args.block_size,
+                                  context=args.context, repeats=args.repeats,
+                                  pair=Path(pair_file).stem if pair_file else Path(args.target).name,
+                                  progress=lambda line: print(line, flush=True))
         table = costs.save_table(out, table)  # merged with the rows timed before (same pair, machine, settings)
     key = costs.table_key(costs.load_tables(out), table)  # "gpu", or "gpu@<device>" beside another device's
     slug = re.sub(r"[^\w.@-]+", "_", key)

@@ -3,9 +3,10 @@
 A table holds, for a (target, drafter) pair on one machine, the time of one decode step — draft, compact
 verify, accept, commit — at each packed-verify tier: ``step_ms[batch][tokens per row]``, where a tier of
 ``batch`` rows verifies ``batch × tokens per row`` tokens (:func:`schedule.tiers_for`). ``dflash-jax
-calibrate --config <pair>`` measures it (:func:`measure`) and writes ``<pair>.costs.json`` next to the pair's
-YAML: one table per backend under the backend's name (``"gpu"``), and beside it, under ``"gpu@<device kind>"``,
-the tables of other devices of that backend (an H100's steps are not an H200's scaled: RESULTS.md, session 28);
+calibrate --config <pair>`` measures it (:func:`dflash_jax.engine.calibrate.measure`) and writes
+``<pair>.costs.json`` next to the pair's YAML: one table per backend under the backend's name (``"gpu"``), and
+beside it, under ``"gpu@<device kind>"``, the tables of other devices of that backend (one GPU's steps are not
+another's scaled);
 :func:`dflash_jax.load_pair` picks up the file, and :func:`pick` takes this device's table from it, else the
 backend's. Without one, the table shipped for the backend (``dflash_jax/assets/costs/<backend>.json``, the
 embedded pair measured on our machines) is used: the scheduler only compares costs of one batch shape, so a
@@ -15,12 +16,9 @@ table's shape matters more than its absolute figures.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import functools
 import json
 import logging
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -204,7 +202,7 @@ def save_table(path: str | Path, table: CostTable) -> CostTable:
 def shipped_table(backend: str) -> CostTable:
     """The table shipped for ``backend`` (this device's if one is shipped; a GPU's for a backend we have none
     for)."""
-    return _shipped_table(backend, _device_kind())
+    return _shipped_table(backend, device_kind())
 
 
 @functools.cache
@@ -224,7 +222,7 @@ def resolve(table: "CostTable | str | Path | None", backend: str, attached: dict
     else the shipped one."""
     if isinstance(table, CostTable):
         return table
-    here = _device_kind()
+    here = device_kind()
     if table is not None:
         tables = load_tables(table)
         if not tables:
@@ -239,7 +237,7 @@ def resolve(table: "CostTable | str | Path | None", backend: str, attached: dict
     return table
 
 
-def _device_kind() -> str:
+def device_kind() -> str:
     import jax
 
     device = jax.devices()[0]
@@ -249,145 +247,11 @@ def _device_kind() -> str:
 @functools.cache
 def _note_other_device(measured_on: str, here: str) -> None:
     """Once per process and device: the table found for the pair (or shipped) was timed on another device.
-    Its tiers still run, but the scheduler's windows follow that device's costs (an H100's steps are not an
-    H200's scaled: RESULTS.md, session 28), so a table measured here schedules better."""
+    Its tiers still run, but the scheduler's windows follow that device's costs (one GPU's steps
+    are not another's scaled), so a table measured here schedules better."""
     if measured_on and here and measured_on != here:
         log.warning("the step cost table was measured on %s, this is %s: `dflash-jax calibrate --config <pair>` "
                     "measures one here (compact mode schedules with it)", measured_on, here)
-
-
-# --------------------------------------------------------------------------------------------------
-# Measuring
-# --------------------------------------------------------------------------------------------------
-
-ROUNDS = 3  # timed calls per tier in measure()
-
-
-def measure(target, drafter, *, batches=(1, 4, 16, 32, 64, 128), block_size: int | None = None,
-            context: int = 256, repeats: int = 20, pair: str = "", progress=None, time_static: bool = True
-            ) -> CostTable:
-    """Time one compact step (draft + packed verify of ``per_row`` tokens per row + accept + commit) at every
-    tier of every batch, the scheduler's autoregressive step (no drafting) and the static verify's step, the
-    rows' caches holding ``context`` tokens. One program per batch and mode (the tier is a runtime argument,
-    as in the decode loop) that runs the step in a ``lax.while_loop``, as decoding does: one call's dispatch
-    and the host's wait are spread over its steps instead of added to each (on a GPU they are a large part of
-    a small model's step, and timing one step per call flattened the table). ``repeats`` steps per tier after
-    one warm-up, in ``ROUNDS`` calls; the median of the calls' per-step times is kept. ``progress``: called
-    with a line per batch; ``time_static=False`` leaves the static step out (one program less to compile)."""
-    import jax
-
-    from dflash_jax import generation
-
-    target, drafter, block = generation.speculative_settings(target, drafter, block_size)
-    rng = np.random.default_rng(0)
-    step_ms: dict[int, dict[int, float]] = {}
-    ar_ms: dict[int, float] = {}
-    static_ms: dict[int, float] = {}
-    for b in batches:
-        ids = rng.integers(0, target.config.vocab_size, (b, context)).tolist()
-        row = _time_compact_steps(target, drafter, ids, block, repeats)
-        ar_ms[b] = row.pop(0)
-        step_ms[b] = row
-        if time_static:
-            static_ms[b] = _time_static_step(target, drafter, ids, block, repeats)
-        if progress:
-            progress(f"batch {b:4d}: " + "  ".join(f"{n}/row {ms:.2f} ms" for n, ms in row.items())
-                     + f"  autoregressive {ar_ms[b]:.2f} ms"
-                     + (f"  static {static_ms[b]:.2f} ms" if time_static else ""))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    return CostTable(jax.default_backend(), _device_kind(),
-                     str(target.model.dtype), pair or target.name, block, context, step_ms,
-                     f"{datetime.date.today().isoformat()} {commit}".strip(), ar_ms, static_ms)
-
-
-def _time_compact_steps(target, drafter, ids: list[list[int]], block: int, repeats: int) -> dict[int, float]:
-    """tokens per row → ms of the compact step at each tier of ``len(ids)`` rows; 0 → the AR step's."""
-    import jax.numpy as jnp
-
-    from dflash_jax import generation
-    from dflash_jax.decode import loop, schedule
-
-    b = len(ids)
-    tiers = schedule.tiers_for(b, block)
-    # Costs proportional to the tokens keep every tier (schedule.prune_tiers) and offer the AR step.
-    proportional = CostTable("", "", "", "", block, 0, {1: {t // b: float(t) for t in tiers}}, ar_ms={1: 0.5})
-    job = generation.prepare(target, drafter, ids, max_new_tokens=4 * block, block_size=block, stop_token_ids=[],
-                             verify_mode="compact", cost_table=proportional,
-                             decode=False)  # the steps below are timed in a program of their own
-    assert job.spec.tiers == tiers
-    # The AR step is a branch of the compact step only where the scheduler may pick it (drafters without a
-    # confidence head); it is timed for every drafter (the table's ar_ms explains when drafting pays).
-    spec = dataclasses.replace(job.spec, ar_step=True)
-    graphdefs = (job.target.split().static, job.drafter.split().static)
-
-    def step(params, state, tier):
-        t, d = loop.merge_models(graphdefs, params)
-        window = jnp.full((b,), (jnp.asarray(tiers + (b,), jnp.int32) // b - 1)[tier], jnp.int32)  # AR: 0
-        return _same_positions(loop.compact_step(t, d, state, spec, d.config.mask_token_id, window, tier), state)
-
-    fn, state = _step_program(job, step)
-    row = {}
-    for i, size in enumerate(tiers + (0,)):  # index len(tiers): the autoregressive step
-        row[size // b], state = _timed(fn, job.params, state, i, repeats)
-    return row
-
-
-def _time_static_step(target, drafter, ids: list[list[int]], block: int, repeats: int) -> float:
-    """ms of the static verify's step (the decode loop's cycle) of ``len(ids)`` rows."""
-    from dflash_jax import generation
-    from dflash_jax.decode import loop
-
-    job = generation.prepare(target, drafter, ids, max_new_tokens=4 * block, block_size=block, stop_token_ids=[],
-                             verify_mode="static", decode=False)
-    graphdefs = (job.target.split().static, job.drafter.split().static)
-
-    def step(params, state, _):
-        t, d = loop.merge_models(graphdefs, params)
-        return _same_positions(loop.cycle(t, d, state, job.spec, d.config.mask_token_id), state)
-
-    fn, state = _step_program(job, step)
-    return _timed(fn, job.params, state, 0, repeats)[0]
-
-
-def _same_positions(out, state):
-    """The state after a step, back at the positions before it: every timed step then writes and attends the
-    same cache slots. The state is donated, so the caches are updated in place as in the decode loop (timing
-    a step on a kept state would add a copy of every cache to each entry: +55 ms a step at batch 3 on a
-    2-core CPU, which flattened the table's ratios and made the scheduler over-verify)."""
-    return dataclasses.replace(out, num_new=state.num_new, anchor_pos=state.anchor_pos, done=state.done)
-
-
-def _step_program(job, step):
-    """(``fn(params, state, index, n)``: ``step`` run ``n`` times in one ``while_loop``, the state donated,
-    compiled; the prefilled state)."""
-    import jax
-    import jax.numpy as jnp
-
-    from dflash_jax import generation
-
-    def steps(params, state, index, n):
-        return jax.lax.while_loop(lambda c: c[1] < n, lambda c: (step(params, c[0], index), c[1] + 1),
-                                  (state, jnp.zeros((), jnp.int32)))[0]
-
-    state, _ = job.programs.prefill(*job.pre_args)
-    lowered = jax.jit(steps, donate_argnums=1).lower(job.params, state, np.int32(0), np.int32(1))
-    fn = generation.compile_steps(lowered, job.spec, state)  # as the decode loop compiles its steps
-    return fn, state
-
-
-def _timed(fn, params, state, index: int, repeats: int):
-    """(median ms a step of program index ``index`` over ``ROUNDS`` calls after a warm-up, the state after)."""
-    import jax
-
-    per_call = max(1, repeats // ROUNDS)
-    state = jax.block_until_ready(fn(params, state, np.int32(index), np.int32(1)))
-    times = []
-    for _ in range(ROUNDS):
-        t0 = time.perf_counter()
-        state = jax.block_until_ready(fn(params, state, np.int32(index), np.int32(per_call)))
-        times.append((time.perf_counter() - t0) / per_call)
-    return float(np.median(times) * 1e3), state
 
 
 def plot(table: CostTable, path: str | Path) -> Path:

@@ -1,6 +1,6 @@
 """Streaming: :func:`speculative_stream` and :func:`stream_generate` yield the output while it is made.
 
-The device runs the same prefill and decode programs as a whole call (:mod:`dflash_jax.generation`), the decode
+The device runs the same prefill and decode programs as a whole call (:mod:`dflash_jax.engine.job`), the decode
 loop in segments of a few cycles (its ``max_cycles`` is a runtime argument, so streamed and whole calls commit
 identical tokens, greedy or sampled). A worker thread dispatches the segments back to back and hands each
 segment's packed view over with its device-to-host copy already started; the caller's thread fetches the
@@ -19,19 +19,20 @@ import functools
 import threading
 import time
 import weakref
-from typing import Any, Sequence
+from typing import Any, Sequence, Unpack
 
 import jax
 import numpy as np
 
-from dflash_jax import generation
-from dflash_jax.generation import GenerationOutput, Job, Prompt
-from dflash_jax.loading import Drafter, Target, as_target
+from dflash_jax.engine import job as jobs
+from dflash_jax.engine.job import GenerationOutput, Job
+from dflash_jax.loading import Drafter, Target, as_drafter, as_target
+from dflash_jax.settings import DecodeOptions, Prompt, SpeculativeOptions
 from dflash_jax.tokenizer import IncrementalDetokenizer
 
 # Cycles per segment (see _Pacer): one for an early first chunk, then `segment_cycles` each, or, by default, as
-# many as take about SEGMENT_S. Each device call has a fixed cost (1.6-1.7 ms measured on the H200 for a
-# SmolLM2-shaped pair, ~400 parameter buffers handed over), so a stream's cost is its segment count.
+# many as take about SEGMENT_S. Each device call has a fixed cost (a millisecond or two for a small model's
+# few hundred parameter buffers), so a stream's cost is its segment count.
 SEGMENT_S = 0.1
 _MAX_SEGMENT_CYCLES = 1024
 
@@ -95,7 +96,7 @@ class TokenStream:
             if isinstance(item, BaseException):
                 self.close()
                 raise item
-            chunk = self._chunk(generation.fetch_view(self._job, item))
+            chunk = self._chunk(jobs.fetch_view(self._job, item))
             if chunk is not None:
                 return chunk
 
@@ -113,8 +114,8 @@ class TokenStream:
                  for d, new, f in zip(self._text, ids, done)]
         self._seen = np.asarray(num_new, np.int64)
         self._finished = np.asarray(done, bool)
-        reasons = generation.finish_reasons([tokens[i, num_new[i] - 1: num_new[i]].tolist() for i in range(n)],
-                                            self._job.stops)
+        reasons = jobs.finish_reasons([tokens[i, num_new[i] - 1: num_new[i]].tolist() for i in range(n)],
+                                      self._job.stops)
         if self._finished.all():
             self._finish(view)
         return StreamChunk(ids, texts, self._finished.tolist(),
@@ -122,7 +123,7 @@ class TokenStream:
 
     def _finish(self, view) -> None:
         wall = time.perf_counter() - self._t0
-        out = generation.collect(self._job, view)
+        out = jobs.collect(self._job, view)
         total, b = out.stats["new_tokens"], len(self._job.ids)
         prefill_s = self._first_token_s or 0.0
         out.stats.update(time_to_first_token_s=self._first_token_s, wall_s=wall, prefill_s=prefill_s,
@@ -251,59 +252,33 @@ def _dispatch_segments(job: Job, segment_cycles: int | None, out: _Channel, coun
         out.put(e)
 
 
-def speculative_stream(
-    target: Target,
-    drafter: Drafter,
-    prompts: Sequence[Prompt],
-    max_new_tokens: int = 256,
-    *,
-    block_size: int | None = None,
-    stop_token_ids: Sequence[int] | None = None,
-    chat_template: bool = True,
-    attention_impl: str = "auto",
-    temperature: float | Sequence[float] | None = 0.0,
-    top_k: int | Sequence[int] | None = 0,
-    top_p: float | Sequence[float] | None = 1.0,
-    seed: int = 0,
-    draft_sampling: bool = False,
-    verify_mode: str = "auto",
-    cost_table=None,
-    segment_cycles: int | None = None,
-) -> TokenStream:
+def _stream(target: Target, drafter: Drafter | None, prompts, max_new_tokens, segment_cycles: int | None,
+            options: dict) -> TokenStream:
+    if options.get("batch_size") is not None:
+        raise ValueError("batch_size: a stream decodes its prompts in one batch (continuous batching is for "
+                         "whole calls: speculative_generate / generate)")
+    if drafter is not None:
+        drafter.config.check_target(target.config)
+    return TokenStream(jobs.make(target, drafter, prompts, max_new_tokens, **options), segment_cycles)
+
+
+def speculative_stream(target: Target, drafter: Drafter, prompts: Sequence[Prompt], max_new_tokens: int = 256, *,
+                       segment_cycles: int | None = None, **options: Unpack[SpeculativeOptions]) -> TokenStream:
     """:func:`dflash_jax.speculative_generate` as an iterator of :class:`StreamChunk`: concatenated, the chunks'
-    ids and texts equal the non-streamed result (greedy, and sampled with the same seed). ``segment_cycles``:
-    decode cycles per device call once the first few chunks are out; ``None`` (default): as many as take about
-    ``SEGMENT_S`` = 100 ms (fewer cycles: more, smaller chunks; more: less overhead).
+    ids and texts equal the non-streamed result (greedy, and sampled with the same seed). ``options``: as
+    :func:`dflash_jax.speculative_generate`'s (but ``batch_size``). ``segment_cycles``: decode cycles per device
+    call once the first few chunks are out; ``None`` (default): as many as take about ``SEGMENT_S`` = 100 ms
+    (fewer cycles: more, smaller chunks; more: less overhead).
 
     ```
     for chunk in speculative_stream(target, drafter, ["Tell me a story."]):
         print(chunk.texts[0], end="", flush=True)
     ```
     """
-    target, drafter, block_size = generation.speculative_settings(target, drafter, block_size)
-    job = generation.make_job(target, drafter, prompts, chat=chat_template, max_new_tokens=max_new_tokens,
-                              block_size=block_size, stop_token_ids=stop_token_ids, attention_impl=attention_impl,
-                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                              draft_sampling=draft_sampling, verify_mode=verify_mode, cost_table=cost_table)
-    return TokenStream(job, segment_cycles)
+    return _stream(as_target(target), as_drafter(drafter), prompts, max_new_tokens, segment_cycles, options)
 
 
-def stream_generate(
-    target: Target,
-    prompts: Sequence[Prompt],
-    max_new_tokens: int = 256,
-    *,
-    stop_token_ids: Sequence[int] | None = None,
-    chat_template: bool = True,
-    attention_impl: str = "auto",
-    temperature: float | Sequence[float] | None = 0.0,
-    top_k: int | Sequence[int] | None = 0,
-    top_p: float | Sequence[float] | None = 1.0,
-    seed: int = 0,
-    segment_cycles: int | None = None,
-) -> TokenStream:
+def stream_generate(target: Target, prompts: Sequence[Prompt], max_new_tokens: int = 256, *,
+                    segment_cycles: int | None = None, **options: Unpack[DecodeOptions]) -> TokenStream:
     """:func:`dflash_jax.generate` (autoregressive) as an iterator of :class:`StreamChunk`."""
-    job = generation.make_job(as_target(target), None, prompts, chat=chat_template, max_new_tokens=max_new_tokens,
-                              block_size=1, stop_token_ids=stop_token_ids, attention_impl=attention_impl,
-                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-    return TokenStream(job, segment_cycles)
+    return _stream(as_target(target), None, prompts, max_new_tokens, segment_cycles, options)

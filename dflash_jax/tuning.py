@@ -12,6 +12,7 @@ This module is a leaf: it imports nothing from :mod:`dflash_jax`, so every layer
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any
 
@@ -65,6 +66,17 @@ def _env_ratio() -> float:
     return float(os.environ.get("DFLASH_JAX_AUTO_COMPACT_RATIO", 1.35))
 
 
+def _env_compiler_options() -> tuple[tuple[str, Any], ...] | None:
+    """$DFLASH_JAX_COMPILER_OPTIONS: a JSON object of XLA options (unset or empty: XLA's defaults)."""
+    raw = os.environ.get("DFLASH_JAX_COMPILER_OPTIONS", "").strip()
+    if not raw:
+        return None
+    options = json.loads(raw)
+    if options is not None and not isinstance(options, dict):
+        raise ValueError(f"$DFLASH_JAX_COMPILER_OPTIONS must be a JSON object of XLA options, got {raw!r}")
+    return _frozen_options(options)
+
+
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """Every run-time knob; the decode settings carry one, and it is part of every program's cache key."""
@@ -82,8 +94,9 @@ class Tuning:
     rank_compare_all_max: int = 2048
     # Prompts longer than this are prefilled in chunks of this many positions.
     prefill_chunk: int = 1024
-    # XLA compile options for the prefill and decode programs (sorted (name, value) pairs; None: XLA's defaults).
-    compiler_options: tuple[tuple[str, Any], ...] | None = None
+    # XLA compile options for the prefill and decode programs (sorted (name, value) pairs; None: XLA's defaults;
+    # default: $DFLASH_JAX_COMPILER_OPTIONS, a JSON object, e.g. the test suite's fast CPU compiles).
+    compiler_options: tuple[tuple[str, Any], ...] | None = dataclasses.field(default_factory=_env_compiler_options)
 
     def with_compiler_options(self, options: dict[str, Any] | None) -> "Tuning":
         return dataclasses.replace(self, compiler_options=_frozen_options(options))

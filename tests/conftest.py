@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import shutil
 import signal
@@ -31,7 +32,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 FIXTURES = Path(__file__).parent / "fixtures"
 ZLAB = FIXTURES / "zlab_tiny"
 
-# XLA options for the decode programs (generation.COMPILER_OPTIONS) of tests on tiny models, on the CPU: there
+# XLA options for the decode programs (Tuning.compiler_options) of tests on tiny models, on the CPU: there
 # compiling is nearly all of a test's time and running is instant, and these cut the CPU compile time about
 # threefold (no LLVM optimisation, the older loop emitters, one codegen thread). Tests on real weights (the
 # SmolLM2 fixtures, marker ``xla_default``) keep XLA's defaults: their programs run long enough to need them.
@@ -270,34 +271,27 @@ def pytest_unconfigure(config):
         shutil.rmtree(_OWN_PROGRAM_CACHE, ignore_errors=True)
 
 
-from dflash_jax.generation import AUTO_COMPACT_RATIO as _LIBRARY_AUTO_RATIO  # noqa: E402 (before tests change it)
+# The library's verify_mode="auto" ratio, as the process started ($DFLASH_JAX_AUTO_COMPACT_RATIO or its default).
+_LIBRARY_AUTO_RATIO = os.environ.get("DFLASH_JAX_AUTO_COMPACT_RATIO")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    """Before any fixture of the test is set up (module-scoped ones compile programs too)."""
-    from dflash_jax import generation
-
+    """Before any fixture of the test is set up (module-scoped ones compile programs too): the test's default
+    :class:`dflash_jax.tuning.Tuning`, through the environment its default factories read."""
     _start_next_background_run()
-    generation.COMPILER_OPTIONS = compiler_options(item)
+    options = compiler_options(item)
+    os.environ["DFLASH_JAX_COMPILER_OPTIONS"] = json.dumps(options) if options else ""
     # verify_mode="auto" is static here unless a test asks for the default (marker auto_verify): on the CPU it
     # resolves to compact, whose tier programs compile several verify passes; tests/test_schedule.py covers the
     # modes, and one real-pair test the default.
-    generation.AUTO_COMPACT_RATIO = _LIBRARY_AUTO_RATIO if item.get_closest_marker("auto_verify") else float("inf")
-
-
-@pytest.fixture
-def prefill_chunk(monkeypatch):
-    """Sets generation.PREFILL_CHUNK. The loop specs that carry it are cached (generation._loop_spec), so the
-    cache is emptied on every change and afterwards: a stale spec would silently prefill in one shot."""
-    from dflash_jax import generation
-
-    def set_chunk(n: int) -> None:
-        monkeypatch.setattr(generation, "PREFILL_CHUNK", n)
-        generation._loop_spec.cache_clear()
-
-    yield set_chunk
-    generation._loop_spec.cache_clear()
+    if item.get_closest_marker("auto_verify"):
+        if _LIBRARY_AUTO_RATIO is None:
+            os.environ.pop("DFLASH_JAX_AUTO_COMPACT_RATIO", None)
+        else:
+            os.environ["DFLASH_JAX_AUTO_COMPACT_RATIO"] = _LIBRARY_AUTO_RATIO
+    else:
+        os.environ["DFLASH_JAX_AUTO_COMPACT_RATIO"] = "inf"
 
 
 def tiny_config(family: str = "qwen3", **kw) -> ModelConfig:

@@ -163,3 +163,41 @@ def test_random_drafter_must_fit_target():
 def test_unknown_attention_impl(zlab_target):
     with pytest.raises(ValueError, match="attention_impl must be one of"):
         generate(zlab_target, [[1, 2, 3]], max_new_tokens=4, attention_impl="flash")
+
+
+def test_decode_options_each_get_one_error_naming_them(zlab_target):
+    """Arguments a new user gets wrong: each is named in one clear error, raised before any work."""
+    drafter = load_drafter(ZLAB / "drafter", zlab_target)
+    ok = [[1, 2, 3]]
+    with pytest.raises(ValueError, match="seed must be an integer, got 'abc'"):
+        generate(zlab_target, ok, max_new_tokens=4, seed="abc")
+    with pytest.raises(ValueError, match=r"stop_token_ids must be non-negative integer token ids, got 'x'"):
+        speculative_generate(zlab_target, drafter, ok, max_new_tokens=4, stop_token_ids=["x"])
+    with pytest.raises(ValueError, match="stop_token_ids must be a list of token ids"):
+        generate(zlab_target, ok, max_new_tokens=4, stop_token_ids=7)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'verify_mode' .*speculative decoding only"):
+        generate(zlab_target, ok, max_new_tokens=4, verify_mode="compact")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'temprature'"):
+        generate(zlab_target, ok, max_new_tokens=4, temprature=0.5)
+    with pytest.raises(TypeError, match="tuning must be a dflash_jax.tuning.Tuning"):
+        generate(zlab_target, ok, max_new_tokens=4, tuning={"prefill_chunk": 8})
+    with pytest.raises(TypeError, match="cost_table must be"):
+        speculative_generate(zlab_target, drafter, ok, max_new_tokens=4, cost_table=3)
+
+
+def test_a_bare_integer_prompt_is_refused(zlab_target):
+    """``prompts=[5]`` is not a one-token prompt (that is ``[[5]]``): decoding it silently would hide the slip."""
+    with pytest.raises(TypeError, match=r"prompt 0 is a bare integer \(5\).*prompts=\[\[5\]\]"):
+        generate(zlab_target, [5], max_new_tokens=4)
+    with pytest.raises(ValueError, match="prompt 1 must be text, a chat message list or token ids"):
+        generate(zlab_target, [[1, 2], [1, "x"]], max_new_tokens=4)
+
+
+def test_chat_messages_with_an_unknown_role_or_no_content_are_refused(zlab_target):
+    with pytest.raises(ValueError, match="prompt 0: message 1 has role 'robot'"):
+        generate(zlab_target, [[{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}]],
+                 max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"prompt 0: message 0 \(user\) has no text 'content'"):
+        generate(zlab_target, [[{"role": "user"}]], max_new_tokens=4)
+    with pytest.raises(ValueError, match="prompt 0: message 1 is not a"):
+        generate(zlab_target, [[{"role": "user", "content": "hi"}, "and more"]], max_new_tokens=4)

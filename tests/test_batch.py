@@ -100,21 +100,22 @@ def test_every_program_is_compiled_before_the_first_batch(pair, tmp_path, monkey
     small eager programs included (a partial last batch once compiled its padding there: ~0.2 s idle)."""
     import jax
 
-    from dflash_jax import batch, generation
+    from dflash_jax import batch
+    from dflash_jax.engine import job as jobs
+    from dflash_jax.engine import programs
 
     jax.clear_caches()  # eager-op programs too, whatever earlier tests built
-    monkeypatch.setattr(generation, "_PROGRAMS", {})
+    monkeypatch.setattr(programs.CACHE, "programs", {})
     counts, late_xla_compiles = [], []
-    real_launch = generation.launch
-    monkeypatch.setattr(generation, "launch", lambda job: (counts.append(generation.compile_count()),
-                                                           real_launch(job))[1])
+    real_launch = jobs.launch
+    monkeypatch.setattr(jobs, "launch", lambda job: (counts.append(programs.compile_count()), real_launch(job))[1])
 
     def on_compile(event: str, seconds: float, **_) -> None:
         if event == "/jax/core/compile/backend_compile_duration" and counts:
             late_xla_compiles.append(seconds)
 
     jax.monitoring.register_event_duration_secs_listener(on_compile)
-    before = generation.compile_count()
+    before = programs.compile_count()
     # batches of four: one in the 16-token prompt bucket, two in the 64-token one, the last of them padded
     rng = np.random.default_rng(1)
     rows = [{"id": f"r{i}", "token_ids": rng.integers(0, 255, n).tolist()}
@@ -137,10 +138,11 @@ def test_host_writes_do_not_hold_back_dispatch_when_launch_is_synchronous(pair, 
     as the previous one returns, never after the host has written a result in between."""
     import jax
 
-    from dflash_jax import batch, generation
+    from dflash_jax import batch
+    from dflash_jax.engine import job as jobs
 
     events = []
-    real_launch, real_collect = generation.launch, generation.collect
+    real_launch, real_collect = jobs.launch, jobs.collect
 
     def blocking_launch(job):
         events.append(("dispatch_start", id(job)))
@@ -155,8 +157,8 @@ def test_host_writes_do_not_hold_back_dispatch_when_launch_is_synchronous(pair, 
         events.append(("collected", id(job)))
         return out
 
-    monkeypatch.setattr(generation, "launch", blocking_launch)
-    monkeypatch.setattr(generation, "collect", slow_collect)
+    monkeypatch.setattr(jobs, "launch", blocking_launch)
+    monkeypatch.setattr(jobs, "collect", slow_collect)
     rows = token_rows(20, seed=4)
     summary = batch.run_batch(*pair, write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl",
                               max_new_tokens=8, batch_size=4, progress=False)

@@ -1,6 +1,7 @@
 """The compact loop's compile options on a GPU: XLA's command-buffer types read from its own compile options,
 less conditionals (dflash_jax.cuda.graphs), only where the loop plans its tiers ahead."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,9 +11,10 @@ import types
 import jax
 import pytest
 
-from dflash_jax import generation
 from dflash_jax.cuda import graphs
 from dflash_jax.decode.state import LoopSpec
+from dflash_jax.engine import programs
+from dflash_jax.tuning import Tuning
 
 
 def _varint(n: int) -> bytes:
@@ -60,32 +62,32 @@ def test_the_types_are_xla_s_own_and_follow_xla_flags():
 
 
 def test_only_a_compact_loop_that_plans_ahead_on_a_gpu_drops_conditional_nodes(monkeypatch):
-    compact = LoopSpec(block_size=8, new_capacity=16, capture=(), verify_mode="compact")
+    tuning = Tuning().with_compiler_options({"xla_cpu_enable_fast_math": False})
+    compact = LoopSpec(block_size=8, new_capacity=16, capture=(), verify_mode="compact", tuning=tuning)
     sampled = LoopSpec(block_size=8, new_capacity=16, capture=(), verify_mode="compact", sampling=True,
-                       draft_sampling=True)
+                       draft_sampling=True, tuning=tuning)
     counted = types.SimpleNamespace(schedule=types.SimpleNamespace(counts=object()))
     confident = types.SimpleNamespace(schedule=types.SimpleNamespace(counts=None))  # a DSpark drafter's
     monkeypatch.setattr(graphs, "command_buffer_types", lambda: ["CONDITIONAL", "FUSION"])
-    monkeypatch.setattr(generation, "COMPILER_OPTIONS", {"xla_cpu_enable_fast_math": False})
-    assert generation.decode_compiler_options(compact, counted) == {"xla_cpu_enable_fast_math": False}  # CPU
+    assert programs.decode_compiler_options(compact, counted) == {"xla_cpu_enable_fast_math": False}  # CPU
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert generation.decode_compiler_options(compact, counted) == {"xla_cpu_enable_fast_math": False,
+    assert programs.decode_compiler_options(compact, counted) == {"xla_cpu_enable_fast_math": False,
                                                                     graphs.OPTION: "FUSION"}
-    assert generation.decode_compiler_options(compact, confident)[graphs.OPTION] == "FUSION"  # drafts planned too
-    assert generation.decode_compiler_options(sampled, counted)[graphs.OPTION] == "FUSION"
+    assert programs.decode_compiler_options(compact, confident)[graphs.OPTION] == "FUSION"  # drafts planned too
+    assert programs.decode_compiler_options(sampled, counted)[graphs.OPTION] == "FUSION"
     # Sampled drafts with confidences are not planned ahead (q would have to be carried): the node stays.
-    assert generation.decode_compiler_options(sampled, confident) == {"xla_cpu_enable_fast_math": False}
-    cap = LoopSpec(block_size=8, new_capacity=16, capture=(), verify_mode="cap-accept")
-    assert generation.decode_compiler_options(cap, counted) == {"xla_cpu_enable_fast_math": False}
-    monkeypatch.setattr(generation, "HOST_TIER_SWITCH", False)
-    assert generation.decode_compiler_options(compact, counted) == {"xla_cpu_enable_fast_math": False}
+    assert programs.decode_compiler_options(sampled, confident) == {"xla_cpu_enable_fast_math": False}
+    cap = LoopSpec(block_size=8, new_capacity=16, capture=(), verify_mode="cap-accept", tuning=tuning)
+    assert programs.decode_compiler_options(cap, counted) == {"xla_cpu_enable_fast_math": False}
+    on_device = dataclasses.replace(compact, tuning=tuning.replace(host_tier_switch=False))
+    assert programs.decode_compiler_options(on_device, counted) == {"xla_cpu_enable_fast_math": False}
 
 
 def test_options_this_xla_refuses_fall_back_to_its_defaults(monkeypatch):
     lowered = jax.jit(lambda x: x * 2).lower(jax.ShapeDtypeStruct((4,), "float32"))
     spec = LoopSpec(block_size=8, new_capacity=16, capture=(), verify_mode="compact")
-    monkeypatch.setattr(generation, "decode_compiler_options", lambda *a: {graphs.OPTION: "NOT_A_TYPE"})
+    monkeypatch.setattr(programs, "decode_compiler_options", lambda *a: {graphs.OPTION: "NOT_A_TYPE"})
     with pytest.raises(Exception, match="NOT_A_TYPE"):  # the options reach XLA, which refuses them…
         lowered.compile({graphs.OPTION: "NOT_A_TYPE"})
-    compiled = generation.compile_steps(lowered, spec, None)  # …and the program compiles without them
+    compiled = programs.compile_steps(lowered, spec, None)  # …and the program compiles without them
     assert compiled(jax.numpy.ones(4)).tolist() == [2.0] * 4

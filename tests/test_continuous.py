@@ -1,4 +1,4 @@
-"""Continuous batching (dflash_jax.continuous): more prompts than rows, finished rows refilled with the next
+"""Continuous batching (dflash_jax.engine.pool): more prompts than rows, finished rows refilled with the next
 prompts. Every prompt must get exactly the tokens of one-batch decoding, in every verify mode."""
 
 from __future__ import annotations
@@ -8,13 +8,22 @@ import collections
 import pytest
 
 from conftest import content_oracle_drafter, random_prompts, tiny_target
-from dflash_jax import continuous, generate, generation, random_drafter, speculative_generate
+from dflash_jax import generate, random_drafter, speculative_generate
 from dflash_jax.costs import CostTable
+from dflash_jax.engine import pool
+from dflash_jax.engine.programs import compile_count
+from dflash_jax.settings import DecodeSettings
 
 # Two prompt buckets (16, 32): refills compile one program per bucket.
 PROMPTS = random_prompts(9, [5, 9, 14, 7, 30], 64, seed=7)
 MAX_NEW = 24
 TABLE = CostTable("cpu", "test", "float32", "tiny", 8, 32, {3: {1: 1.0, 2: 1.25, 4: 1.8, 8: 3.2}})
+
+
+def run_pool(target, drafter, ids, *, max_new_tokens, refill_size=None, **options):
+    """:func:`pool.run` of token-id prompts ``ids`` with the settings of ``options``."""
+    settings = DecodeSettings.build(target, drafter, len(ids), max_new_tokens, **options)
+    return pool.run(target, drafter, ids, settings, refill_size=refill_size)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +53,8 @@ def oracle(target, reference):
 
 @pytest.mark.parametrize("batch_size,refill_size", [(3, None), (4, 2)])
 def test_autoregressive_pool_is_token_identical(target, stop, reference, batch_size, refill_size):
-    out = continuous.run(target, None, PROMPTS, batch_size=batch_size, refill_size=refill_size,
-                         max_new_tokens=MAX_NEW, block_size=1, stop_token_ids=[stop])
+    out = run_pool(target, None, PROMPTS, batch_size=batch_size, refill_size=refill_size, max_new_tokens=MAX_NEW,
+                   stop_token_ids=[stop])
     assert out.token_ids == reference.token_ids
     assert out.finish_reasons == reference.finish_reasons
     s = out.stats
@@ -106,10 +115,10 @@ def test_a_dspark_pool_is_lossless_and_reports_calibration(target, stop, referen
 
 
 def test_refills_reuse_their_programs(target, oracle, stop, runs):
-    before = generation.compile_count()
+    before = compile_count()
     again = speculative_generate(target, oracle, PROMPTS[::-1], MAX_NEW, stop_token_ids=[stop],
                                  verify_mode="compact", cost_table=TABLE, batch_size=3)
-    assert generation.compile_count() == before
+    assert compile_count() == before
     assert again.token_ids == runs["compact"].token_ids[::-1]
 
 
@@ -117,14 +126,14 @@ def test_every_refill_program_is_compiled_before_decoding(target, stop, referenc
     """A compile between two segments would leave the device idle: the refill programs of every prompt bucket
     in the queue (16 and 32 here) are compiled before the first segment."""
     seen = []
-    plain = continuous._Pool.decode
-    monkeypatch.setattr(continuous._Pool, "decode", lambda self: seen.append(generation.compile_count()) or
+    plain = pool.Pool.decode
+    monkeypatch.setattr(pool.Pool, "decode", lambda self: seen.append(compile_count()) or
                         plain(self))
-    before = generation.compile_count()
-    out = continuous.run(target, None, PROMPTS, batch_size=2, refill_size=1, max_new_tokens=MAX_NEW, block_size=1,
-                         stop_token_ids=[stop])  # a pool shape of its own: its programs compile here
+    before = compile_count()
+    out = run_pool(target, None, PROMPTS, batch_size=2, refill_size=1, max_new_tokens=MAX_NEW,
+                   stop_token_ids=[stop])  # a pool shape of its own: its programs compile here
     assert out.token_ids == reference.token_ids
-    assert seen[0] - before >= 4 and set(seen) == {generation.compile_count()}
+    assert seen[0] - before >= 4 and set(seen) == {compile_count()}
 
 
 def test_a_pool_as_large_as_the_prompts_is_one_batch(target, stop, reference):
@@ -136,4 +145,4 @@ def test_a_pool_as_large_as_the_prompts_is_one_batch(target, stop, reference):
                                       (dict(batch_size=3, refill_size=4), "refill_size")])
 def test_bad_pool_sizes(target, kw, match):
     with pytest.raises(ValueError, match=match):
-        continuous.run(target, None, PROMPTS, max_new_tokens=4, block_size=1, **kw)
+        run_pool(target, None, PROMPTS, max_new_tokens=4, **kw)

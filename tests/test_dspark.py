@@ -14,11 +14,12 @@ from flax import nnx
 
 from conftest import random_prompts, tiny_target
 from test_sampling import V, chi2_pvalue, draw, exact_distribution, logits, pair  # noqa: F401 (fixtures)
-from dflash_jax import drafters, generate, generation, load_drafter, random_drafter, speculative_generate
+from dflash_jax import drafters, generate, load_drafter, random_drafter, speculative_generate
 from dflash_jax.checkpoints.export import export_drafter
 from dflash_jax.checkpoints.safetensors_io import CheckpointError, read_safetensors, save_safetensors
 from dflash_jax.config import DRAFTER_KINDS, ConfigError
 from dflash_jax.decode import loop
+from dflash_jax.engine import job as jobs
 from dflash_jax.loading import Drafter
 from dflash_jax.models.drafter import MODULE_CLASSES, DSparkDrafter
 
@@ -74,7 +75,7 @@ def oracle_dspark(target, prompts, continuations, *, drafts: int, corrupt: float
 def test_drafts_follow_the_sequential_formula(target, dspark):
     """x_k = argmax(U_k + W2·W1[x_{k-1}]), x_{-1} = anchor; c_k = σ(w·[h_k; W1[x_{k-1}]] + b) — checked
     against a plain numpy loop over the block."""
-    job = generation.prepare(target, dspark, PROMPTS[:3], max_new_tokens=16, block_size=8)
+    job = jobs.make(target, dspark, PROMPTS[:3], 16, block_size=8)
     state = job.programs.prefill(*job.pre_args)[0]
     t, d = target.model, dspark.model
     block, q, conf, _ = loop.propose(t, d, state, job.spec, dspark.config.mask_token_id)

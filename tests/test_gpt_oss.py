@@ -27,13 +27,14 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from conftest import random_prompts
-from dflash_jax import generate, generation, load_target, random_drafter, speculative_generate
+from dflash_jax import generate, load_target, random_drafter, speculative_generate
 from dflash_jax.config import ConfigError, model_config_from_hf, rope_attention_factor
 from dflash_jax.models import gpt_oss, moe
 from dflash_jax.kernels import attention
 from dflash_jax.kernels import moe as kmoe
 from dflash_jax.tuning import Kernels
 from dflash_jax.models.layers import rope_inv_freq
+from dflash_jax.tuning import Tuning
 
 VOCAB, LAYERS, EXPERTS, TOP_K, WINDOW = 128, 2, 8, 2, 4
 REL_TOL = 1e-4
@@ -76,7 +77,7 @@ def rel_err(ours, ref) -> float:
 
 def compiled(fn, *args):
     """``fn`` compiled for ``args`` with the session's compiler options (conftest: fast compiles on the CPU)."""
-    return jax.jit(fn).lower(*args).compile(generation.COMPILER_OPTIONS)
+    return jax.jit(fn).lower(*args).compile(Tuning().compiler_options_dict())
 
 
 _PROGRAMS: dict = {}

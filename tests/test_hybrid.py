@@ -25,6 +25,7 @@ import functools
 
 import json
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +38,11 @@ from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file
 
 from conftest import fast_options, oracle_drafter, random_prompts
-from dflash_jax import compile_count, generate, generation, load_target, random_drafter, speculative_generate
+from dflash_jax import compile_count, generate, load_target, random_drafter, speculative_generate
 from dflash_jax.config import model_config_from_hf
 from dflash_jax.costs import CostTable
+from dflash_jax.engine import job as jobs
+from dflash_jax.tuning import Tuning
 from dflash_jax.cuda import delta_rule as dr
 from dflash_jax.models import layers, linear_attention as la
 from dflash_jax.models.hybrid import HybridCache, HybridTargetModel
@@ -118,14 +121,11 @@ def torch_one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def fast_compiles():
-    """The decode programs with FAST too, unless the suite already chose options."""
-    before = generation.COMPILER_OPTIONS
-    if before is None:
-        generation.COMPILER_OPTIONS = FAST
-    yield
-    generation.COMPILER_OPTIONS = before
+@pytest.fixture(autouse=True)
+def fast_compiles(monkeypatch):
+    """The decode programs with FAST too, unless the suite already chose options (the default Tuning's)."""
+    if FAST and not os.environ.get("DFLASH_JAX_COMPILER_OPTIONS"):
+        monkeypatch.setenv("DFLASH_JAX_COMPILER_OPTIONS", json.dumps(FAST))
 
 
 def rel_err(ours, ref) -> float:
@@ -279,16 +279,16 @@ def test_speculative_decoding_is_lossless(models, greedy, monkeypatch):
     monkeypatch.setattr(layers, "_normal", lambda rngs, shape, scale, dtype: jnp.asarray(
         (scale * rng.normal(size=shape)).astype(jnp.dtype(dtype))))
     runs = {}
-    for block, corrupt, chunk in ((2, 0.3, generation.PREFILL_CHUNK), (16, 0.15, 8)):
-        monkeypatch.setattr(generation, "PREFILL_CHUNK", chunk)
+    for block, corrupt, chunk in ((2, 0.3, Tuning().prefill_chunk), (16, 0.15, 8)):
+        tuning = Tuning(prefill_chunk=chunk)
         drafter = oracle_drafter(target, PROMPTS, greedy.token_ids, block_size=block, corrupt=corrupt)
-        out = speculative_generate(target, drafter, PROMPTS, max_new_tokens=NEW, stop_token_ids=[])
+        out = speculative_generate(target, drafter, PROMPTS, max_new_tokens=NEW, stop_token_ids=[], tuning=tuning)
         assert out.token_ids == greedy.token_ids, f"block {block}"
         lengths = {a for row in out.acceptance_lengths for a in row}
         assert lengths == {1, 2} if block == 2 else len(lengths) >= 5, lengths
         before = compile_count()
-        job = generation.prepare(target, drafter, [list(p) for p in PROMPTS], max_new_tokens=NEW, block_size=block,
-                                 stop_token_ids=[])
+        job = jobs.make(target, drafter, [list(p) for p in PROMPTS], NEW, block_size=block, stop_token_ids=[],
+                        tuning=tuning)
         runs[block] = job.programs.prefill(*job.pre_args)[0].target_cache
         assert compile_count() == before  # the programs of the run above
     # γ = 3 drafts, verify width 4; random, so mostly rejected

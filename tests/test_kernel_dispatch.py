@@ -14,13 +14,15 @@ import numpy as np
 import pytest
 
 from conftest import fast_jit, oracle_drafter, random_prompts, tiny_target
-from dflash_jax import generate, generation, random_drafter, speculative_generate
+from dflash_jax import generate, random_drafter, speculative_generate
 from dflash_jax.costs import CostTable
 from dflash_jax.cuda import attention as cuda_attention
 from dflash_jax.cuda import cache_write
+from dflash_jax.engine import job as jobs
+from dflash_jax.engine import programs
 from dflash_jax.kernels import attention, common, dispatch, resolve_impl
 from dflash_jax.pallas import attention as pallas_attention
-from dflash_jax.tuning import Kernels
+from dflash_jax.tuning import Kernels, Tuning
 
 # head_dim 64 and GQA 2: a shape the kernels are built for, small enough for interpret mode.
 SHAPE = dict(num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -141,7 +143,7 @@ def test_a_kernel_that_fails_to_compile_falls_back(pair, reference, monkeypatch,
     for name, fn in (("unsupported_reason", always), ("draft_attention", broken), ("ragged_verify_attention", broken)):
         monkeypatch.setattr(pallas_attention, name, fn)
     monkeypatch.setattr(common, "_PROBED", {})
-    monkeypatch.setattr(generation, "_PROGRAMS", {})  # trace afresh: the programs above used real kernels
+    monkeypatch.setattr(programs.CACHE, "programs", {})  # trace afresh: the programs above used real kernels
     target, drafter = pair
     with caplog.at_level(logging.WARNING, logger="dflash_jax"):
         out = speculative_generate(target, drafter, PROMPTS, attention_impl="pallas", **KW)
@@ -152,21 +154,20 @@ def test_a_kernel_that_fails_to_compile_falls_back(pair, reference, monkeypatch,
     assert any("verify attention uses the XLA reference" in m and "NotImplementedError" in m for m in messages)
 
 
-def test_cuda_kernels_after_a_chunked_long_prompt(prefill_chunk):
+def test_cuda_kernels_after_a_chunked_long_prompt():
     """Prompts past the prefill chunk (1024 tokens; 256 here, which keeps the interpreted kernels' run short):
     the decode steps then read caches of several KV blocks and splits, the long-context case the kernels exist
     for. Still token-identical to the reference."""
-    prefill_chunk(256)
     target = tiny_target("qwen3", seed=3, **SHAPE)
     drafter = random_drafter(target, block_size=4, num_layers=1, seed=5)
     prompts = random_prompts(2, [300, 420], 96, seed=1)  # the 512-token bucket: two chunks
-    kw = dict(max_new_tokens=12, stop_token_ids=[])
+    kw = dict(max_new_tokens=12, stop_token_ids=[], tuning=Tuning(prefill_chunk=256))
     ref = generate(target, prompts, attention_impl="xla", **kw)
     assert generate(target, prompts, attention_impl="cuda", **kw).token_ids == ref.token_ids
     spec = speculative_generate(target, drafter, prompts, attention_impl="cuda", **kw)
     assert spec.token_ids == ref.token_ids
-    job = generation.prepare(target, drafter, prompts, max_new_tokens=12, block_size=4, attention_impl="cuda")
-    assert job.spec.prefill_chunk == 256 and generation.bucket(420) == 512  # really prefilled in two chunks
+    job = jobs.make(target, drafter, prompts, 12, block_size=4, attention_impl="cuda", tuning=kw["tuning"])
+    assert job.spec.prefill_chunk == 256 and jobs.bucket(420) == 512  # really prefilled in two chunks
 
 
 # --------------------------------------------------------------------------------------------------

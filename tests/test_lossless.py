@@ -120,9 +120,12 @@ def test_no_recompilation_within_a_bucket():
 
 
 def test_prompt_buckets():
-    """Powers of two (at least 16) up to 1024, multiples of 1024 above: PREFILL_CHUNK (1024) divides every bucket
-    longer than it, so long prompts are prefilled in whole chunks."""
-    from dflash_jax.generation import PREFILL_CHUNK, bucket
+    """Powers of two (at least 16) up to 1024, multiples of 1024 above: the default prefill chunk (1024) divides
+    every bucket longer than it, so long prompts are prefilled in whole chunks."""
+    from dflash_jax.engine.job import bucket
+    from dflash_jax.tuning import Tuning
+
+    PREFILL_CHUNK = Tuning().prefill_chunk
 
     assert [bucket(n) for n in (1, 16, 17, 100, 1000, 1024)] == [16, 16, 32, 128, 1024, 1024]
     assert [bucket(n) for n in (1025, 1500, 2048, 2100, 5000)] == [2048, 2048, 2048, 3072, 5120]
@@ -130,13 +133,14 @@ def test_prompt_buckets():
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
-def test_long_prompts_prefilled_in_chunks_give_the_same_tokens(family, prefill_chunk):
-    """Prompts longer than PREFILL_CHUNK are prefilled chunk by chunk through the cache; tokens, acceptance
+def test_long_prompts_prefilled_in_chunks_give_the_same_tokens(family):
+    """Prompts longer than the prefill chunk are prefilled chunk by chunk through the cache; tokens, acceptance
     lengths (so the drafter's context from the chunked features too) match the one-shot prefill.
 
-    PREFILL_CHUNK = 8 makes the 32-token prompt bucket 4 chunks (rows end in chunks 2, 3 and 4); the one-shot
+    A chunk of 8 makes the 32-token prompt bucket 4 chunks (rows end in chunks 2, 3 and 4); the one-shot
     runs share their programs with the tests above."""
-    from dflash_jax import generation
+    from dflash_jax.engine import job as jobs
+    from dflash_jax.tuning import Tuning
 
     target = tiny_target(family, seed=7)
     drafter = shared_drafter(target, seed=8)
@@ -146,20 +150,19 @@ def test_long_prompts_prefilled_in_chunks_give_the_same_tokens(family, prefill_c
     one_shot = speculative_generate(target, drafter, prompts, block_size=4, **kw)
     oracle = oracle_drafter(target, prompts, one_shot_ar.token_ids, block_size=4, corrupt=0.3)
     one_shot_oracle = speculative_generate(target, oracle, prompts, **kw)
-    prefill_chunk(8)
-    chunked = speculative_generate(target, drafter, prompts, block_size=4, **kw)
+    kw_chunked = dict(kw, tuning=Tuning(prefill_chunk=8))
+    chunked = speculative_generate(target, drafter, prompts, block_size=4, **kw_chunked)
     assert chunked.token_ids == one_shot_ar.token_ids == one_shot.token_ids
     assert chunked.acceptance_lengths == one_shot.acceptance_lengths
-    assert generate(target, prompts, **kw).token_ids == one_shot_ar.token_ids
-    chunked_oracle = speculative_generate(target, oracle, prompts, **kw)
+    assert generate(target, prompts, **kw_chunked).token_ids == one_shot_ar.token_ids
+    chunked_oracle = speculative_generate(target, oracle, prompts, **kw_chunked)
     assert chunked_oracle.token_ids == one_shot_ar.token_ids
     assert chunked_oracle.acceptance_lengths == one_shot_oracle.acceptance_lengths
     # The prefilled state itself: target K/V and the drafter's context K/V (built from the chunks' features).
     states = []
     for chunk in (8, 1024):
-        prefill_chunk(chunk)
-        job = generation.prepare(target, drafter, prompts, max_new_tokens=40, block_size=4)
-        assert job.spec.prefill_chunk == chunk  # really chunked (or not): a fresh spec, not a cached one
+        job = jobs.make(target, drafter, prompts, 40, block_size=4, tuning=Tuning(prefill_chunk=chunk))
+        assert job.spec.prefill_chunk == chunk  # really chunked (or not)
         states.append(job.programs.prefill(*job.pre_args)[0])
     for name in ("target_cache", "draft_cache"):
         a, b = getattr(states[0], name), getattr(states[1], name)

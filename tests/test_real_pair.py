@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from dflash_jax import generate, generation, speculative_generate
+from dflash_jax import generate, speculative_generate
 from dflash_jax.config import ConfigError
 from dflash_jax.costs import CostTable
+from dflash_jax.engine import job as jobs
 from dflash_jax.tokenizer import IncrementalDetokenizer
 
 pytestmark = pytest.mark.slow
@@ -64,7 +65,7 @@ def test_default_is_compact_on_the_cpu_and_lossless(smollm2, smollm2_drafter, re
     assert drafter.model.draft_head[...].shape == (16384, 576) and smollm2_drafter.model.d2t is None
     # The default on this CPU, from the shipped table: compact (whole blocks cost ~2x one token per row), with
     # steps without drafting offered (decided on the host; nothing compiles).
-    mode, tiers, cost, ar_step = generation.resolve_verify_mode("auto", drafter, 2, 16)
+    mode, tiers, cost, ar_step = jobs.resolve_verify_mode("auto", drafter, 2, 16)
     assert mode.name == "compact" and ar_step and len(tiers) >= 2 and len(cost) == len(tiers) + 1
     # Lossless on the real pair with a table that keeps two tiers (up to 8 tokens a row, or whole blocks) and the
     # AR step (fewer branches to compile than the default's five; the tiers' code is the same).

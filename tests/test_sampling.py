@@ -13,9 +13,10 @@ from flax import nnx
 from scipy import stats
 
 from conftest import tiny_target
-from dflash_jax import continuous, generate, generation, random_drafter, speculative_generate
+from dflash_jax import generate, random_drafter, speculative_generate
 from dflash_jax.decode import sampling
 from dflash_jax.decode.sampling import SamplingParams, filtered_probs
+from dflash_jax.engine import pool, programs
 from dflash_jax.loading import restrict_draft_vocab
 
 V = 8
@@ -122,7 +123,7 @@ def test_continuous_batching_samples_the_target_distribution(pair, logits):
     probs = exact_distribution(logits, 1.0, 0, 1.0)
     samples, out = draw(lambda *a, **k: speculative_generate(target, drafter, *a, **k), with_output=True,
                         temperature=1.0, seed=6, draft_sampling=True, batch_size=N // 4)
-    assert out.stats["refills"] >= 6 and out.stats["refill_size"] == round(N // 4 * continuous.REFILL_FRACTION)
+    assert out.stats["refills"] >= 6 and out.stats["refill_size"] == round(N // 4 * pool.REFILL_FRACTION)
     assert chi2_pvalue(samples, probs) > 1e-3
 
 
@@ -161,7 +162,7 @@ def test_the_test_detects_biased_samplers(pair, logits, monkeypatch, biased):
     target, drafter = pair
     probs = exact_distribution(logits, 1.0, 0, 1.0)
     monkeypatch.setattr(sampling, "accept_sampled", biased)
-    monkeypatch.setattr(generation, "_PROGRAMS", {})  # force a fresh trace with the biased rule
+    monkeypatch.setattr(programs.CACHE, "programs", {})  # force a fresh trace with the biased rule
     samples = draw(lambda *a, **k: speculative_generate(target, drafter, *a, **k), temperature=1.0, seed=1)
     assert chi2_pvalue(samples, probs) < 1e-6
 

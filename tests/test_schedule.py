@@ -5,7 +5,6 @@ one program whatever tier a step picks, cost tables."""
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import itertools
 import json
 import logging
@@ -19,13 +18,15 @@ import pytest
 
 from conftest import ZLAB, fast_jit, oracle_drafter, random_prompts, tiny_target
 from test_sampling import V, chi2_pvalue, draw, exact_distribution, logits, pair  # noqa: F401 (fixtures)
-from dflash_jax import cli, costs, generate, generation, random_drafter, speculative_generate
+from dflash_jax import cli, costs, generate, random_drafter, speculative_generate
 from dflash_jax.kernels import common
 from dflash_jax.kernels.attention import cache_attention
 from dflash_jax.kernels.packed import PackedLayout, packed_verify_attention
 from dflash_jax.costs import CostTable
 from dflash_jax.decode import schedule, verify_modes
 from dflash_jax.decode.state import LoopSpec
+from dflash_jax.engine import calibrate, job
+from dflash_jax.engine import programs as engine_programs
 from dflash_jax.models.target import KVCache, PendingKV
 from dflash_jax.tuning import Kernels, KernelTuning, Tuning
 
@@ -200,8 +201,8 @@ def test_the_ar_step_is_offered_only_where_it_saves_on_the_cheapest_tier():
     dflash = DFLASH_HANDLE  # no confidence head
     h200 = CostTable("gpu", "x", "bfloat16", "p", 16, 256, {1: {1: 1.93, 2: 1.78, 4: 1.71, 8: 1.68, 16: 1.69}},
                      ar_ms={1: 1.67})  # batch 1 on an H200: one tier kept, the AR step as dear
-    assert generation.resolve_verify_mode("compact", dflash, 1, 16, h200) == STATIC_RESOLVED
-    mode, tiers, cost, ar_step = generation.resolve_verify_mode("compact", dflash, 1, 16,
+    assert job.resolve_verify_mode("compact", dflash, 1, 16, h200) == STATIC_RESOLVED
+    mode, tiers, cost, ar_step = job.resolve_verify_mode("compact", dflash, 1, 16,
                                                                 dataclasses.replace(h200, ar_ms={1: 1.2}))
     assert (mode, tiers, ar_step) == (verify_modes.Compact(), (16,), True)
     assert cost.tolist() == pytest.approx([1.69, 1.2])
@@ -214,12 +215,12 @@ def test_compact_runs_static_where_no_tier_saves_on_static_s_step():
     dflash = DFLASH_HANDLE  # no confidence head
     b4 = CostTable("gpu", "x", "bfloat16", "p", 16, 256, {4: {1: 2.10, 2: 1.94, 4: 1.95, 8: 2.01, 16: 2.11}},
                    ar_ms={4: 1.71})  # batch 4 on an H200
-    mode, tiers, cost, ar_step = generation.resolve_verify_mode("compact", dflash, 4, 16, b4)
+    mode, tiers, cost, ar_step = job.resolve_verify_mode("compact", dflash, 4, 16, b4)
     assert (mode, tiers, ar_step) == (verify_modes.Compact(), (8, 32, 64), True)
     with_static = dataclasses.replace(b4, static_ms={4: 1.96})
-    assert generation.resolve_verify_mode("compact", dflash, 4, 16, with_static) == STATIC_RESOLVED
+    assert job.resolve_verify_mode("compact", dflash, 4, 16, with_static) == STATIC_RESOLVED
     for static in (2.05, 6.0):  # tiers cheaper than static's step: compact, its tiers as without static
-        got = generation.resolve_verify_mode("compact", dflash, 4, 16, dataclasses.replace(b4, static_ms={4: static}))
+        got = job.resolve_verify_mode("compact", dflash, 4, 16, dataclasses.replace(b4, static_ms={4: static}))
         assert got[0].name == "compact" and got[1] == tiers and got[2].tolist() == pytest.approx(cost.tolist())
 
 
@@ -230,13 +231,13 @@ def test_auto_is_compact_where_the_table_times_static_s_step():
     dflash = DFLASH_HANDLE
     b4 = CostTable("gpu", "x", "bfloat16", "p", 16, 256, {4: {1: 2.10, 2: 1.94, 4: 1.95, 8: 2.01, 16: 2.11}},
                    ar_ms={4: 1.71})  # whole blocks ~1.0× one token a row: far under the ratio
-    assert generation.resolve_verify_mode("auto", dflash, 4, 16, b4)[0].name == "static"
-    got = generation.resolve_verify_mode("auto", dflash, 4, 16, dataclasses.replace(b4, static_ms={4: 2.05}))
-    assert got[:2] == generation.resolve_verify_mode("compact", dflash, 4, 16, b4)[:2] and got[0].name == "compact"
+    assert job.resolve_verify_mode("auto", dflash, 4, 16, b4)[0].name == "static"
+    got = job.resolve_verify_mode("auto", dflash, 4, 16, dataclasses.replace(b4, static_ms={4: 2.05}))
+    assert got[:2] == job.resolve_verify_mode("compact", dflash, 4, 16, b4)[:2] and got[0].name == "compact"
     cheap_static = dataclasses.replace(b4, static_ms={4: 1.96})
-    assert generation.resolve_verify_mode("auto", dflash, 4, 16, cheap_static) == STATIC_RESOLVED
+    assert job.resolve_verify_mode("auto", dflash, 4, 16, cheap_static) == STATIC_RESOLVED
     opt_out = Tuning(auto_compact_ratio=float("inf"))  # the opt-out still holds
-    got = generation.resolve_verify_mode("auto", dflash, 4, 16, dataclasses.replace(b4, static_ms={4: 2.05}),
+    got = job.resolve_verify_mode("auto", dflash, 4, 16, dataclasses.replace(b4, static_ms={4: 2.05}),
                                          tuning=opt_out)
     assert got[0].name == "static"
 
@@ -244,11 +245,11 @@ def test_auto_is_compact_where_the_table_times_static_s_step():
 def test_a_flipped_kernel_knob_is_a_program_of_its_own(monkeypatch):
     """Benchmarks flip kernel knobs between calls (A/B in one process): each setting gets its own program."""
     keys = []
-    monkeypatch.setattr(generation, "_programs", lambda key, *a, **kw: keys.append(key))
+    monkeypatch.setattr(engine_programs, "programs", lambda key, *a, **kw: keys.append(key))
     target = tiny_target()
     for short in (4, 0, 4):
-        generation.prepare(target, None, [[1, 2, 3]], max_new_tokens=4, block_size=1,
-                           tuning=Tuning(kernels=KernelTuning(packed_short_q_len=short or None)))
+        job.make(target, None, [[1, 2, 3]], 4,
+                 tuning=Tuning(kernels=KernelTuning(packed_short_q_len=short or None)))
     assert keys[0] != keys[1] and keys[0] == keys[2]
 
 
@@ -459,16 +460,16 @@ def test_every_mode_is_lossless_and_compact_commits_what_cap_accept_commits(runs
 
 
 def test_the_tier_is_chosen_on_the_device_without_recompiling(target, oracle, runs):
-    before = generation.compile_count()
+    before = engine_programs.compile_count()
     mild = speculative_generate(target, oracle, PROMPTS, MAX_NEW, stop_token_ids=[], verify_mode="compact",
                                 cost_table=MILD)
-    assert generation.compile_count() == before  # another cost table keeping the same tiers: the same program
+    assert engine_programs.compile_count() == before  # another cost table keeping the same tiers: the same program
     assert mild.stats["tier_steps"] != runs["compact"].stats["tier_steps"]
     assert mild.stats["mean_window"] > runs["compact"].stats["mean_window"]  # verifying is cheaper there
     flat = speculative_generate(target, oracle, PROMPTS, MAX_NEW, stop_token_ids=[], verify_mode="compact",
                                 cost_table=FLAT)
     # No smaller tier saves anything: compact would verify whole blocks, so it runs the static program.
-    assert flat.stats["verify_mode"] == "static" and generation.compile_count() == before
+    assert flat.stats["verify_mode"] == "static" and engine_programs.compile_count() == before
     assert flat.acceptance_lengths == runs["static"].acceptance_lengths
 
 
@@ -485,32 +486,13 @@ def test_steps_without_drafting_are_lossless(target, runs, reference):
     assert "ar_steps" not in runs["compact"].stats  # TABLE has no autoregressive step time: not offered
 
 
-def speculative_generate_tuned(target, drafter, prompts, max_new_tokens, tuning: Tuning, **kw):
-    """``speculative_generate(..., tuning=tuning)``; where the public API does not take ``tuning`` yet, the same
-    run from the prepared job with ``tuning`` put into its loop spec (a program of its own)."""
-    if "tuning" in inspect.signature(speculative_generate).parameters:
-        return speculative_generate(target, drafter, prompts, max_new_tokens, tuning=tuning, **kw)
-    job = generation.make_job(target, drafter, prompts, chat=False, max_new_tokens=max_new_tokens,
-                              block_size=drafter.config.verify_width, **kw)
-    spec = dataclasses.replace(job.spec, tuning=tuning)
-    key = tuple(spec if isinstance(k, LoopSpec) else k for k in job.key)
-    shapes = dict(batch=job.host.prompt.shape[0], prompt_len=job.host.prompt.shape[1],
-                  num_stops=len(job.host.stops))
-    graphdefs = (job.target.split().static, job.drafter.split().static)
-    programs = generation._programs(key, graphdefs, job.params, job.pre_args, spec,
-                                    dict(capacity=job.host.capacity, **shapes), drafter.config.mask_token_id)
-    job = dataclasses.replace(job, spec=spec, programs=programs)
-    return generation.collect(job, generation.launch(job))
-
-
-def test_capped_sequential_drafting_stays_lossless(target, reference, monkeypatch):
-    """The GPU experiment knob of compact's drafting (``Tuning.sequential_draft_cap``, off by default; a fresh
-    program cache, so neither the programs it compiles nor the default ones leak across tests): a sequential
+def test_capped_sequential_drafting_stays_lossless(target, reference):
+    """The GPU experiment knob of compact's drafting (``Tuning.sequential_draft_cap``, off by default; a program
+    key of its own, so neither the programs it compiles nor the default ones leak across tests): a sequential
     drafter drafting only its first positions stays lossless and no window passes them."""
-    monkeypatch.setattr(generation, "_PROGRAMS", {})
     dspark = random_drafter(target, kind="dspark", block_size=5, num_layers=1, markov_rank=8, seed=4)
-    capped = speculative_generate_tuned(target, dspark, PROMPTS, MAX_NEW, Tuning(sequential_draft_cap=2),
-                                        stop_token_ids=[], verify_mode="compact", cost_table=TABLE)
+    capped = speculative_generate(target, dspark, PROMPTS, MAX_NEW, stop_token_ids=[], verify_mode="compact",
+                                  cost_table=TABLE, tuning=Tuning(sequential_draft_cap=2))
     assert capped.token_ids == reference.token_ids
     assert capped.stats["mean_window"] <= 2 + 1  # the anchor and ≤ 2 drafts (3.73 without the cap)
 
@@ -526,7 +508,7 @@ def test_compact_steps_update_the_caches_in_place(target, oracle, runs):
     writes an operand its own copy of it: every layer's cache, every step.) The static program, which has
     no conditional, is the control: it copies no cache either."""
     texts = {}
-    for key, programs in generation._PROGRAMS.items():
+    for key, programs in engine_programs.CACHE.items():
         spec = next((k for k in key if isinstance(k, LoopSpec)), None)
         if spec is not None and spec.verify_mode.name in ("static", "compact") and spec.block_size == 8:
             shape = programs.prefill.out_info[0].target_cache.k[0].shape
@@ -559,7 +541,7 @@ def test_dspark_confidences_schedule_compact_and_cap_accept_alike(target, refere
     assert sampled[0].token_ids == sampled[1].token_ids != reference.token_ids
     assert sampled[0].acceptance_lengths == sampled[1].acceptance_lengths
     # …with no copy of a cache for it (the drafting reads the caches the step before just wrote)
-    for key, programs in generation._PROGRAMS.items():
+    for key, programs in engine_programs.CACHE.items():
         spec = next((k for k in key if isinstance(k, LoopSpec)), None)
         state = programs.prefill.out_info[0]
         if spec is not None and spec.verify_mode.name == "compact" and state.schedule.counts is None:  # confidences
@@ -593,9 +575,9 @@ def test_sampled_compact_matches_target_distribution(pair, logits):
 
 @pytest.mark.auto_verify
 def test_auto_is_compact_where_the_table_says_trimming_pays(target, oracle, runs):
-    before = generation.compile_count()
+    before = engine_programs.compile_count()
     auto = speculative_generate(target, oracle, PROMPTS, MAX_NEW, stop_token_ids=[], cost_table=TABLE)
-    assert auto.stats["verify_mode"] == "compact" and generation.compile_count() == before  # runs' program
+    assert auto.stats["verify_mode"] == "compact" and engine_programs.compile_count() == before  # runs' program
     assert auto.acceptance_lengths == runs["compact"].acceptance_lengths
     flat = speculative_generate(target, oracle, PROMPTS, MAX_NEW, stop_token_ids=[], cost_table=FLAT)
     assert flat.stats["verify_mode"] == "static"  # verifying costs the same whatever the window
@@ -656,7 +638,7 @@ def test_a_new_verify_mode_is_one_registered_class(target, oracle, runs, monkeyp
 
 def test_a_shipped_table_of_another_device_is_pointed_out_once(monkeypatch, caplog):
     costs._note_other_device.cache_clear()
-    monkeypatch.setattr(costs, "_device_kind", lambda: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(costs, "device_kind", lambda: "NVIDIA H100 80GB HBM3")
     with caplog.at_level(logging.WARNING, logger="dflash_jax"):
         for _ in range(2):
             assert costs.resolve(None, "gpu").device == "NVIDIA H200"
@@ -664,7 +646,7 @@ def test_a_shipped_table_of_another_device_is_pointed_out_once(monkeypatch, capl
         "the step cost table was measured on NVIDIA H200, this is NVIDIA H100 80GB HBM3: `dflash-jax calibrate "
         "--config <pair>` measures one here (compact mode schedules with it)") == 1
     caplog.clear()
-    monkeypatch.setattr(costs, "_device_kind", lambda: "NVIDIA H200")
+    monkeypatch.setattr(costs, "device_kind", lambda: "NVIDIA H200")
     with caplog.at_level(logging.WARNING, logger="dflash_jax"):
         costs.resolve(None, "gpu")
     assert not caplog.records
@@ -726,7 +708,7 @@ def test_a_costs_file_keeps_each_device_s_table(tmp_path, monkeypatch, caplog):
     assert tables["gpu@H100"].step_ms == {1: {1: 0.7, 16: 0.9}, 4: {1: 1.0, 16: 1.5}}
     costs._note_other_device.cache_clear()
     for here, expected in (("H100", tables["gpu@H100"]), ("H200", h200), ("A100", h200)):
-        monkeypatch.setattr(costs, "_device_kind", lambda: here)
+        monkeypatch.setattr(costs, "device_kind", lambda: here)
         with caplog.at_level(logging.WARNING, logger="dflash_jax"):
             assert costs.resolve(str(path), "gpu") == expected
             assert costs.resolve(None, "gpu", tables) == expected
@@ -760,15 +742,15 @@ def test_an_interrupted_calibration_keeps_the_batches_it_timed(tmp_path, monkeyp
     from dflash_jax.cli import main
 
     out = tmp_path / "pair.costs.json"
-    costs.save_table(out, CostTable("cpu", costs._device_kind(), "float32", "target", 4, 16, {8: {1: 9.0, 4: 9.5}}))
+    costs.save_table(out, CostTable("cpu", costs.device_kind(), "float32", "target", 4, 16, {8: {1: 9.0, 4: 9.5}}))
 
     def measure(target, drafter, *, batches, **kw):
         if batches == (2,):
             raise KeyboardInterrupt
         rows = {b: {1: 1.0, 4: 2.0} for b in batches}
-        return CostTable("cpu", costs._device_kind(), "float32", "target", 4, 16, rows)
+        return CostTable("cpu", costs.device_kind(), "float32", "target", 4, 16, rows)
 
-    monkeypatch.setattr(costs, "measure", measure)
+    monkeypatch.setattr(calibrate, "measure", measure)
     with pytest.raises(KeyboardInterrupt):
         main(["calibrate", "--target", str(ZLAB / "target"), "--drafter", str(ZLAB / "drafter"), "--batches", "1,2",
               "--context", "16", "--out", str(out), "--no-compile-cache"])
@@ -783,8 +765,8 @@ def test_a_calibration_on_another_device_goes_beside_the_backend_s_table(tmp_pat
     out = tmp_path / "pair.costs.json"
     other = CostTable("cpu", "Other CPU", "float32", "target", 4, 16, {8: {1: 9.0, 4: 9.5}})
     costs.save_table(out, other)
-    monkeypatch.setattr(costs, "_device_kind", lambda: "Some CPU")
-    monkeypatch.setattr(costs, "measure", lambda target, drafter, *, batches, **kw: CostTable(
+    monkeypatch.setattr(costs, "device_kind", lambda: "Some CPU")
+    monkeypatch.setattr(calibrate, "measure", lambda target, drafter, *, batches, **kw: CostTable(
         "cpu", "Some CPU", "float32", "target", 4, 16, {b: {1: 1.0, 4: 2.0} for b in batches}))
     assert main(["calibrate", "--target", str(ZLAB / "target"), "--drafter", str(ZLAB / "drafter"), "--batches", "1",
                  "--context", "16", "--out", str(out), "--no-compile-cache"]) == 0

@@ -288,11 +288,6 @@ def verify_compact(target: TargetModel, drafter: DFlashDrafter, state: DecodeSta
                         (block, q, state.rng))
 
 
-# Not read by the loop: a sequential drafter's compact steps draft ``Tuning.sequential_draft_cap`` positions
-# (:meth:`dflash_jax.decode.verify_modes.VerifyMode.draft_cap`). Kept only while the program key still lists it.
-SEQUENTIAL_DRAFT_CAP: int | None = None
-
-
 def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, spec: LoopSpec,
                  mask_token_id: int, window: Int[Array, "B"], tier: Int[Array, ""]) -> DecodeState:
     """Draft, then verify the given windows packed into tier ``tier``: windows known before drafting

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 
 from conftest import ZLAB, fast_jit, oracle_drafter, random_prompts, tiny_config, tiny_target
-from dflash_jax import (ShardingError, generate, generation, load_drafter, load_target, make_mesh, random_drafter,
+from dflash_jax import (ShardingError, generate, load_drafter, load_target, make_mesh, random_drafter,
                         restrict_draft_vocab, shard, speculative_generate)
+from dflash_jax.engine import programs as engine_programs
 from dflash_jax.loading import Target
+from dflash_jax.tuning import Tuning
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -77,10 +79,10 @@ def test_collectives_per_cycle_are_only_what_tp_needs():
     """tp=2: per cycle, 2 all-reduces per layer (after o_proj and down_proj) for the 2 target and 2 drafter
     layers, one per embedding lookup of the draft and verify blocks (the table is vocab-sharded), and an
     all-gather of (max, index) for each of the two vocab-sharded argmaxes — nothing touches the caches."""
-    generation._PROGRAMS.clear()
+    engine_programs.CACHE.clear()
     t, d = pair(make_mesh(tp=2, dp=1))
     speculative_generate(t, d, PROMPTS[:2], max_new_tokens=8, stop_token_ids=[])
-    decode = [p.decode for p in generation._PROGRAMS.values()]
+    decode = [p.decode for p in engine_programs.CACHE.values()]
     assert len(decode) == 1
     hlo = decode[0].as_text()
     counts = count_collectives(hlo)
@@ -293,7 +295,7 @@ def float_collectives(hlo: str) -> tuple[dict[str, int], list[int]]:
 
 @pytest.mark.parametrize("moe,key_heads,tp,dp", [(False, 4, 2, 2), (True, 2, 4, 2)], ids=["dense-tp2-dp2",
                                                                                           "moe-tp4-dp2"])
-def test_hybrid_decoding_is_token_identical_to_one_device(moe, key_heads, tp, dp, monkeypatch, prefill_chunk):
+def test_hybrid_decoding_is_token_identical_to_one_device(moe, key_heads, tp, dp, monkeypatch):
     """Greedy speculative decoding of a hybrid target under tp × dp (an oracle drafter: every acceptance length
     1 … L, so settle runs at each) equals autoregressive decoding on one device. The Gated DeltaNet layer is split
     by key head where tp divides them (dense: weights and states on their shards, per cycle only the
@@ -302,11 +304,11 @@ def test_hybrid_decoding_is_token_identical_to_one_device(moe, key_heads, tp, dp
     verify too."""
     from dflash_jax.models import layers, linear_attention as la
 
+    kw = dict(max_new_tokens=16, stop_token_ids=[])
     if moe:
-        prefill_chunk(8)
+        kw["tuning"] = Tuning(prefill_chunk=8)
     else:
         monkeypatch.setattr(la, "CHUNK", 4)
-    kw = dict(max_new_tokens=16, stop_token_ids=[])
     want = generate(hybrid_target(moe, key_heads), HYBRID_PROMPTS, **kw).token_ids
     t = shard(hybrid_target(moe, key_heads), make_mesh(tp=tp, dp=dp))
     split = key_heads % tp == 0
@@ -328,11 +330,11 @@ def test_hybrid_decoding_is_token_identical_to_one_device(moe, key_heads, tp, dp
     monkeypatch.setattr(layers, "_normal", lambda rngs, shape, scale, dtype: np.zeros(shape, dtype))
     d = shard(oracle_drafter(t, rows, want + [[0] * 16] * (len(rows) - len(want)), block_size=4, corrupt=0.25),
               t.mesh)
-    generation._PROGRAMS.clear()
+    engine_programs.CACHE.clear()
     out = speculative_generate(t, d, HYBRID_PROMPTS, **kw)
     assert out.token_ids == want
     assert {a for row in out.acceptance_lengths for a in row} == {1, 2, 3, 4}
-    (programs,) = generation._PROGRAMS.values()
+    (programs,) = engine_programs.CACHE.values()
     state = programs.decode.output_shardings[0].target_cache
     placed = lambda s, *spec: s.is_equivalent_to(NamedSharding(t.mesh, P(*spec)), len(spec))  # noqa: E731
     assert placed(state.recurrent[0], "dp", heads, None, None) and placed(state.conv[0], "dp", None, heads)
@@ -375,11 +377,11 @@ def test_compact_verify_under_dp(reference, monkeypatch):
     b = len(rows)  # costs are looked up at a device's rows
     table = CostTable("cpu", "test", "float32", "tiny", 4, 32, {b // dp: {1: 1.0, 2: 1.5, 4: 2.6}},
                       ar_ms={b // dp: 0.8})
-    generation._PROGRAMS.clear()
+    engine_programs.CACHE.clear()
     out = speculative_generate(t, d, PROMPTS, verify_mode="compact", cost_table=table, **kw)
     assert out.token_ids == want and out.stats["verify_mode"] == "compact"
     assert out.stats["tier_steps"] and out.stats["ar_steps"], out.stats
-    (programs,) = generation._PROGRAMS.values()
+    (programs,) = engine_programs.CACHE.values()
     counts, sizes = float_collectives(programs.decode.as_text())
     assert counts["all-gather"] == counts["all-to-all"] == counts["collective-permute"] == 0, counts
     assert max(sizes) <= 2 * b, sizes  # per-row bookkeeping, no activations, no cache

@@ -8,12 +8,11 @@ row needs while the others sit finished —; here a finished row gets new work.
 
 Rows never interact, so every prompt gets the tokens a batch of its own would give: greedy output is identical to
 :func:`dflash_jax.generate`'s; sampled rows draw from keys of their own (other keys than a one-batch call's, the
-same distribution).
+same distribution). The public calls run a pool where ``batch_size`` is below their prompt count.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import time
@@ -22,21 +21,22 @@ from typing import Callable
 import jax
 import numpy as np
 
-from dflash_jax import generation
+from dflash_jax import sharding as shd
 from dflash_jax.decode import loop
 from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.decode.state import DecodeView
+from dflash_jax.engine import job as jobs
+from dflash_jax.engine import programs as progs
 from dflash_jax.loading import Drafter, Target
+from dflash_jax.settings import DecodeSettings
 
 # refill_size's default: this fraction of the pool (at least one row). Smaller refills leave fewer finished rows
-# idle; each costs a return to the host and a prefill call (benchmarks/RESULTS.md, continuous batching).
+# idle; each costs a return to the host and a prefill call.
 REFILL_FRACTION = 1 / 8
-
-_REFILLS: dict[tuple, object] = {}  # compiled refill programs, by the pool's program key + (rows, prompt bucket)
 
 
 @dataclasses.dataclass
-class _Answer:
+class Answer:
     """One prompt's row of the packed view when it finished, and how long it waited for it."""
 
     row: list[np.ndarray]  # DecodeView's fields (its slot's row of each)
@@ -51,44 +51,40 @@ class _Answer:
         return view.acc_lens[0, : view.num_cycles[0]].tolist()
 
 
-def run(target: Target, drafter: Drafter | None, ids: list[list[int]], *, batch_size: int,
-        refill_size: int | None = None, max_new_tokens, block_size: int, stop_token_ids=None,
-        attention_impl: str = "auto", temperature=None, top_k=None, top_p=None, seed: int = 0,
-        draft_sampling: bool = False, verify_mode: str = "auto", cost_table=None,
+def run(target: Target, drafter: Drafter | None, ids: list[list[int]], settings: DecodeSettings, *,
+        refill_size: int | None = None,
         on_finish: Callable[[list[tuple[int, list[int], list[int]]]], None] | None = None
-        ) -> generation.GenerationOutput:
-    """Decode token-id prompts ``ids`` through a pool of ``batch_size`` rows, refilled ``refill_size`` rows at a
-    time (default ``batch_size`` × :data:`REFILL_FRACTION`). ``on_finish`` is called at each return to the host
-    with the prompts finished since the last: (index, new tokens, acceptance lengths). The output is in prompt
-    order, as :func:`dflash_jax.speculative_generate` returns it; its stats add ``segments`` (returns to the
-    host), ``refills`` (refill calls), ``cycles`` (the pool's), and ``request_latency_s`` per prompt."""
-    from dflash_jax import sharding as shd
-
+        ) -> jobs.GenerationOutput:
+    """Decode token-id prompts ``ids`` (``settings.rows``: their values) through a pool of
+    ``settings.batch_size`` rows, refilled ``refill_size`` rows at a time (default ``batch_size`` ×
+    :data:`REFILL_FRACTION`). ``on_finish`` is called at each return to the host with the prompts finished
+    since the last: (index, new tokens, acceptance lengths). The output is in prompt order, as
+    :func:`dflash_jax.speculative_generate` returns it; its stats add ``segments`` (returns to the host),
+    ``refills`` (refill calls), ``cycles`` (the pool's), and ``request_latency_s`` per prompt."""
     n = len(ids)
-    lens, max_new = generation._checked_lengths(target.config, ids, max_new_tokens)
-    sp = generation.sampling_params(n, temperature, top_k, top_p)
+    batch_size = settings.batch_size
+    if batch_size is None:
+        raise ValueError("a pool needs settings.batch_size (its rows)")
+    rows = settings.rows
+    max_new = rows.max_new
+    lens = jobs.checked_lengths(target.config, ids, max_new)
     dp = shd.mesh_size(target.mesh, "dp")
-    generation.check_batch_size(batch_size)
     b = -(-min(batch_size, n) // dp) * dp
     r = refill_size if refill_size is not None else max(1, round(b * REFILL_FRACTION))
     if not isinstance(r, (int, np.integer)) or isinstance(r, bool) or not 1 <= r <= b:
         raise ValueError(f"refill_size must be an integer in [1, batch_size={b}], got {refill_size!r}")
     r = -(-r // dp) * dp
-    new_cap = generation.bucket(int(max_new.max()))
-    pool = generation.PoolShape(new_cap, generation.cache_length(generation.bucket(int(lens.max())), new_cap,
-                                                                 block_size), sp)
-    settings = dict(block_size=block_size, stop_token_ids=stop_token_ids, attention_impl=attention_impl,
-                    draft_sampling=draft_sampling, verify_mode=verify_mode, cost_table=cost_table)
+    new_cap = jobs.bucket(int(max_new.max()))
+    pool = jobs.PoolShape(new_cap, jobs.cache_length(jobs.bucket(int(lens.max())), new_cap, settings.block_size))
     first = np.arange(min(b, n))
     rest = n - len(first)
-    job = generation.prepare(target, drafter, [ids[i] for i in first], max_new_tokens=max_new[first],
-                             **_rows_sampling(sp, first), seed=seed, pad_batch_to=b, pool=pool,
-                             return_at_done=min(r, rest) if rest else None, **settings)
-    pool_run = _Pool(job, b, r, sp, max_new, seed)
+    job = jobs.prepare(target, drafter, [ids[i] for i in first], settings.with_rows(rows.take(first)),
+                       pad_batch_to=b, pool=pool, return_at_done=min(r, rest) if rest else None)
+    pool_run = Pool(job, b, r, rows.sampling, max_new, settings.seed)
     pool_run.compile_refills(ids, np.arange(len(first), n))  # none compiles mid-run, leaving the device idle
     t0 = time.perf_counter()
     pool_run.start(first, t0)
-    answers: dict[int, _Answer] = {}
+    answers: dict[int, Answer] = {}
     nxt = len(first)
     while True:
         view = pool_run.decode()
@@ -110,14 +106,10 @@ def run(target: Target, drafter: Drafter | None, ids: list[list[int]], *, batch_
     return _output(job, ids, answers, view, pool_run, wall)
 
 
-def _rows_sampling(sp: SamplingParams, rows: np.ndarray) -> dict:
-    return dict(temperature=sp.temperature[rows], top_k=sp.top_k[rows], top_p=sp.top_p[rows])
-
-
-class _Pool:
+class Pool:
     """The pool's device state and which prompt each row holds (-1: free)."""
 
-    def __init__(self, job: generation.Job, b: int, r: int, sp: SamplingParams, max_new: np.ndarray, seed: int):
+    def __init__(self, job: jobs.Job, b: int, r: int, sp: SamplingParams, max_new: np.ndarray, seed: int):
         self.job, self.b, self.r, self.sp, self.max_new, self.seed = job, b, r, sp, max_new, seed
         self.slots = np.full(b, -1)
         self.admitted = np.zeros(b)
@@ -132,19 +124,19 @@ class _Pool:
         self.admitted[:] = now
 
     def decode(self) -> DecodeView:
-        self.state, packed = self.job.programs.decode(self.job.params, self.state, generation.ALL_CYCLES)
-        view = generation.fetch_view(self.job, packed)
+        self.state, packed = self.job.programs.decode(self.job.params, self.state, jobs.ALL_CYCLES)
+        view = jobs.fetch_view(self.job, packed)
         self.segments += 1
         self.cycles += int((view.num_cycles - self.cycles_seen).max())  # a row active all along saw every cycle
         self.cycles_seen = view.num_cycles.astype(np.int64)
         return view
 
-    def harvest(self, view: DecodeView, now: float) -> dict[int, _Answer]:
+    def harvest(self, view: DecodeView, now: float) -> dict[int, Answer]:
         """The answers of rows that finished since the last harvest; their rows become free."""
         out = {}
         columns = [getattr(view, f.name) for f in dataclasses.fields(view)]
         for slot in np.flatnonzero(view.done & (self.slots >= 0)):
-            out[int(self.slots[slot])] = _Answer([c[slot: slot + 1] for c in columns], now - self.admitted[slot])
+            out[int(self.slots[slot])] = Answer([c[slot: slot + 1] for c in columns], now - self.admitted[slot])
             self.slots[slot] = -1
         return out
 
@@ -159,7 +151,7 @@ class _Pool:
 
     def compile_refills(self, ids: list[list[int]], queued: np.ndarray) -> None:
         """The refill program of every prompt bucket among ``queued`` (indices into ``ids``)."""
-        by_bucket = {generation.bucket(len(ids[i])): i for i in queued}
+        by_bucket = {jobs.bucket(len(ids[i])): i for i in queued}
         for i in by_bucket.values():
             prompt_len, args = self._refill_inputs(ids, np.asarray([i]), np.asarray([0]), self.b)
             self._refill_program(prompt_len, args)
@@ -169,15 +161,15 @@ class _Pool:
         job, r = self.job, self.r
         chunk = [ids[i] for i in prompts]
         lens = np.asarray([len(p) for p in chunk])
-        host = generation._host_batch(chunk, lens, self.max_new[prompts], job.stops, r, job.spec.block_size,
-                                      generation.PoolShape(job.host.new_cap, job.host.capacity, self.sp))
+        host = jobs.host_batch(chunk, lens, self.max_new[prompts], job.stops, r, job.spec.block_size,
+                               jobs.PoolShape(job.host.new_cap, job.host.capacity))
         sp = None
         if job.spec.sampling:
             pad = lambda x: np.concatenate([x[prompts], np.repeat(x[prompts[-1:]], r - len(prompts))])  # noqa: E731
             sp = SamplingParams(pad(self.sp.temperature), pad(self.sp.top_k), pad(self.sp.top_p))
         seed = (self.seed + 0x9E3779B1 * self.refills) % 2**32  # each refill's rows draw from keys of their own
-        ints, floats = generation.pack_inputs(host.prompt, host.lens, host.max_new, job.host.stops, seed, sp,
-                                              job.step_cost, return_at)
+        ints, floats = jobs.pack_inputs(host.prompt, host.lens, host.max_new, job.host.stops, seed, sp,
+                                        job.step_cost, return_at)
         ints = np.concatenate([ints, rows, np.full(r - len(rows), self.b)]).astype(np.int32)
         args = (ints, floats)
         if job.spec.plan:  # placed replicated, as the prefill's inputs (prepare)
@@ -187,32 +179,34 @@ class _Pool:
     def _refill_program(self, prompt_len: int, args: tuple):
         job = self.job
         key = job.key + ("refill", self.r, prompt_len)
-        program = _REFILLS.get(key)
-        if program is None:
-            t0 = time.perf_counter()
+
+        def build():
             static = dict(capacity=job.host.capacity, batch=self.r, prompt_len=prompt_len,
                           num_stops=len(job.host.stops))
             graphdefs = (job.target.split().static, job.drafter.split().static if job.drafter else None)
             fn = jax.jit(functools.partial(loop.refill_fn, spec=job.spec, **static), static_argnums=0,
                          donate_argnums=2)
-            with jax.set_mesh(job.spec.plan.mesh) if job.spec.plan else contextlib.nullcontext():
+            with progs.mesh_context(job.spec):
                 lowered = fn.lower(graphdefs, job.params, job.programs.prefill.out_info[0], *args)
-                compiled = lowered.compile(generation.COMPILER_OPTIONS)
-            program = _REFILLS[key] = compiled
-            generation.count_compiles(1)
+                return lowered.compile(job.spec.tuning.compiler_options_dict())
+
+        t0 = time.perf_counter()
+        before = progs.compile_count()
+        program = progs.CACHE.get(key, build)
+        if progs.compile_count() != before:
             self.compile_s += time.perf_counter() - t0
         return program
 
 
-def _output(job: generation.Job, ids: list[list[int]], answers: dict[int, _Answer], last: DecodeView,
-            pool: _Pool, wall: float) -> generation.GenerationOutput:
+def _output(job: jobs.Job, ids: list[list[int]], answers: dict[int, Answer], last: DecodeView,
+            pool: Pool, wall: float) -> jobs.GenerationOutput:
     """Every prompt's answer in prompt order, with the pool's statistics."""
     n = len(ids)
     rows = [answers[i].row for i in range(n)]
     columns = [np.concatenate([row[k] for row in rows]) for k in range(len(rows[0]))]
     # The tier histogram counts the pool's steps (the same in every row, kept across refills): the last view's.
     view = dataclasses.replace(DecodeView(*columns), tier_steps=np.repeat(last.tier_steps[:1], n, axis=0))
-    out = generation.collect(dataclasses.replace(job, ids=ids, compile_s=pool.compile_s), view)
+    out = jobs.collect(dataclasses.replace(job, ids=ids, compile_s=pool.compile_s), view)
     latency = [answers[i].latency_s for i in range(n)]
     out.stats.update(wall_s=wall, tokens_per_s=out.stats["new_tokens"] / max(wall, 1e-9), cycles=pool.cycles,
                      segments=pool.segments, refills=pool.refills, batch_size=pool.b, refill_size=pool.r,
