@@ -38,7 +38,7 @@ def _demo(args: argparse.Namespace) -> int:
                                     verify_mode=args.verify_mode, **kw)
 
     # Each program's first run is not timed: it compiles, and on a CPU its first execution also sets up the
-    # kernels (~1 s more for the speculative program, benchmarks/RESULTS.md). Then DEMO_TIMED_RUNS runs of each,
+    # kernels (about a second more for the speculative program). Then DEMO_TIMED_RUNS runs of each,
     # interleaved, and the table shows each mode's fastest: a small VM's speed drifts by 15–30 % between minutes.
     print("Compiling and warming up both programs (first runs, not timed) …", flush=True)
     first_spec, first_ar = run_speculative(), generate(target, prompts, **kw)

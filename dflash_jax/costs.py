@@ -9,8 +9,8 @@ beside it, under ``"gpu@<device kind>"``, the tables of other devices of that ba
 another's scaled);
 :func:`dflash_jax.load_pair` picks up the file, and :func:`pick` takes this device's table from it, else the
 backend's. Without one, the table shipped for the backend (``dflash_jax/assets/costs/<backend>.json``, the
-embedded pair measured on our machines) is used: the scheduler only compares costs of one batch shape, so a
-table's shape matters more than its absolute figures.
+embedded pair, measured on one device of that backend) is used: the scheduler only compares costs of one batch
+shape, so a table's shape matters more than its absolute figures.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class CostTableError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class CostTable:
     backend: str  # "cpu", "gpu", "tpu"
-    device: str  # e.g. "NVIDIA H200"
+    device: str  # the device kind JAX reports (a GPU's product name; "cpu")
     dtype: str
     pair: str
     block_size: int  # L the tiers were measured for
@@ -82,7 +82,7 @@ class CostTable:
                 f"{batch} a drafted step costs {one:.2f} autoregressive steps before any draft is verified (drafting "
                 f"alone) and {full:.2f} verifying all {block} tokens per row, so a cycle must commit more tokens per "
                 f"row than that to pay. Speculative decoding wins where verifying a block costs about one step "
-                f"(GPUs, TPUs: benchmarks/RESULTS.md); on a CPU every verified token costs real compute.")
+                f"(GPUs, TPUs: benchmarks/README.md); on a CPU every verified token costs real compute.")
 
     def merged_into(self, older: "CostTable") -> "CostTable":
         """This table with ``older``'s batches that it did not measure (a calibration of more batches adds them
@@ -147,7 +147,7 @@ def tables_path(pair_yaml: str | Path) -> Path:
 
 
 def device_key(backend: str, device: str) -> str:
-    """A costs file's key for a table of ``device`` beside its backend's own (``"gpu@NVIDIA H100 80GB HBM3"``)."""
+    """A costs file's key for a table of ``device`` beside its backend's own (``"gpu@<device kind>"``)."""
     return f"{backend}@{device}"
 
 

@@ -68,7 +68,7 @@ class SpeculativeOptions(DecodeOptions, total=False):
     ``block_size``: tokens one cycle verifies (default: the drafter's trained verify width; any value in
     ``2 … trained``). ``draft_sampling``: draw drafts from the drafter's distribution (accepted with min(1, p/q))
     instead of taking its argmax. ``verify_mode``: ``"auto"`` (compact where the cost table says trimming pays,
-    else static), ``"static"``, ``"compact"`` or ``"cap-accept"`` (docs/verify-modes). ``cost_table``: the
+    else static), ``"static"``, ``"compact"`` or ``"cap-accept"`` (docs/verify-modes.md). ``cost_table``: the
     scheduler's step costs (a :class:`dflash_jax.costs.CostTable` or a ``.costs.json`` path; default: the pair's,
     else the one shipped for this backend).
     """

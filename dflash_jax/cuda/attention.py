@@ -1,4 +1,4 @@
-"""GPU attention kernels for the decode loop: Pallas lowered to Triton (NVIDIA GPUs, sm80+; tuned on an H200).
+"""GPU attention kernels for the decode loop: Pallas lowered to Triton (NVIDIA GPUs, sm80+; tuned on Hopper).
 
 All three operations read a large KV cache with a handful of queries per KV head, so they are memory-bound: the
 goal is to read each live K/V row once and nothing past a row's length. Letters: B batch rows (requests),
@@ -26,10 +26,10 @@ Design (flash decoding):
   ``[M,H]x[H,BK]`` and ``[M,BK]x[BK,H]`` on the tensor cores.
 * **Online softmax over KV blocks of ``block_k`` rows** (default 64, 4 warps, 3 pipeline stages: a 64x128
   bf16 K block plus V block is 32 KiB, 3 stages + the Q tile take 112 KiB of shared memory, 2 programs per
-  SM, and the ``[64, 64]`` f32 score tile stays in registers; on the H200 sweep 3 stages beat 2, 4 warps
-  beat 8, and block_k 32/64/128 were within noise of each other). Scores, running max / sum and the
-  accumulator are float32; P is cast to V's dtype for the second product, like the reference. The loop's
-  trip count is computed from the row's length: blocks at or past ``ctx_len`` / ``kv_len`` (and, with a
+  SM, and the ``[64, 64]`` f32 score tile stays in registers; in ``benchmarks/bench_attention.py --sweep`` 3
+  stages beat 2, 4 warps beat 8, and block_k 32/64/128 were within noise of each other). Scores, running max /
+  sum and the accumulator are float32; P is cast to V's dtype for the second product, like the reference. The
+  loop's trip count is computed from the row's length: blocks at or past ``ctx_len`` / ``kv_len`` (and, with a
   sliding window, blocks wholly before it) are never read.
 * **Garbage never leaks.** K/V rows past a length are loaded with a mask (``other=0``), so NaN/Inf padding
   never enters registers (a ``p·V`` with ``p = 0`` and ``V = NaN`` would still be NaN); masked scores are
@@ -41,7 +41,7 @@ Design (flash decoding):
   (splits with no live rows write zeros and -1e30: weight 0). A second, small Pallas kernel merges them:
   one program per few output rows loads *all* splits in one wide masked block ``[NSp, rows, H]`` (many
   bytes in flight, no loop), weights them by ``exp(lse - max lse)`` and writes the output (and the zeros
-  of the ragged op's padding rows). Measured on an H200, one program streams only ~16 GB/s (the loop is
+  of the ragged op's padding rows). Measured, one program streams only ~16 GB/s (the loop is
   bound by its per-block work, not by latency: more pipeline stages do not help), so the default aims at
   ~3 programs per SM — ``ceil(3·SMs / (B·K))`` splits, but chunks of at least ``min_chunk`` = 256 rows —
   which puts batch 1 at 16k-32k context at ~40-47 splits. ``num_splits=1`` skips the second pass: the
@@ -73,7 +73,7 @@ whether a call can run here (else fall back to the jnp reference).
 
 Float32 inputs follow JAX's default matmul precision, as XLA's own float32 dots do: TF32 by default, IEEE
 float32 (``Precision.HIGHEST``) under ``jax.default_matmul_precision("highest")`` / ``"float32"``. The IEEE
-mode runs on the CUDA cores, not the tensor cores: ~10× slower in the decode loop on the H200.
+mode runs on the CUDA cores, not the tensor cores: about 10× slower in the decode loop.
 """
 
 from __future__ import annotations
@@ -110,8 +110,8 @@ _MAX_TILE_ROWS = 256  # M = Lp·Gp: the f32 accumulator [M, H] must fit in regis
 PROGRAMS_PER_SM = 3  # split-KV target (default): measured per-program throughput is ~16 GB/s, so concurrency matters
 DEFAULT_MIN_CHUNK = 256  # fewest cache rows per split
 # Fewest cache rows per split where the unsplit grid already fills every SM: there a split adds a pass and a
-# merge kernel for little concurrency (RESULTS, session 24: one pass at 64 / 128 rows and caches of 400–656 rows
-# made AR, static and compact steps up to 7 % faster on an H100).
+# merge kernel for little concurrency (one pass at 64 / 128 rows and caches of 400–656 rows made AR, static and
+# compact steps up to 7 % faster than splitting).
 FILLED_MIN_CHUNK = 1024
 
 

@@ -4,7 +4,7 @@ A compact step's tiers only read the caches; the new K/V of every layer come out
 packed (:class:`dflash_jax.models.target.PendingKV`, ``[T, NL, 2, K, H]``) and are written after it: row ``b``'s
 window (``lens[b]`` tokens from slot ``slots[b]``), then zeros up to ``W`` tokens, at its own anchor
 ``starts[b]``. As XLA that is an unpacking gather and two scatters a layer (60 for SmolLM2), each moving a few
-hundred KB: on an H200 the embedded pair's step is launch-bound, so they cost their launches, not their bytes.
+hundred KB: on a GPU the embedded pair's step is launch-bound, so they cost their launches, not their bytes.
 Here one kernel writes every layer's keys and values: program ``(b, l)`` copies row ``b``'s window of layer
 ``l``'s keys and values, a ``[W, H]`` tile per KV head read from the packed slots, into that layer's caches,
 which are aliased to the outputs (written in place; nothing else of them is touched). Before it, inside each
@@ -97,8 +97,8 @@ def place_pending(kv: Float[Array, "T NL 2 K H"], size: int, *, interpret: bool 
                   ) -> Float[Array, "S NL 2 K H"]:
     """``kv`` as the first T of ``size`` (S) slots; the others are left as the allocation found them (the writes
     read only each row's window: :func:`write_pending`'s masked loads). Every tier of compact's switch returns
-    the largest tier's slots; XLA's pad to them wrote every slot — 23.6 MB at 64 rows of the embedded pair, 57 µs
-    of an H200's ~1.6 ms step, whatever the tier (session 27's traces) — where this copies the tier's T."""
+    the largest tier's slots; XLA's pad to them wrote every slot — 23.6 MB at 64 rows of the embedded pair,
+    a few percent of the step's time, whatever the tier — where this copies the tier's T."""
     t, h = kv.shape[0], kv.shape[-1]
     per_slot = kv.size // (t * h)  # rows of H a slot: NL·2·K
     rows, tile = t * per_slot, 16384 // h  # 32 KB a bfloat16 tile, whatever the (power-of-two) head size

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-DEFAULT_SMS = 132  # H100 / H200 SXM; used when the device does not say (interpret mode)
+DEFAULT_SMS = 132  # Hopper SXM parts; used when the device does not say (interpret mode)
 
 
 def next_pow2(n: int) -> int:

@@ -51,7 +51,7 @@ dividing Dv, the tile ``Dk·BV`` ≤ :data:`MAX_TILE` values; Hk divides Hv; q/k
 upcast), g/β/state float32; ``0 ≤ lengths[b]`` (lengths past T count as T). Outputs are float32.
 
 Tuning: ``block_v`` (BV, default :data:`DEFAULT_BLOCK_V` or Dv if smaller) and ``num_warps`` (default 4);
-``benchmarks/bench_delta_rule.py --sweep`` times alternatives. Not tuned on hardware yet.
+``benchmarks/bench_delta_rule.py --sweep`` times alternatives. The defaults are reasoned, not tuned.
 """
 
 from __future__ import annotations

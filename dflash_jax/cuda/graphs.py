@@ -1,8 +1,8 @@
 """XLA:GPU's command buffers (CUDA graphs) without conditional nodes: compile options for the compact decode loop.
 
 XLA records a step's kernels into CUDA graphs, and by default a ``lax.switch`` too, as a conditional node whose
-branches are child graphs. On an H100 such a node cost a compact step ~0.13 ms at batch 64 (RESULTS.md, session
-28: compact's autoregressive branch 0.19 ms dearer than the plain autoregressive step with the node, 0.05 ms
+branches are child graphs. Such a node cost a compact step ~0.13 ms at batch 64, several percent of the step
+(compact's autoregressive branch ran ~0.2 ms slower than the plain autoregressive step with the node, ~0.05 ms
 without). Without the node XLA runs the switch from the host: it copies the branch index to the host, waits for
 it, and launches the chosen branch as a graph of its own — cheap when the index is ready as the step starts
 (the compact loop plans each step's tier at the end of the step before: ``decode.loop.plans_ahead``); where the

@@ -5,13 +5,14 @@ Same semantics and signature as :func:`dflash_jax.kernels.moe.experts_gathered` 
 ``x [N, D]``, routing ``weights``/``idx [N, K]``, experts ``gate``/``up [E, D, F]``, ``down [E, F, D]``,
 optional gpt-oss ``biases`` and any elementwise ``act(g, u)`` (computed in float32 here). P = N·K pairs.
 
-Why: on the H200 (bf16, E=128, D=2048, F=768, K=8) XLA's ``ragged_dot`` read more than all 128 experts for
-one token and the gathered einsum was ~15× the routed experts' bytes. Decode is memory-bound, so the goal is
-to stream exactly the routed experts' weights once, with enough programs in flight to fill the HBM pipe.
+Why: at decode sizes XLA's paths read far more than the routed experts' weights (bf16, E=128, D=2048, F=768,
+K=8: ``ragged_dot`` read more than all 128 experts for one token, the gathered einsum ~15× the routed bytes).
+Decode is memory-bound, so the goal is to stream exactly the routed experts' weights once, with enough programs
+in flight to fill the HBM pipe.
 
 :func:`grouped_experts` picks one of two forms by the call's tokens: :func:`pair_experts` up to
 :data:`PAIR_MAX_TOKENS` (one token: the pairs are distinct experts, so GEMV kernels over the pairs as routed
-need no grouping and skip its small XLA ops — 43 µs against 61 on the H200), :func:`sorted_experts` above
+need no grouping and skip its small XLA ops: about 30 % less time than grouping), :func:`sorted_experts` above
 (described next: from two tokens on, reading a shared expert once pays for the grouping).
 
 Layout: the P (token, expert) pairs are sorted by expert (:func:`dflash_jax.kernels.moe.group_pairs`, a few
@@ -26,7 +27,7 @@ Two kernels:
 * **gate/up** — grid ``(G, F / block_f, splits)``: a program reads ``gate[e]`` and ``up[e]`` columns
   ``[f0, f0 + block_f)`` for its split's D rows (``block_d`` rows per loop step, software-pipelined) and
   writes float32 partial sums ``[splits, P, F]``. A D split adds parallelism for one token (K=8 groups × 12
-  column blocks), but measured on the H200 it cost more partial-sum traffic than it gained: off by default.
+  column blocks), but measured it cost more partial-sum traffic than it gained: off by default.
 * **down** — grid ``(G, D / block_n)``: a program sums the splits' partials for its rows, adds the biases,
   applies ``act`` in float32, casts to the weights' dtype and multiplies by ``down[e]`` rows ``[f0, f0 +
   block_k)`` × columns ``[d0, d0 + block_n)``, looping over all of F; adds the down bias and writes
@@ -61,8 +62,8 @@ from dflash_jax.tuning import Kernels
 __all__ = ["experts_kernel", "grouped_experts", "pair_experts", "sorted_experts", "unsupported_reason"]
 
 # Gate/up kernel of sorted_experts: D splits until ~``programs_per_sm`` programs per SM (routed groups × blocks), at
-# least _MIN_SPLIT_ROWS rows each. Off by default (0): on a GPU one token ran 62 µs unsplit against 83 µs with 6
-# splits (bench_moe.py --sweep); `num_splits=` still tunes it.
+# least _MIN_SPLIT_ROWS rows each. Off by default (0): one token took a third longer with 6 splits than unsplit
+# (``benchmarks/bench_moe.py --sweep``); `num_splits=` still tunes it.
 _MIN_SPLIT_ROWS = 256
 
 
@@ -213,7 +214,8 @@ def _down_kernel(expert_ref, start_ref, count_ref, pg_ref, pu_ref, down_ref, *re
 # Per-pair kernels: decode at one token (or a few), where grouping costs more than it saves
 # --------------------------------------------------------------------------------------------------
 
-# grouped_experts hands calls of at most this many tokens to pair_experts (bench_moe.py, RESULTS.md).
+# grouped_experts hands calls of at most this many tokens to pair_experts: from two tokens on, reading a shared
+# expert once pays for the grouping (``benchmarks/bench_moe.py``; figures on benchmarks/README.md).
 PAIR_MAX_TOKENS = 1
 
 
@@ -308,11 +310,12 @@ def pair_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Arr
 
     Two kernels: gate/up over grid ``(P, F / block_f, splits)`` writing float32 partial sums ``[splits, P, F]``,
     then down over ``(P, D / block_n)``, which adds the splits, applies ``act`` and writes ``ys [P, D]``. (One
-    kernel per (pair, F block) reading all three matrices' slices, leaving D-wide partial outputs, was tried
-    in the first version: 58.7 µs at one token on the H200 against 61.2 for the two kernels then, 43 since
-    their accumulators are reduced once after the loop; not pursued.) Tuning as :func:`sorted_experts`
-    (``block_k``: F rows per down step; defaults 32-wide F blocks, 128 D rows, 128 F rows per down step, ~4
-    programs per SM in D splits — ``programs_per_sm`` when not 0: the GPU sweep's best, bench_moe.py --sweep)."""
+    kernel per (pair, F block) reading all three matrices' slices, leaving D-wide partial outputs, saved only
+    ~4 % against two kernels reducing across threads every loop step; reducing once after the loop instead
+    made the two kernels ~25 % faster than that single kernel, which was not retried with it.) Tuning as
+    :func:`sorted_experts` (``block_k``: F rows per down step; defaults 32-wide F blocks, 128 D rows, 128 F rows
+    per down step, ~4 programs per SM in D splits — ``programs_per_sm`` when not 0: the best of
+    ``benchmarks/bench_moe.py --sweep``)."""
     n, k = idx.shape
     e, d, f = gate.shape
     p = n * k

@@ -345,8 +345,8 @@ def _packed_step(target, drafter, state: DecodeState, spec: LoopSpec, window, ti
 
     The branches only read the caches: the target's new K/V come out of the switch (:class:`PendingKV`) and
     are written after it, with the drafter's context and the commit. XLA gives a conditional's branch its
-    own copy of every operand the branch writes — every layer's cache, every step (~55 ms a step at batch 3
-    on a 2-core CPU; the cache's size again in memory traffic on a GPU) — and a read-only operand none."""
+    own copy of every operand the branch writes — every layer's cache, every step (tens of ms a step at batch
+    3 on a small CPU; the cache's size again in memory traffic on a GPU) — and a read-only operand none."""
     l = spec.block_size
     b = state.anchor.shape[0]
     lens = jnp.where(state.done, 0, window + 1)
@@ -513,7 +513,7 @@ def plans_ahead(state: DecodeState, spec: LoopSpec) -> bool:
     drafts are then made there too) — is final once the step before has committed, so a step starts with its
     tier known. Its tier switch can then run as a host-side conditional whose index is ready when the step
     starts (on a GPU the host reads it while the GPU would idle anyway, instead of waiting for the GPU to drain
-    in mid-step; :func:`dflash_jax.generation.decode_compiler_options`). The same computations in another
+    in mid-step; :func:`dflash_jax.engine.programs.decode_compiler_options`). The same computations in another
     order: the same drafts, windows, tokens and statistics. The verify mode decides
     (:meth:`dflash_jax.decode.verify_modes.VerifyMode.plans_ahead`: compact, but not for drafts sampled from a
     drafter with confidences — their distribution q, [B, G, V], would have to be carried)."""
@@ -582,7 +582,7 @@ def unpack_inputs(ints: Int[Array, "N"], floats: jax.Array | None, spec: LoopSpe
     [B], unpacked by :func:`refill_fn`); ``floats`` (sampling only) =
     temperature [B] | top_k [B] | top_p [B], then (scheduled verify modes) the step cost per tier [K] (and
     an autoregressive step's, ``spec.ar_step``).
-    Inverse of :func:`dflash_jax.generation.pack_inputs`."""
+    Inverse of :func:`dflash_jax.engine.job.pack_inputs`."""
     b, p, z = batch, prompt_len, num_stops
     cuts = np.cumsum([b * p, b, b, z, 1, 1])
     prompt, lens, max_new, stops, seed, return_at, _ = jnp.split(ints, cuts)

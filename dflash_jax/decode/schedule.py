@@ -1,4 +1,4 @@
-"""The confidence scheduler (SPEC §7, seed 002): how many drafts each row verifies this step.
+"""The confidence scheduler (SPEC §7): how many drafts each row verifies this step.
 
 Every step, for each active row ``r`` and draft ``j`` (0-based, G = L − 1 drafts), the *survival*
 ``a[r, j]`` is the probability that drafts ``0 … j`` are all accepted: the product of the row's per-draft

@@ -202,7 +202,7 @@ class VerifyMode(VerifyPolicy):
         return None
 
     def stats(self, spec, view, n: int, acc_lens: list[list[int]]) -> dict:
-        """What verifying cost (see :func:`dflash_jax.generation.verify_stats`), from the host view of ``n`` real
+        """What verifying cost (see :func:`dflash_jax.engine.job.verify_stats`), from the host view of ``n`` real
         rows."""
         cycles = int(view.num_cycles[:n].sum())
         windows = int(view.verify_tokens[:n].sum()) if spec.scheduled else cycles * spec.block_size

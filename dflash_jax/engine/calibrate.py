@@ -110,8 +110,8 @@ def _time_static_step(target, drafter, ids: list[list[int]], block: int, repeats
 def _same_positions(out, state):
     """The state after a step, back at the positions before it: every timed step then writes and attends the
     same cache slots. The state is donated, so the caches are updated in place as in the decode loop (timing
-    a step on a kept state would add a copy of every cache to each entry: +55 ms a step at batch 3 on a
-    2-core CPU, which flattened the table's ratios and made the scheduler over-verify)."""
+    a step on a kept state would add a copy of every cache to each entry: tens of ms a step at batch 3 on a
+    small CPU, which flattened the table's ratios and made the scheduler over-verify)."""
     return dataclasses.replace(out, num_new=state.num_new, anchor_pos=state.anchor_pos, done=state.done)
 
 

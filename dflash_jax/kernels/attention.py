@@ -47,8 +47,8 @@ def read_after(x: jax.Array, k_cache: jax.Array, v_cache: jax.Array, kernels: Ke
     XLA:CPU lays each layer's cache out afresh for the attention GEMMs (a transposing copy of the whole cache).
     With nothing tying those copies to their layers its runtime, which runs operations as soon as their operands
     are ready, starts every layer's copy at the start of a drafted step, beside the drafter, where each costs ~3×
-    as much (its output out of cache by the time its layer reads it): 18 ms of thread time in a 75 ms step at
-    ``make demo``'s batch, 10 ms when each copy waits for its layer, and that batch decodes ~5 % faster (the
+    as much (its output out of cache by the time its layer reads it): about a quarter of a step's thread time
+    at ``make demo``'s batch, half that when each copy waits for its layer, and that batch decodes ~5 % faster (the
     plain decode step orders them well without it, so it is not tied). An optimization barrier does not order
     them (XLA:CPU drops it first), so each cache gets a zero computed from ``x`` added: exact (``isfinite`` is 0 or
     1, times 0), and the add fuses into the copy. Only the attention's read is tied: a layer's cache stays.

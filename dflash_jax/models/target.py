@@ -62,8 +62,8 @@ class PendingKV:
     returns these; :meth:`write` stores them after the conditional, in place. Stacked, a branch returns one
     array rather than two per layer (on a GPU each is a kernel launch and a copy out of the conditional, every
     step); packed, it writes only its T slots' K/V (unpacking them into ``[B, L]`` blocks inside the branch was
-    one select fusion writing the whole batch's blocks, 57 µs of a ~1.7 ms step at 64 rows on an H200,
-    RESULTS session 26). A hybrid target's linear layers add their deferred ``records``
+    one select fusion writing the whole batch's blocks, a few percent of the step at 64 rows). A hybrid
+    target's linear layers add their deferred ``records``
     (:mod:`dflash_jax.models.hybrid`), which :meth:`write` leaves in the cache for ``settle``."""
 
     starts: Int[Array, "B"]
