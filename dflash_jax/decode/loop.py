@@ -109,7 +109,7 @@ def prefill(
         hidden, feats, tcache = target(prompt, positions, empty, capture=spec.capture, prefill=True,
                                        kernels=spec.kernels, **_lengths(target, prompt_len))
     last_h = jnp.take_along_axis(hidden, (prompt_len - 1)[:, None, None], axis=1)  # [B, 1, D]
-    logits = target.logits(last_h)
+    logits = target.logits(last_h, spec.kernels)
     if spec.sampling:
         rng, k_first = _split_rows(rng)
         probs = sampling.filtered_probs(logits[:, 0], sampling_params, use_top_k=spec.top_k, use_top_p=spec.top_p)
@@ -235,7 +235,7 @@ def propose(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeSta
         drafts, q, conf, state = _draft_sequential(target, drafter, h, state, spec)
         return jnp.concatenate([anchor, drafts], axis=1), q, conf, state
     state, k_draft = _draft_keys(state, spec)
-    drafts, q = _pick_drafts(drafter.draft_logits(h[:, 1:], target), state, spec, k_draft, drafter)
+    drafts, q = _pick_drafts(drafter.draft_logits(h[:, 1:], target, spec.kernels), state, spec, k_draft, drafter)
     return jnp.concatenate([anchor, drafts], axis=1), q, None, state
 
 
@@ -278,7 +278,7 @@ def _draft_sequential(target: TargetModel, drafter: DSparkDrafter, hidden: Float
     g_all = hidden.shape[1]
     if SEQUENTIAL_DRAFT_CAP and spec.verify_mode == "compact" and drafter.confidence_head is not None:
         hidden = hidden[:, :SEQUENTIAL_DRAFT_CAP]
-    base = drafter.base_logits(hidden, target).swapaxes(0, 1)  # [G, B, Vd]
+    base = drafter.base_logits(hidden, target, spec.kernels).swapaxes(0, 1)  # [G, B, Vd]
     g, b = base.shape[:2]
     sampled = spec.sampling and spec.draft_sampling
     if sampled:
@@ -292,7 +292,7 @@ def _draft_sequential(target: TargetModel, drafter: DSparkDrafter, hidden: Float
     def step(prev, xs):
         u, key = xs
         e = head.embed(prev)  # [B, R]
-        logits = u + head.bias(e)
+        logits = u + head.bias(e, spec.kernels)
         if sampled:
             q = sampling.filtered_probs(logits, state.sampling, use_top_k=spec.top_k, use_top_p=spec.top_p)
             x = jax.vmap(sampling.sample)(key, q)
@@ -308,7 +308,7 @@ def _draft_sequential(target: TargetModel, drafter: DSparkDrafter, hidden: Float
     q = drafter.to_target_probs(q.swapaxes(0, 1)) if sampled else None
     conf = None
     if drafter.confidence_head is not None:
-        conf = jax.nn.sigmoid(drafter.confidence_head(hidden, embeds) / drafter.temperatures(g))
+        conf = jax.nn.sigmoid(drafter.confidence_head(hidden, embeds, spec.kernels) / drafter.temperatures(g))
     if g < g_all:  # past the cap: drafts 0 with confidence 0, which no window reaches
         pad = lambda x: jnp.pad(x, [(0, 0), (0, g_all - g)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
         drafts, conf, q = pad(drafts), pad(conf), (pad(q) if q is not None else None)
@@ -323,7 +323,7 @@ def verify(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeStat
     hybrid = isinstance(target, HybridTargetModel)
     hidden, feats, tcache = target(block, positions, state.target_cache, capture=spec.capture, kernels=spec.kernels,
                                    **({"defer": True} if hybrid else {}))
-    logits = target.logits(hidden)  # [B, L, V] float32
+    logits = target.logits(hidden, spec.kernels)  # [B, L, V] float32
     state, accepted, last, untrimmed = _accept(state, block, logits, None, spec, q, window)
     if hybrid:  # linear states after the anchor and the accepted drafts (a row cut short by commit is done)
         tcache = target.settle(tcache, accepted + 1)
@@ -372,7 +372,7 @@ def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState
             b, g = hidden.shape[:2]
             layout = PackedLayout.build(jnp.where(state.done, 0, window), jnp.zeros((b,), jnp.int32),
                                         size, g, spec.packed_groups, spec.kernels.tuning)
-            logits = drafter.draft_logits(layout.pack(hidden)[None], target)[0]  # [T, Vd]
+            logits = drafter.draft_logits(layout.pack(hidden)[None], target, spec.kernels)[0]  # [T, Vd]
             if k_draft is None:
                 drafts = layout.unpack(drafter.to_target_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32)))
                 q = None
@@ -452,7 +452,7 @@ def _packed_forward(target, state: DecodeState, spec: LoopSpec, lens: Int[Array,
     layout = PackedLayout.build(lens, state.anchor_pos, size, width, spec.packed_groups, spec.kernels.tuning)
     hidden, feats, pending = target(layout.pack(block)[None], layout.positions[None], state.target_cache,
                                     capture=spec.capture, kernels=spec.kernels, packed=layout)
-    logits = target.logits(hidden[0])  # [T, V]: the LM head only over the packed rows
+    logits = target.logits(hidden[0], spec.kernels)  # [T, V]: the LM head only over the packed rows
     scored = layout.unpack(logits if spec.sampling else jnp.argmax(logits, axis=-1).astype(jnp.int32))
     widen = lambda x: jnp.pad(x, [(0, 0), (0, l - width)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
     slots = max(*spec.tiers, state.anchor.shape[0] * l)  # every tier's T fits (a dense one has B·L slots)

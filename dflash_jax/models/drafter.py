@@ -130,13 +130,14 @@ class DFlashDrafter(nnx.Module):
             x = layer(x, positions, cos, sin, cache.k[i], cache.v[i], ctx_len, kernels=kernels)
         return self.norm(x)
 
-    def draft_logits(self, hidden: Float[Array, "*b D"], target) -> Float[Array, "*b Vd"]:
+    def draft_logits(self, hidden: Float[Array, "*b D"], target, kernels: Kernels = Kernels()
+                     ) -> Float[Array, "*b Vd"]:
         """Target lm_head on draft hidden states, with z-lab's optional multiplier / soft-capping, over the
         draft vocabulary (Vd = V without one; ids back to the target's with :meth:`to_target_ids`)."""
         if self.draft_head is not None:
-            logits = jnp.einsum("...d,vd->...v", hidden, self.draft_head[...], preferred_element_type=jnp.float32)
+            logits = matmul(hidden, self.draft_head[...], kernels, w_axes="ed", preferred_element_type=jnp.float32)
         else:
-            logits = target.logits(hidden)
+            logits = target.logits(hidden, kernels)
             if self.d2t is not None:
                 logits = jnp.take(logits, self.d2t[...], axis=-1)
         logits = logits * self.config.output_multiplier
@@ -169,8 +170,8 @@ class MarkovHead(nnx.Module):
     def embed(self, prev: Int[Array, "*b"]) -> Float[Array, "*b R"]:
         return self.markov_w1(prev)
 
-    def bias(self, e: Float[Array, "*b R"]) -> Float[Array, "*b Vd"]:
-        return matmul(e, self.markov_w2.kernel[...], preferred_element_type=jnp.float32)
+    def bias(self, e: Float[Array, "*b R"], kernels: Kernels = Kernels()) -> Float[Array, "*b Vd"]:
+        return matmul(e, self.markov_w2.kernel[...], kernels, preferred_element_type=jnp.float32)
 
 
 class ConfidenceHead(nnx.Module):
@@ -179,9 +180,10 @@ class ConfidenceHead(nnx.Module):
     def __init__(self, d: int, rank: int, *, dtype, rngs: nnx.Rngs):
         self.proj = Dense(d + rank, 1, bias=True, dtype=dtype, rngs=rngs)
 
-    def __call__(self, h: Float[Array, "*b D"], e: Float[Array, "*b R"]) -> Float[Array, "*b"]:
+    def __call__(self, h: Float[Array, "*b D"], e: Float[Array, "*b R"], kernels: Kernels = Kernels()
+                 ) -> Float[Array, "*b"]:
         x = jnp.concatenate([h, e.astype(h.dtype)], axis=-1)
-        return self.proj(x)[..., 0].astype(jnp.float32)
+        return self.proj(x, kernels)[..., 0].astype(jnp.float32)
 
 
 class DSparkDrafter(DFlashDrafter):
@@ -205,9 +207,10 @@ class DSparkDrafter(DFlashDrafter):
         if cfg.draft_vocab_size:
             self.d2t = TokenMap(jnp.arange(cfg.draft_vocab, dtype=jnp.int32))
 
-    def base_logits(self, hidden: Float[Array, "B G D"], target) -> Float[Array, "B G Vd"]:
+    def base_logits(self, hidden: Float[Array, "B G D"], target, kernels: Kernels = Kernels()
+                    ) -> Float[Array, "B G Vd"]:
         """``U_k``: the target's lm_head on the trunk's hidden states, over the draft vocabulary."""
-        return self.draft_logits(hidden, target)
+        return self.draft_logits(hidden, target, kernels)
 
     def temperatures(self, g: int) -> Float[Array, "G"]:
         temps = self.config.confidence_temperatures

@@ -24,18 +24,22 @@ def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], scale: float, dtype) -> jax.
     return (scale * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
-def matmul(x: Float[Array, "*b D"], w: Float[Array, "D E"], kernels: Kernels = Kernels(), **kw
-           ) -> Float[Array, "*b E"]:
+def matmul(x: Float[Array, "*b D"], w: Float[Array, "D E"], kernels: Kernels = Kernels(), *, w_axes: str = "de",
+           **kw) -> Float[Array, "*b E"]:
     """``x @ w`` over the last axis (``kw``: e.g. ``preferred_element_type``), one-row products padded to two
-    rows on the backends of ``kernels.tuning.pad_single_row_on``.
+    rows on the backends of ``kernels.tuning.pad_single_row_on``. ``w_axes``: the weight's layout, ``"de"``
+    (``[D, E]``) or ``"ed"`` (``[E, D]``: an LM head stored by rows).
 
     On GPUs XLA runs a one-row product (batch-1 decoding) through a matrix-vector kernel that reads the weights
     well below the copy bandwidth (Qwen3-8B gate/up 4096×12288 in bf16: 44.9 µs for 1 row, 30.5 µs for 2), so
     such products are padded to two rows there (the extra row is free: the weights are read once either way)."""
+    if w_axes not in ("de", "ed"):
+        raise ValueError(f"w_axes must be 'de' or 'ed', got {w_axes!r}")
     if math.prod(x.shape[:-1]) == 1 and jax.default_backend() in kernels.tuning.pad_single_row_on:
         two = jnp.pad(x.reshape(1, x.shape[-1]), ((0, 1), (0, 0)))
-        return jnp.dot(two, w, **kw)[:1].reshape(*x.shape[:-1], w.shape[-1])
-    return jnp.einsum("...d,de->...e", x, w, **kw)
+        out = jnp.dot(two, w, **kw) if w_axes == "de" else jnp.einsum("md,ed->me", two, w, **kw)
+        return out[:1].reshape(*x.shape[:-1], out.shape[-1])
+    return jnp.einsum(f"...d,{w_axes}->...e", x, w, **kw)
 
 
 class Dense(nnx.Module):

@@ -19,7 +19,7 @@ from dflash_jax.kernels.attention import cache_attention, prefill_attention, rea
 from dflash_jax.kernels.cache_write import place_pending, write_pending, write_rows
 from dflash_jax.kernels.packed import PackedLayout, gather_windows, packed_verify
 from dflash_jax.models import gpt_oss
-from dflash_jax.models.layers import MLP, Dense, Embed, RMSNorm, Rope, apply_rope
+from dflash_jax.models.layers import MLP, Dense, Embed, RMSNorm, Rope, apply_rope, matmul
 from dflash_jax.models.linear_attention import pad_record
 from dflash_jax.models.moe import SparseMoE
 from dflash_jax.tuning import Kernels
@@ -197,10 +197,11 @@ class TargetModel(nnx.Module):
     def embed(self, ids: Int[Array, "*b"]) -> jax.Array:
         return self.embed_tokens(ids)
 
-    def logits(self, h: Float[Array, "*b D"]) -> Float[Array, "*b V"]:
-        """Float32 logits from final-normed hidden states (tied or separate lm_head)."""
+    def logits(self, h: Float[Array, "*b D"], kernels: Kernels = Kernels()) -> Float[Array, "*b V"]:
+        """Float32 logits from final-normed hidden states (tied or separate lm_head; ``kernels``: a one-row
+        product's padding, :func:`dflash_jax.models.layers.matmul`)."""
         w = self.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head.kernel[...]
-        return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+        return matmul(h, w, kernels, preferred_element_type=jnp.float32)
 
     def head_rows(self, ids: Int[Array, "N"]) -> Float[Array, "N D"]:
         """The lm_head's weights of tokens ``ids``, one row each (what :meth:`logits` multiplies them by)."""
