@@ -42,7 +42,7 @@ from dflash_jax import (generate, load_drafter, load_target, random_drafter, spe
                         speculative_stream, stream_generate)
 from dflash_jax import generation, streaming  # noqa: E402
 from dflash_jax.config import RopeConfig  # noqa: E402
-from dflash_jax.loading import _ASSETS  # noqa: E402
+from dflash_jax.loading import shipped_drafter_dir  # noqa: E402
 from dflash_jax.models import layers  # noqa: E402
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "latency_prompts.json"
@@ -102,7 +102,7 @@ def summarise(calls: list[dict]) -> dict:
 def pair_case(gguf: str, prompts_path: Path, dtype: str, max_new: int, repeats: int, limit: int | None,
               profile: bool = False, segment_cycles: int = 8) -> dict:
     target = load_target(gguf, dtype=dtype)
-    drafter = load_drafter(_ASSETS / "smollm2-135m-dflash", target)
+    drafter = load_drafter(shipped_drafter_dir("embedded:smollm2-135m-dflash"), target)
     rows = json.loads(prompts_path.read_text())
     if limit:  # an even share of each set
         rows = [r for i, r in enumerate(rows) if i % max(len(rows) // limit, 1) == 0][:limit]

@@ -61,8 +61,8 @@ def run(b: int, label: str, wins: np.ndarray, args, interpret: bool) -> dict:
 
     def packed(short):
         def op(qkv, cu, kc, vc, starts):
-            return cuda_attention.packed_block_attention(qkv, kc, vc, cu, starts, max_q_len=args.block, short_q_len=short,
-                                               interpret=interpret)
+            return cuda_attention.packed_block_attention(qkv, kc, vc, cu, starts, max_q_len=args.block,
+                                                         short_q_len=short, interpret=interpret)
         return time_chain(op, (qkv, cu), [caches], starts, args.calls, args.repeats, secs)
 
     t_one, out_one, _ = packed(None)

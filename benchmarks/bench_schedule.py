@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_jax import continuous, costs, draft_vocab, generate, load_drafter, load_target, speculative_generate  # noqa: E402,E501
 from dflash_jax import cuda, pairs  # noqa: E402
-from dflash_jax.loading import _ASSETS, restrict_draft_vocab, shipped_drafter_dir  # noqa: E402
+from dflash_jax.loading import restrict_draft_vocab, shipped_drafter_dir  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_kernel_switches, apply_kernel_switches  # noqa: E402
@@ -330,7 +330,8 @@ def main() -> int:
                       f"({', '.join(sorted({r['commit'] for r in runs}))})")
         return 0
     target = load_target(args.gguf or "smollm2-135m", dtype=args.dtype)
-    drafter_dir = Path(args.drafter) if Path(args.drafter).is_dir() else _ASSETS / args.drafter
+    drafter_dir = (Path(args.drafter) if Path(args.drafter).is_dir()
+                   else shipped_drafter_dir(f"embedded:{args.drafter}"))
     drafter = load_drafter(drafter_dir, target)
     kind = "DSpark" if drafter.config.sequential else "DFlash"
     # the pair config this drafter ships in (configs/<pair>.yaml), whose costs file a calibration here can become
