@@ -9,8 +9,8 @@ static's whole-block steps at the static column. A static batch steps until its 
 steps are the most cycles any of its rows needs (rows are independent: one static pass gives every row's
 cycles). Prefill, host work and the table's own error are not in the simulated times; ``--measured`` puts a
 sweep's measured ratio beside them. No ratio to plain autoregressive decoding: the table's AR column is compact's
-step without drafting (its conditionals included), dearer than a plain autoregressive step (RESULTS.md), so
-only the autoregressive steps a batch needs are counted.
+step without drafting (its conditionals included), dearer than a plain autoregressive step
+(benchmarks/journal/RESULTS.md), so only the autoregressive steps a batch needs are counted.
 
 What this is for: trying scheduler and tier changes against the GPU's costs while no GPU is lent. It runs the
 models in float32 (a CPU's bf16 is slow), so acceptance can differ a little from the GPU's bf16 runs.
