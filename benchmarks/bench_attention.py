@@ -1,10 +1,11 @@
-"""Attention kernels (dflash_jax.cuda) vs the XLA references vs the KV-bytes floor (run on a GPU machine).
+"""Attention kernels (:mod:`dflash_jax.cuda.attention`) vs the XLA references (:mod:`dflash_jax.kernels.attention`)
+vs the KV-bytes floor (run on a GPU machine).
 
 Shapes: Qwen3-8B attention (N=32 query heads, K=8 KV heads, H=128, bf16), block / window L=16, batch
 1/8/32, context 1k/4k/16k/32k, full contexts (ctx_len = S for the drafter op, kv_len = S for verify).
 
-* draft: ``cuda.draft_attention`` vs ``jax.jit(attention.draft_attention)``.
-* verify: ``cuda.ragged_verify_attention`` (every window ℓ_r = L) vs ``jax.jit(attention.cache_attention)``
+* draft: ``cuda_attention.draft_attention`` vs ``jax.jit(attention.draft_attention)`` (the reference).
+* verify: ``cuda_attention.ragged_verify_attention`` (every window ℓ_r = L) vs ``jax.jit(attention.cache_attention)``
   with q [B, L, N, H] at positions ``S - L + i``: the static-window verify of today's decode loop.
 
 Floor = bytes that must move (live K/V rows + q read + output written) ÷ the larger of the measured device
@@ -41,7 +42,8 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import copy_bandwidth, read_bandwidth  # noqa: E402
-from dflash_jax import attention, cuda  # noqa: E402
+from dflash_jax.cuda import attention as cuda_attention  # noqa: E402
+from dflash_jax.kernels import attention  # noqa: E402
 
 QWEN3_8B = dict(n=32, k=8, h=128)
 L2_BYTES = 60 << 20  # H200 L2; the rotated working set is kept above 4x this
@@ -109,7 +111,7 @@ def run_case(op: str, b: int, s: int, args, bw: float, tuning: dict, interpret: 
             return attention.draft_attention(q, kc, vc, blk_k, blk_v, pos, lens)
 
         def ker(q, blk_k, blk_v, pos, kc, vc, lens):
-            return cuda.draft_attention(q, kc, vc, blk_k, blk_v, pos, lens, interpret=interpret, **tuning)
+            return cuda_attention.draft_attention(q, kc, vc, blk_k, blk_v, pos, lens, interpret=interpret, **tuning)
 
         statics = (q, blk_k, blk_v, pos)
         ref_statics = statics
@@ -124,7 +126,7 @@ def run_case(op: str, b: int, s: int, args, bw: float, tuning: dict, interpret: 
             return attention.cache_attention(q, kc, vc, pos)
 
         def ker(q, cu, kc, vc, lens):
-            return cuda.ragged_verify_attention(q, kc, vc, cu, lens, max_q_len=l, interpret=interpret,
+            return cuda_attention.ragged_verify_attention(q, kc, vc, cu, lens, max_q_len=l, interpret=interpret,
                                                 **tuning).reshape(b, l, n, h)
 
         statics, ref_statics = (qr, cu), (q,)
@@ -136,9 +138,9 @@ def run_case(op: str, b: int, s: int, args, bw: float, tuning: dict, interpret: 
         err = float(jnp.abs(out_ker.astype(jnp.float32) - out_ref.astype(jnp.float32)).max())
     else:
         t_ref, c_ref, err = float("nan"), 0.0, float("nan")
-    til = cuda._make_tiling(rows=tiling_rows, n=n, k=k, h=h, s=s, programs=b * k, dtype=dtype,
+    til = cuda_attention._make_tiling(rows=tiling_rows, n=n, k=k, h=h, s=s, programs=b * k, dtype=dtype,
                             block_k=tuning.get("block_k"), num_splits=tuning.get("num_splits"),
-                            min_chunk=tuning.get("min_chunk", cuda.DEFAULT_MIN_CHUNK),
+                            min_chunk=tuning.get("min_chunk", cuda_attention.DEFAULT_MIN_CHUNK),
                             num_warps=tuning.get("num_warps"),
                             num_stages=tuning.get("num_stages"))
     floor = moved / bw

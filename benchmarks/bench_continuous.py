@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_jax import continuous, load_drafter, load_target  # noqa: E402
-from dflash_jax.loading import _ASSETS  # noqa: E402
+from dflash_jax.loading import shipped_drafter_dir  # noqa: E402
 
 PROMPTS = Path(__file__).resolve().parent / "data" / "schedule_prompts.json"
 
@@ -151,7 +151,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("continuous.json"))
     args = ap.parse_args()
     target = load_target(args.gguf or "smollm2-135m", dtype=args.dtype)
-    drafter = load_drafter(_ASSETS / args.drafter, target)
+    drafter = load_drafter(shipped_drafter_dir(f"embedded:{args.drafter}"), target)
     prompts = [r["ids"] for r in json.loads(PROMPTS.read_text()) if r["set"] != "poetry"][: args.limit]
     result = dict(date=time.strftime("%Y-%m-%d"), device=jax.devices()[0].device_kind, dtype=args.dtype,
                   max_new=args.max_new, drafter=args.drafter, prompts=len(prompts),

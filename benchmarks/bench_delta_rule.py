@@ -39,7 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_jax.cuda import delta_rule as dr  # noqa: E402
-from dflash_jax.models import linear_attention as la  # noqa: E402
+from dflash_jax.kernels import delta_rule as ref  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import per_call_seconds  # noqa: E402
@@ -49,17 +49,17 @@ SWEEP = [dict(block_v=bv, num_warps=w) for bv in (16, 32, 64, 128) for w in (1, 
 
 
 def xla_fn(mode: str, dk: int, hk: int):
-    """The model's jnp path from the conv output (GatedDeltaNet._delta_rule, short branch)."""
+    """The model's jnp path from the conv output (the reference of :mod:`dflash_jax.kernels.delta_rule`)."""
 
     def fn(qkv, g, beta, state):
         b, t = qkv.shape[:2]
         hv, _, dv = state.shape[1:]
         q, k = qkv[..., :dk], qkv[..., dk:2 * dk]
         v = qkv[..., 2 * dk:].reshape(b, t, hv, dv).astype(jnp.float32)
-        q = jnp.repeat(la.l2norm(q.astype(jnp.float32)), hv // hk, axis=2) * dk ** -0.5
-        k = jnp.repeat(la.l2norm(k.astype(jnp.float32)), hv // hk, axis=2)
-        out, (k_, cum, v_new) = la.delta_rule_block(q, k, v, g, beta, state)
-        return out, la.state_after(state, k_, cum, v_new, _accepted(mode, b, t))
+        q = jnp.repeat(ref.l2norm(q.astype(jnp.float32)), hv // hk, axis=2) * dk ** -0.5
+        k = jnp.repeat(ref.l2norm(k.astype(jnp.float32)), hv // hk, axis=2)
+        out, (k_, cum, v_new) = ref.delta_rule_block(q, k, v, g, beta, state)
+        return out, ref.state_after(state, k_, cum, v_new, _accepted(mode, b, t))
 
     return fn
 
@@ -72,7 +72,7 @@ def kernel_fn(mode: str, dk: int, interpret: bool, tuning: dict):
             return call(qkv, g, beta, state, advance=True)
         b, t = qkv.shape[:2]
         out, (k, cum, v_new) = call(qkv, g, beta, state)
-        return out, la.state_after(state, k, cum, v_new, _accepted(mode, b, t))
+        return out, ref.state_after(state, k, cum, v_new, _accepted(mode, b, t))
 
     return fn
 

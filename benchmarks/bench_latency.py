@@ -42,8 +42,8 @@ from dflash_jax import (generate, load_drafter, load_target, random_drafter, spe
                         speculative_stream, stream_generate)
 from dflash_jax import generation, streaming  # noqa: E402
 from dflash_jax.config import RopeConfig  # noqa: E402
-from dflash_jax.loading import _ASSETS  # noqa: E402
-from dflash_jax.models import layers  # noqa: E402
+from dflash_jax.loading import shipped_drafter_dir  # noqa: E402
+from dflash_jax.tuning import Tuning  # noqa: E402
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "latency_prompts.json"
 
@@ -102,7 +102,7 @@ def summarise(calls: list[dict]) -> dict:
 def pair_case(gguf: str, prompts_path: Path, dtype: str, max_new: int, repeats: int, limit: int | None,
               profile: bool = False, segment_cycles: int = 8) -> dict:
     target = load_target(gguf, dtype=dtype)
-    drafter = load_drafter(_ASSETS / "smollm2-135m-dflash", target)
+    drafter = load_drafter(shipped_drafter_dir("embedded:smollm2-135m-dflash"), target)
     rows = json.loads(prompts_path.read_text())
     if limit:  # an even share of each set
         rows = [r for i, r in enumerate(rows) if i % max(len(rows) // limit, 1) == 0][:limit]
@@ -149,10 +149,10 @@ def pair_case(gguf: str, prompts_path: Path, dtype: str, max_new: int, repeats: 
     return res
 
 
-def ar_step(target, batch: int, prompt_len: int, max_new: int, repeats: int) -> float:
+def ar_step(target, batch: int, prompt_len: int, max_new: int, repeats: int, tuning: Tuning = Tuning()) -> float:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, target.config.vocab_size, prompt_len).tolist() for _ in range(batch)]
-    kw = dict(max_new_tokens=max_new, stop_token_ids=[])
+    kw = dict(max_new_tokens=max_new, stop_token_ids=[], tuning=tuning)
     generate(target, prompts, **kw)
     return statistics.median(r.stats["decode_s"] / r.stats["cycles"]
                              for r in (generate(target, prompts, **kw) for _ in range(repeats)))
@@ -175,16 +175,13 @@ def qwen8b_case(repeats: int, steps: bool = True) -> dict:
     ctx = 128 + 128
     kv = lambda b: 2 * QWEN3_8B.num_layers * b * ctx * QWEN3_8B.num_kv_heads * QWEN3_8B.head_dim * 2  # noqa: E731
     for padded in (True, False):
-        layers.PAD_SINGLE_ROW_ON = ("gpu",) if padded else ()
-        generation._PROGRAMS.clear()
+        tuning = Tuning().replace(pad_single_row_on=("gpu",) if padded else ())
         for b in ((1,) if not padded else (1, 8)):
-            step = ar_step(target, b, 128, 128, repeats)
+            step = ar_step(target, b, 128, 128, repeats, tuning)
             floor = (weights + kv(b)) / bw
             key = f"ar_b{b}" + ("" if padded else "_unpadded")
             res[key] = dict(step_ms=step * 1e3, floor_ms=floor * 1e3, over_floor=step / floor)
             print(key, json.dumps(res[key]), flush=True)
-    layers.PAD_SINGLE_ROW_ON = ("gpu",)
-    generation._PROGRAMS.clear()
     return res
 
 

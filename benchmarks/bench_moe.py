@@ -13,7 +13,7 @@ floor is the routed experts' weight bytes (3·D·F per distinct routed expert) �
 Implementations: ``kernel`` (dflash_jax.cuda.moe.grouped_experts on a GPU — per-pair kernels up to
 ``PAIR_MAX_TOKENS`` tokens, the expert-sorted ones above —, dflash_jax.pallas.moe on a TPU; the Triton one in
 interpret mode elsewhere), the GPU forms forced: ``sorted`` (sorted_experts), ``pair`` (pair_experts),
-``ragged_dot`` (moe.experts_grouped), ``gathered`` (moe.experts_gathered: the K
+``ragged_dot`` (dflash_jax.kernels.moe.experts_grouped), ``gathered`` (moe.experts_gathered: the K
 routed experts' weights gathered per token, einsum), ``dense`` (moe.experts_dense: every expert).
 """
 
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dflash_jax.models import moe  # noqa: E402
+from dflash_jax.kernels import moe  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import per_call_seconds  # noqa: E402

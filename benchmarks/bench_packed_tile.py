@@ -1,5 +1,5 @@
-"""The packed verify kernel's short-window tile (``cuda.packed_block_attention(short_q_len=…)``) against its one
-tile of the block's length, at compact's shapes (run on a GPU machine; ``--quick`` is a CPU smoke run).
+"""The packed verify kernel's short-window tile (``dflash_jax.cuda.attention.packed_block_attention(short_q_len=…)``)
+against its one tile of the block's length, at compact's shapes (run on a GPU machine; ``--quick`` is a CPU smoke run).
 
 Compact's tiers at batch 64 verify windows of mostly 1–4 tokens a row, but the kernel's tile holds
 ``max_q_len`` (the block, 16) query positions × G heads per program, so a one-token window computes on a 64-row
@@ -8,10 +8,10 @@ tile of that many positions. Each case packs ``--batch`` rows with the same wind
 windows drawn from compact's batch-64 histogram, mostly short), the rows' caches ``--context`` slots long, and
 times back-to-back calls (``bench_attention.time_chain``: one jitted chain, median per call) of
 
-* ``one tile``: ``short_q_len=None`` (the library's default),
+* ``one tile``: ``short_q_len=None`` (``KernelTuning(packed_short_q_len=None)`` in the library),
 * ``short N``: ``short_q_len=N`` for each N of ``--shorts``,
-* ``ragged``: ``cuda.ragged_verify_attention`` with ``max_q_len = w`` (what a plain AR step's attention costs at
-  w = 1: its window's K/V in the cache; a reference point, not the same operation),
+* ``ragged``: ``cuda_attention.ragged_verify_attention`` with ``max_q_len = w`` (what a plain AR step's attention
+  costs at w = 1: its window's K/V in the cache; a reference point, not the same operation),
 
 all in one run, with the largest difference between the two packed outputs (the same attention, tiled apart).
 
@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_attention import time_chain  # noqa: E402
-from dflash_jax import cuda  # noqa: E402
+from dflash_jax.cuda import attention as cuda_attention  # noqa: E402
 
 # Windows (tokens a row: the anchor + drafts) and their share of compact's rows at batch 64, a rough picture of
 # session 26's H200 sweep (tiers of 2–8 tokens a row): the "mixed" case draws from it.
@@ -61,8 +61,8 @@ def run(b: int, label: str, wins: np.ndarray, args, interpret: bool) -> dict:
 
     def packed(short):
         def op(qkv, cu, kc, vc, starts):
-            return cuda.packed_block_attention(qkv, kc, vc, cu, starts, max_q_len=args.block, short_q_len=short,
-                                               interpret=interpret)
+            return cuda_attention.packed_block_attention(qkv, kc, vc, cu, starts, max_q_len=args.block,
+                                                         short_q_len=short, interpret=interpret)
         return time_chain(op, (qkv, cu), [caches], starts, args.calls, args.repeats, secs)
 
     t_one, out_one, _ = packed(None)
@@ -76,7 +76,7 @@ def run(b: int, label: str, wins: np.ndarray, args, interpret: bool) -> dict:
     w = int(wins.max())
     if (wins == w).all():  # the ragged kernel's windows sit at the end of the cache: kv_len = start + w
         def ragged(q, cu, kc, vc, starts):
-            return cuda.ragged_verify_attention(q, kc, vc, cu, starts + w, max_q_len=w, interpret=interpret)
+            return cuda_attention.ragged_verify_attention(q, kc, vc, cu, starts + w, max_q_len=w, interpret=interpret)
         t_rag, _, _ = time_chain(ragged, (qkv[:, :n], cu), [caches], starts, args.calls, args.repeats, secs)
         row["ragged_us"] = t_rag * 1e6
     print(json.dumps(row), flush=True)

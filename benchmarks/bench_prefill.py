@@ -1,5 +1,5 @@
-"""Prefill: the target's one-shot prompt forward with the attention reference (``impl="xla"``) vs the GPU path
-(``impl="cuda"``: cuDNN's fused attention, :func:`dflash_jax.attention.prefill_attention`).
+"""Prefill: the target's one-shot prompt forward with the attention reference (``Kernels("xla")``) vs the GPU path
+(``Kernels("cuda")``: cuDNN's fused attention, :func:`dflash_jax.kernels.attention.prefill_attention`).
 
 Random weights of a real shape (``--model smollm2`` or ``qwen3-8b``), bf16, over (rows, prompt length) cases:
 median ms of the jitted forward (cache written, last position's logits), and the largest logit difference between
@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import QWEN3_8B, SMOLLM2_135M, random_target, warm_up  # noqa: E402
 from dflash_jax.models.split import merge_model, split_model  # noqa: E402
+from dflash_jax.tuning import Kernels  # noqa: E402
 
 
 def main() -> int:
@@ -53,7 +54,8 @@ def main() -> int:
             def forward(leaves, ids, impl=impl):
                 model = merge_model(split.static, leaves)
                 positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-                h, _, cache = model(ids, positions, model.new_cache(b, p), prefill=True, impl=impl)
+                h, _, cache = model(ids, positions, model.new_cache(b, p), prefill=True,
+                                     kernels=Kernels(impl))
                 return model.logits(h[:, -1]), cache
 
             warm_up(forward, split.leaves, ids)

@@ -38,8 +38,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash_jax import continuous, costs, draft_vocab, generate, load_drafter, load_target, speculative_generate  # noqa: E402,E501
-from dflash_jax import cuda, pairs  # noqa: E402
-from dflash_jax.loading import _ASSETS, restrict_draft_vocab, shipped_drafter_dir  # noqa: E402
+from dflash_jax import pairs  # noqa: E402
+from dflash_jax.cuda.attention import PROGRAMS_PER_SM  # noqa: E402
+from dflash_jax.tuning import Tuning  # noqa: E402
+from dflash_jax.loading import restrict_draft_vocab, shipped_drafter_dir  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_kernel_switches, apply_kernel_switches  # noqa: E402
@@ -68,18 +70,20 @@ def make_prompts(path: Path) -> None:
 
 
 def run_mode(mode: str, target, drafter, batches: list[list[list[int]]], max_new: int,
-             pool: dict | None = None, warm: bool = False) -> dict:
+             pool: dict | None = None, warm: bool = False, tuning: Tuning = Tuning()) -> dict:
     """``pool`` (continuous batching): ``batches`` is one list of every prompt, decoded through a pool of
     ``pool["batch_size"]`` rows refilled ``pool["refill_size"]`` at a time; latency is then each request's own
-    (its prefill's dispatch to its answer on the host) per token. ``warm``: every shape already run once."""
+    (its prefill's dispatch to its answer on the host) per token. ``warm``: every shape already run once.
+    ``tuning``: the library's knobs (:class:`dflash_jax.tuning.Tuning`) for every call."""
     def call(batch):
         if pool:
             return continuous.run(target, None if mode == "ar" else drafter, batch, max_new_tokens=max_new,
                                   block_size=1 if mode == "ar" else drafter.config.verify_width,
-                                  verify_mode="static" if mode == "ar" else mode, **pool)
+                                  verify_mode="static" if mode == "ar" else mode, tuning=tuning, **pool)
         if mode == "ar":
-            return generate(target, batch, max_new_tokens=max_new)
-        return speculative_generate(target, drafter, batch, max_new_tokens=max_new, verify_mode=mode)
+            return generate(target, batch, max_new_tokens=max_new, tuning=tuning)
+        return speculative_generate(target, drafter, batch, max_new_tokens=max_new, verify_mode=mode,
+                                    tuning=tuning)
 
     for batch in [] if warm else batches:  # compile every shape bucket first (from the persistent cache when
         call(batch)                          # it has them)
@@ -132,7 +136,7 @@ def sweep_prompts(prompts: list[list[int]], b: int, max_prompts: int, whole_batc
 
 def sweep(target, drafter, rows: list[dict], batch_sizes: list[int], max_new: int, max_prompts: int,
           save=lambda results: None, refill_size: int | None = None, continuous_batching: bool = False,
-          repeats: int = 1) -> dict:
+          repeats: int = 1, tuning: Tuning = Tuning()) -> dict:
     """Each batch size's prompts in every mode; with ``repeats`` > 1 the modes' timed passes are interleaved that
     many times and each mode reports its median pass (``walls_s``: every pass's wall) — a pass at 64 rows and more
     is well under a second, which one pass measures to only ~2 %."""
@@ -152,7 +156,7 @@ def sweep(target, drafter, rows: list[dict], batch_sizes: list[int], max_new: in
         for i in range(repeats):
             for mode, done in passes.items():
                 t0 = time.perf_counter()
-                done.append(run_mode(mode, target, drafter, batches, max_new, pool, warm=i > 0))
+                done.append(run_mode(mode, target, drafter, batches, max_new, pool, warm=i > 0, tuning=tuning))
                 spent[mode] += time.perf_counter() - t0
         for mode, done in passes.items():
             res[mode], outs = sorted(done, key=lambda run: run[0]["wall_s"])[len(done) // 2]
@@ -174,7 +178,7 @@ def sweep(target, drafter, rows: list[dict], batch_sizes: list[int], max_new: in
     return results
 
 
-def mixed(target, drafter, rows: list[dict], per_kind: int, max_new: int) -> dict:
+def mixed(target, drafter, rows: list[dict], per_kind: int, max_new: int, tuning: Tuning = Tuning()) -> dict:
     kinds = {"code": "humaneval", "chat": "mtbench", "poetry": "poetry"}
     batch, labels = [], []
     for kind, name in kinds.items():
@@ -183,9 +187,9 @@ def mixed(target, drafter, rows: list[dict], per_kind: int, max_new: int) -> dic
         labels += [kind] * len(chosen)
     out = {}
     for mode in ("cap-accept", "compact"):
-        speculative_generate(target, drafter, batch, max_new_tokens=max_new, verify_mode=mode)  # compile
+        speculative_generate(target, drafter, batch, max_new_tokens=max_new, verify_mode=mode, tuning=tuning)  # compile
         t0 = time.perf_counter()
-        res = speculative_generate(target, drafter, batch, max_new_tokens=max_new, verify_mode=mode)
+        res = speculative_generate(target, drafter, batch, max_new_tokens=max_new, verify_mode=mode, tuning=tuning)
         out[f"{mode}_tokens_per_s"] = res.stats["new_tokens"] / (time.perf_counter() - t0)
         if mode == "cap-accept":
             cap = res
@@ -206,7 +210,7 @@ def mixed(target, drafter, rows: list[dict], per_kind: int, max_new: int) -> dic
 
 
 def demo_case(target, drafters: dict, max_new: int, repeats: int = 1,
-              modes=("ar", "static", "compact", "cap-accept")) -> dict:
+              modes=("ar", "static", "compact", "cap-accept"), tuning: Tuning = Tuning()) -> dict:
     """`make demo`'s batch (its three prompts together) in every mode: the decode time of warm calls, the
     modes interleaved ``repeats`` times (this machine's speed drifts by 15-30 % between minutes), medians.
     ``drafters``: label → drafter (e.g. one per draft vocabulary); speculative modes run with each, named
@@ -221,9 +225,10 @@ def demo_case(target, drafters: dict, max_new: int, repeats: int = 1,
 
     def call(name):
         if runs[name] is None:
-            return generate(target, DEMO_PROMPTS, max_new_tokens=max_new)
+            return generate(target, DEMO_PROMPTS, max_new_tokens=max_new, tuning=tuning)
         mode, drafter = runs[name]
-        return speculative_generate(target, drafter, DEMO_PROMPTS, max_new_tokens=max_new, verify_mode=mode)
+        return speculative_generate(target, drafter, DEMO_PROMPTS, max_new_tokens=max_new, verify_mode=mode,
+                                    tuning=tuning)
 
     modes = tuple(runs)
     for mode in modes:  # compile and warm every program first
@@ -316,9 +321,7 @@ def main() -> int:
                     help="no run: one spectrum (--out, a .png) of the sweeps in these result files, batch by batch")
     ap.add_argument("--out", type=Path, default=Path("schedule.json"))
     args = ap.parse_args()
-    tuning, switches = apply_kernel_switches(args)  # TODO: pass tuning= to the generate calls below
-    if args.programs_per_sm:
-        cuda._PROGRAMS_PER_SM = args.programs_per_sm  # read when a kernel is traced
+    tuning, switches = apply_kernel_switches(args, programs_per_sm=args.programs_per_sm or 0)
     if args.make_prompts:
         make_prompts(args.make_prompts)
         return 0
@@ -330,7 +333,8 @@ def main() -> int:
                       f"({', '.join(sorted({r['commit'] for r in runs}))})")
         return 0
     target = load_target(args.gguf or "smollm2-135m", dtype=args.dtype)
-    drafter_dir = Path(args.drafter) if Path(args.drafter).is_dir() else _ASSETS / args.drafter
+    drafter_dir = (Path(args.drafter) if Path(args.drafter).is_dir()
+                   else shipped_drafter_dir(f"embedded:{args.drafter}"))
     drafter = load_drafter(drafter_dir, target)
     kind = "DSpark" if drafter.config.sequential else "DFlash"
     # the pair config this drafter ships in (configs/<pair>.yaml), whose costs file a calibration here can become
@@ -343,14 +347,14 @@ def main() -> int:
     drafter = next(iter(drafters.values()))
     rows = json.loads(args.prompts.read_text())
     result = dict(date=time.strftime("%Y-%m-%d"), device=jax.devices()[0].device_kind, dtype=args.dtype,
-                  **switches, programs_per_sm=args.programs_per_sm or cuda._PROGRAMS_PER_SM,
+                  **{**switches, "programs_per_sm": args.programs_per_sm or PROGRAMS_PER_SM},
                   platform=platform.platform(), max_new=args.max_new, drafter=drafter_dir.name,
                   commit=os.environ.get("BENCH_COMMIT") or subprocess.run(
                       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip())
     if args.calibrate:
         t0 = time.perf_counter()
         table = costs.measure(target, drafter, batches=[int(b) for b in args.batches.split(",")],
-                              pair=pair_name, progress=lambda line: print(line, flush=True))
+                              pair=pair_name, progress=lambda line: print(line, flush=True), tuning=tuning)
         print(f"calibrated in {time.perf_counter() - t0:.0f} s", flush=True)
         # With the rows of an earlier calibration already in that file (same settings), their union.
         table = costs.save_table(args.out.with_name(args.out.stem + ".costs.json"), table)
@@ -363,7 +367,8 @@ def main() -> int:
             d.cost_tables = costs.load_tables(args.cost_table)
         result["cost_table"] = costs.resolve(None, jax.default_backend(), drafter.cost_tables).to_json()
     if args.demo:
-        result["demo"] = demo_case(target, drafters, args.max_new, args.repeats, tuple(args.modes.split(",")))
+        result["demo"] = demo_case(target, drafters, args.max_new, args.repeats, tuple(args.modes.split(",")),
+                                   tuning)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
         return 0
     if not args.skip_sweep:
@@ -372,11 +377,12 @@ def main() -> int:
 
         result["continuous"] = args.continuous
         result["sweep"] = sweep(target, drafter, rows, [int(b) for b in args.batches.split(",")], args.max_new,
-                                args.small_batch_prompts, save, args.refill_size, args.continuous, args.repeats)
+                                args.small_batch_prompts, save, args.refill_size, args.continuous, args.repeats,
+                                tuning)
         plot_spectrum(result["sweep"], args.out.with_name(args.out.stem + ".spectrum.png"),
                       f"SmolLM2-135M + {kind} drafter ({drafter_dir.name}), {result['device']}, {args.dtype}")
     if args.mixed_per_kind:
-        result["mixed"] = mixed(target, drafter, rows, args.mixed_per_kind, args.max_new)
+        result["mixed"] = mixed(target, drafter, rows, args.mixed_per_kind, args.max_new, tuning)
         print(json.dumps(result["mixed"], indent=1), flush=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"→ {args.out}")

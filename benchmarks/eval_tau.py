@@ -14,7 +14,7 @@ them), written after each batch (and the AR answers, for replay): an interrupted
 
     python benchmarks/eval_tau.py --drafter DFlash=smollm2-135m --drafter DSpark=smollm2-135m-dspark \
         --sets general --method replay --out benchmarks/results/general_tau.json
-    # on the GPU machine (device_runs/README.md, session 6): all three sets, full width, ~85 s a drafter
+    # on the GPU machine (tools/remote_gpu/README.md, session 6): all three sets, full width, ~85 s a drafter
     python3 benchmarks/eval_tau.py --target $M --drafter DSpark=dflash_jax/assets/smollm2-135m-dspark \
         --method decode --batch-size 180 --prompt-dir runs/device --out $OUT/tau.json
     # the DFlash drafter over its whole vocabulary and over the 8,192 / 16,384 most frequent tokens
@@ -123,8 +123,8 @@ def main() -> int:
                          "sets in 3 calls); 0: every pending prompt in one call (538 rows in float32 ran out of the "
                          "H200's memory in the prefill)")
     ap.add_argument("--prompt-dir", type=Path,
-                    help="read the sets from <dir>/<set>.jsonl ({'prompt': …} lines, device_runs/make_run_config.py "
-                         "writes them) instead of the installed evaluation packages")
+                    help="read the sets from <dir>/<set>.jsonl ({'prompt': …} lines, "
+                         "tools/remote_gpu/make_run_config.py writes them) instead of the installed evaluation packages")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--draft-vocab", default="0",
                     help="comma-separated draft vocabulary sizes to score each DFlash drafter at (the embedded "

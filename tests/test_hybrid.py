@@ -312,7 +312,7 @@ def test_compact_verify_is_lossless(models, greedy, monkeypatch):
     """Compact mode packs each row's window: the linear layers run their windows as blocks (tiers narrower than
     the block too: records padded to it) and settle after the accepted prefix, as whole-block verifies do.
     Compact and cap-accept commit the same; on a GPU, so do the kernels (the packed attention and the delta
-    rule's record mode; `device_runs/kernel_checks.sh`). Steps without drafting: the 8-device suite's test."""
+    rule's record mode; `tools/remote_gpu/kernel_checks.sh`). Steps without drafting: the 8-device suite's test."""
     target = models["moe"][2]
     kw = dict(max_new_tokens=NEW, stop_token_ids=[])
     oracle = oracle_drafter(target, PROMPTS, greedy.token_ids, block_size=8, corrupt=0.2, seed=1)

@@ -2,9 +2,9 @@
 ahead of time (XLA's deviceless compilation from a target description) on this machine, and the kernels in
 XLA's optimized program are counted — every instruction that runs on the device (fusions, cuBLAS / Triton
 custom calls, copies; a conditional counts one, its branch index's copy to the host) in the decode loop's body
-and in each branch of its conditionals, per branch. The
-embedded pair's steps are launch-bound on an H200 (RESULTS.md), so the count is most of what a change to the
-step's structure can be judged by before a GPU is lent; it checks against the profiler's launches (the static
+and in each branch of its conditionals, per branch. The embedded pair's steps are launch-bound on an H200
+(benchmarks/journal/RESULTS.md), so the count is most of what a change to the step's structure can be judged
+by before a GPU is lent; it checks against the profiler's launches (the static
 cycle at batch 64: 473 compiled kernels here, 477 launches counted on the H200 in session 19, which include
 memsets and host copies). Times still need the GPU (``profile_gpu_step.py``).
 
@@ -49,8 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_kernel_switches, apply_kernel_switches  # noqa: E402
 from profile_cpu_step import compact_cycle, compact_step, plain_step, static_step  # noqa: E402
 
-from dflash_jax import attention, cuda, load_drafter, load_target  # noqa: E402
-from dflash_jax.loading import _ASSETS  # noqa: E402
+from dflash_jax import load_drafter, load_target  # noqa: E402
+from dflash_jax.cuda.attention import PROGRAMS_PER_SM  # noqa: E402
+from dflash_jax.loading import shipped_drafter_dir  # noqa: E402
 
 # An H200 as XLA's GPU compiler sees it (xla.stream_executor.GpuTargetConfigProto, text form).
 H200 = """
@@ -72,17 +73,17 @@ FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after
         "opt-barrier", "partition-id", "replica-id"}
 
 
-def build_case(case: str, target, drafter, ids):
+def build_case(case: str, target, drafter, ids, tuning):
     """(job, step(params, state, tier)) for a case (:mod:`profile_cpu_step`'s builders): the job prepared on
-    this machine's CPU, the step traced with the GPU kernels (``impl="cuda"``)."""
+    this machine's CPU with ``tuning``, the step traced with the GPU kernels (``impl="cuda"``)."""
     if case == "ar":
-        return plain_step(target, ids, impl="cuda")
+        return plain_step(target, ids, tuning=tuning, impl="cuda")
     if case == "static":
-        return static_step(target, drafter, ids, impl="cuda")
+        return static_step(target, drafter, ids, tuning=tuning, impl="cuda")
     if case == "compact-cycle":
-        return compact_cycle(target, drafter, ids, impl="cuda")
+        return compact_cycle(target, drafter, ids, tuning=tuning, impl="cuda")
     return compact_step(target, drafter, ids, len(ids), one_tier=case == "compact-one-tier",
-                        ar_step=case == "compact", impl="cuda")
+                        ar_step=case == "compact", tuning=tuning, impl="cuda")
 
 
 def compile_for(device, job, step) -> str:
@@ -175,22 +176,22 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     add_kernel_switches(ap)
     args = ap.parse_args()
-    tuning, switches = apply_kernel_switches(args)  # TODO: pass tuning= to the generate calls below
-    if args.programs_per_sm:
-        cuda._PROGRAMS_PER_SM = args.programs_per_sm
-    attention.DENSE_WHOLE_BLOCKS = args.dense == "on"
+    tuning, switches = apply_kernel_switches(args, programs_per_sm=args.programs_per_sm or 0,
+                                             dense_whole_blocks=args.dense == "on")
     device = topologies.get_topology_desc(platform="cuda", target_config=H200, topology="1x1x1").devices[0]
     target = load_target("smollm2-135m", dtype="bfloat16")
-    drafter = load_drafter(Path(args.drafter) if Path(args.drafter).is_dir() else _ASSETS / args.drafter, target)
+    drafter_dir = Path(args.drafter) if Path(args.drafter).is_dir() else shipped_drafter_dir(f"embedded:{args.drafter}")
+    drafter = load_drafter(drafter_dir, target)
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), target_device=str(device), jax=jax.__version__,
-                  drafter=args.drafter, programs_per_sm=cuda._PROGRAMS_PER_SM, dense=args.dense, **switches,
+                  drafter=args.drafter, dense=args.dense,
+                  **{**switches, "programs_per_sm": args.programs_per_sm or PROGRAMS_PER_SM},
                   context=args.context, commit=subprocess.run(
                       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
                   batches={})
     for batch in (int(b) for b in args.batches.split(",")):
         ids = np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, args.context)).tolist()
         for case in args.cases.split(","):
-            comps, entry = computations(compile_for(device, *build_case(case, target, drafter, ids)))
+            comps, entry = computations(compile_for(device, *build_case(case, target, drafter, ids, tuning)))
             parts: list = []
             count(comps, entry, "", parts)
             result["batches"].setdefault(str(batch), {})[case] = [

@@ -30,9 +30,10 @@ import numpy as np
 from jax.profiler import ProfileData
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
-from dflash_jax import attention, costs, generation, load_pair  # noqa: E402
+from dflash_jax import costs, generation, load_pair  # noqa: E402
 from dflash_jax.costs import CostTable  # noqa: E402
 from dflash_jax.decode import loop  # noqa: E402
+from dflash_jax.tuning import Tuning  # noqa: E402
 
 
 def _same_positions(out, s):
@@ -41,8 +42,9 @@ def _same_positions(out, s):
 
 
 # The step builders below (shared by profile_gpu_step.py and count_gpu_kernels.py) return (job, step(params,
-# state, tier)); ``spec_changes`` override the prepared LoopSpec's fields (e.g. impl="cuda"). The jobs compile
-# the prefill only: the steps run in programs of their own.
+# state, tier)); ``tuning`` is the job's knobs (dflash_jax.tuning.Tuning) and ``spec_changes`` override the
+# prepared LoopSpec's fields (e.g. impl="cuda"). The jobs compile the prefill only: the steps run in programs
+# of their own.
 
 def _cycle(target, drafter, ids, spec_changes: dict, *, block_size: int = 16, **prepare_kw):
     """(job, step): the decode loop's cycle (``loop.cycle``) on a job prepared with ``prepare_kw``, whose spec,
@@ -58,21 +60,21 @@ def _cycle(target, drafter, ids, spec_changes: dict, *, block_size: int = 16, **
     return job, step
 
 
-def plain_step(target, ids, **spec_changes):
-    return _cycle(target, None, ids, spec_changes, block_size=1)
+def plain_step(target, ids, *, tuning: Tuning = Tuning(), **spec_changes):
+    return _cycle(target, None, ids, spec_changes, block_size=1, tuning=tuning)
 
 
-def static_step(target, drafter, ids, **spec_changes):
-    return _cycle(target, drafter, ids, spec_changes, verify_mode="static")
+def static_step(target, drafter, ids, *, tuning: Tuning = Tuning(), **spec_changes):
+    return _cycle(target, drafter, ids, spec_changes, verify_mode="static", tuning=tuning)
 
 
 def compact_step(target, drafter, ids, batch: int, *, ar_step: bool = True, one_tier: bool = False,
-                 **spec_changes):
+                 tuning: Tuning = Tuning(), **spec_changes):
     """Every tier compiled and, with ``ar_step``, the step without drafting (tier index K); ``one_tier``: only the
     whole-block tier (a one-branch switch: no conditional at all). The job's spec is the step's."""
     every_tier = CostTable("", "", "", "", 16, 0, {1: {n: 3.0 * n for n in (1, 2, 4, 8, 16)}}, ar_ms={1: 0.5})
     job = generation.prepare(target, drafter, ids, max_new_tokens=64, block_size=16, stop_token_ids=[],
-                             verify_mode="compact", cost_table=every_tier, decode=False)
+                             verify_mode="compact", cost_table=every_tier, decode=False, tuning=tuning)
     spec = dataclasses.replace(job.spec, ar_step=ar_step, tiers=job.spec.tiers[-1:] if one_tier else job.spec.tiers,
                                **spec_changes)
     job = dataclasses.replace(job, spec=spec)
@@ -85,13 +87,13 @@ def compact_step(target, drafter, ids, batch: int, *, ar_step: bool = True, one_
     return job, step
 
 
-def compact_cycle(target, drafter, ids, *, ar_step: bool = True, **spec_changes):
+def compact_cycle(target, drafter, ids, *, ar_step: bool = True, tuning: Tuning = Tuning(), **spec_changes):
     """The decode loop's compact cycle as decoding runs it: the step with the tier and windows planned at the
     end of the step before, and the plan for the next one (the scheduler included); the shipped cost table of
     this backend (without its autoregressive step where ``ar_step`` is False), so the scheduler picks the tiers
     decoding would (the ``tier`` argument is unused)."""
     table = costs.shipped_table(jax.default_backend())
-    return _cycle(target, drafter, ids, spec_changes, verify_mode="compact",
+    return _cycle(target, drafter, ids, spec_changes, verify_mode="compact", tuning=tuning,
                   cost_table=table if ar_step else dataclasses.replace(table, ar_ms={}))
 
 
@@ -144,19 +146,19 @@ def main() -> int:
     ap.add_argument("--dense", choices=["on", "off"], default="on",
                     help="off: compact's whole-block tier packs its windows as the smaller tiers do")
     ap.add_argument("--tie-cache-reads", choices=["on", "off"], default="on",
-                    help="off: the drafted steps' cache reads not tied to their layers (attention.read_after)")
+                    help="off: the drafted steps' cache reads not tied to their layers "
+                         "(KernelTuning.tie_cpu_cache_reads, dflash_jax.kernels.attention.read_after)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    attention.DENSE_WHOLE_BLOCKS = args.dense == "on"
-    attention.TIE_CPU_CACHE_READS = args.tie_cache_reads == "on"
+    tuning = Tuning().replace(dense_whole_blocks=args.dense == "on", tie_cpu_cache_reads=args.tie_cache_reads == "on")
     target, drafter = load_pair("smollm2-135m")
     ids = np.random.default_rng(0).integers(0, target.config.vocab_size, (args.batch, args.context)).tolist()
-    job, step = compact_step(target, drafter, ids, args.batch)
+    job, step = compact_step(target, drafter, ids, args.batch, tuning=tuning)
     k = len(job.spec.tiers)
-    cases = {"plain AR step": (*plain_step(target, ids), 0), "compact: AR branch": (job, step, k),
+    cases = {"plain AR step": (*plain_step(target, ids, tuning=tuning), 0), "compact: AR branch": (job, step, k),
              f"compact: tier {job.spec.tiers[0]} (1 token per row)": (job, step, 0),
              f"compact: tier {job.spec.tiers[-1]} (whole blocks)": (job, step, k - 1),
-             "static cycle": (*static_step(target, drafter, ids), 0)}
+             "static cycle": (*static_step(target, drafter, ids, tuning=tuning), 0)}
     cases = {name: case for i, (name, case) in enumerate(cases.items()) if args.cases is None or i in args.cases}
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=jax.devices()[0].device_kind, batch=args.batch,
                   dense=args.dense, tie_cache_reads=args.tie_cache_reads,

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import add_kernel_switches, apply_kernel_switches, device_profile  # noqa: E402
 from profile_cpu_step import compact_cycle, compact_step, plain_step, static_step, step_loop  # noqa: E402
 
-from dflash_jax import attention, load_drafter, load_target  # noqa: E402
-from dflash_jax.loading import _ASSETS  # noqa: E402
+from dflash_jax import load_drafter, load_target  # noqa: E402
+from dflash_jax.loading import shipped_drafter_dir  # noqa: E402
 
 
 def timed_loop(job, step, tier: int, steps: int, repeats: int, trace_dir: str, top: int = 30) -> dict:
@@ -77,16 +77,16 @@ def main() -> int:
     add_kernel_switches(ap)
     ap.add_argument("--dense", choices=["on", "off"], default="on",
                     help="off: compact's whole-block tier packs its windows as the smaller tiers do (the layout "
-                         "before attention.PackedLayout's dense form)")
+                         "before dflash_jax.kernels.packed.PackedLayout's dense form; "
+                         "KernelTuning.dense_whole_blocks)")
     ap.add_argument("--top", type=int, default=30, help="kernels listed per case in --out")
     ap.add_argument("--keep-traces", type=Path, help="copy each case's Perfetto trace (host and device "
                     "timelines) into this folder")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    tuning, switches = apply_kernel_switches(args)  # TODO: pass tuning= to the generate calls below
-    attention.DENSE_WHOLE_BLOCKS = args.dense == "on"
+    tuning, switches = apply_kernel_switches(args, dense_whole_blocks=args.dense == "on")
     target = load_target(args.gguf or "smollm2-135m", dtype=args.dtype)
-    drafter = load_drafter(_ASSETS / args.drafter, target)
+    drafter = load_drafter(shipped_drafter_dir(f"embedded:{args.drafter}"), target)
     wanted = set(args.cases.split(","))
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=jax.devices()[0].device_kind, dtype=args.dtype,
                   xla_flags=os.environ.get("XLA_FLAGS", ""), **switches, dense=args.dense,
@@ -98,9 +98,9 @@ def main() -> int:
         ids = np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, args.context)).tolist()
         cases = {}
         if "ar" in wanted:
-            cases["plain AR step"] = (*plain_step(target, ids), 0)
+            cases["plain AR step"] = (*plain_step(target, ids, tuning=tuning), 0)
         if wanted & {"compact-ar", "compact-tiers"}:
-            job, step = compact_step(target, drafter, ids, batch)
+            job, step = compact_step(target, drafter, ids, batch, tuning=tuning)
             k = len(job.spec.tiers)
             if "compact-ar" in wanted:
                 cases["compact: AR branch"] = (job, step, k)
@@ -110,20 +110,21 @@ def main() -> int:
                     size = job.spec.tiers[i]
                     cases[f"compact: tier {size} ({size // batch} per row)"] = (job, step, i)
         if "compact-noar" in wanted:
-            job, step = compact_step(target, drafter, ids, batch, ar_step=False)
+            job, step = compact_step(target, drafter, ids, batch, ar_step=False, tuning=tuning)
             k = len(job.spec.tiers)
             for i in ([int(i) % k for i in args.tiers.split(",")] if args.tiers else range(k)):
                 cases[f"compact, no AR offer: tier {job.spec.tiers[i]}"] = (job, step, i)
         if "compact-one-tier" in wanted:
-            job, step = compact_step(target, drafter, ids, batch, ar_step=False, one_tier=True)
+            job, step = compact_step(target, drafter, ids, batch, ar_step=False, one_tier=True,
+                                     tuning=tuning)
             cases[f"compact, whole-block tier only (no conditional): {job.spec.tiers[-1]}"] = (job, step, 0)
         if "compact-cycle" in wanted:
             # No AR offer: on random ids the counts soon say drafting does not pay, and the cycle would profile
             # compact's autoregressive branch; without it the scheduler picks (small) drafted tiers.
             cases["compact cycle (scheduler included, no AR offer)"] = (
-                *compact_cycle(target, drafter, ids, ar_step=False), 0)
+                *compact_cycle(target, drafter, ids, ar_step=False, tuning=tuning), 0)
         if "static" in wanted:
-            cases["static cycle"] = (*static_step(target, drafter, ids), 0)
+            cases["static cycle"] = (*static_step(target, drafter, ids, tuning=tuning), 0)
         out = result["batches"][batch] = {}
         for name, (job, step, tier) in cases.items():
             with tempfile.TemporaryDirectory() as trace_dir:

@@ -4,7 +4,8 @@ nodes the graph evaluated, and the device's kernels with their time; with ``--ba
 kernel time against that case's, grouped (the Pallas kernels by name, GEMMs, copies, the rest by fusion kind).
 
 The profiler's own step times are not read: under CUPTI a step of a graph with conditional nodes is traced at
-several times its untraced wall time (RESULTS.md, session 26), so only the kernels' durations are used.
+several times its untraced wall time (benchmarks/journal/RESULTS.md, session 26), so only the kernels'
+durations are used.
 
     python benchmarks/tools/read_step_traces.py traces.tgz --base b64_plain_ar_step --top 15
 """

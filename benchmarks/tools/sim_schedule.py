@@ -9,8 +9,8 @@ static's whole-block steps at the static column. A static batch steps until its 
 steps are the most cycles any of its rows needs (rows are independent: one static pass gives every row's
 cycles). Prefill, host work and the table's own error are not in the simulated times; ``--measured`` puts a
 sweep's measured ratio beside them. No ratio to plain autoregressive decoding: the table's AR column is compact's
-step without drafting (its conditionals included), dearer than a plain autoregressive step (RESULTS.md), so
-only the autoregressive steps a batch needs are counted.
+step without drafting (its conditionals included), dearer than a plain autoregressive step
+(benchmarks/journal/RESULTS.md), so only the autoregressive steps a batch needs are counted.
 
 What this is for: trying scheduler and tier changes against the GPU's costs while no GPU is lent. It runs the
 models in float32 (a CPU's bf16 is slow), so acceptance can differ a little from the GPU's bf16 runs.
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_schedule import DEFAULT_PROMPTS, evaluation_ids, sweep_prompts  # noqa: E402
 from dflash_jax import costs, generation, load_drafter, load_target, speculative_generate  # noqa: E402
 from dflash_jax.decode import schedule  # noqa: E402
-from dflash_jax.loading import _ASSETS  # noqa: E402
+from dflash_jax.loading import shipped_drafter_dir  # noqa: E402
 
 
 def sweep_batches(prompts: list[list[int]], b: int) -> list[list[list[int]]]:
@@ -161,7 +161,8 @@ def main() -> int:
         table = dataclasses.replace(table, step_ms={b: {n: ms * args.tier_scale for n, ms in row.items()}
                                                     for b, row in table.step_ms.items()})
     target = load_target("smollm2-135m", dtype=args.dtype)
-    drafter = load_drafter(Path(args.drafter) if Path(args.drafter).is_dir() else _ASSETS / args.drafter, target)
+    drafter_dir = Path(args.drafter) if Path(args.drafter).is_dir() else shipped_drafter_dir(f"embedded:{args.drafter}")
+    drafter = load_drafter(drafter_dir, target)
     prompts = evaluation_ids(json.loads(args.prompts.read_text()))
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), drafter=args.drafter, cost_table=table.to_json(),
                   dtype=args.dtype, max_new=args.max_new,

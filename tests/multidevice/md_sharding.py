@@ -14,8 +14,9 @@ from dflash_jax import (ShardingError, generate, load_drafter, load_target, make
                         restrict_draft_vocab, shard, speculative_generate)
 from dflash_jax.engine import programs as engine_programs
 from dflash_jax.loading import Target
-from dflash_jax.tuning import Tuning
+from dflash_jax.tuning import Kernels, KernelTuning, Tuning
 from flax import nnx
+from jax.extend import core as jax_core
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (simulated) devices")
@@ -229,7 +230,7 @@ def test_verify_kernels_take_sinks_per_shard(impl, caplog):
     import jax.numpy as jnp
     import numpy as np
 
-    from dflash_jax import attention
+    from dflash_jax.kernels import attention
 
     rng = np.random.default_rng(0)
     q = jnp.asarray(rng.normal(size=(4, 4, 8, 16)), jnp.float32)
@@ -238,7 +239,7 @@ def test_verify_kernels_take_sinks_per_shard(impl, caplog):
     sinks = jnp.asarray(2 * rng.normal(size=8), jnp.float32)
     want = jax.jit(lambda *a: attention.cache_attention(*a, sinks=sinks, window=6))(q, kc, vc, pos)
     with caplog.at_level("WARNING", logger="dflash_jax"), jax.set_mesh(make_mesh(tp=2, dp=2)):
-        out = jax.jit(lambda *a: attention.cache_attention(*a[:4], impl=impl, sinks=a[4], window=6))(
+        out = jax.jit(lambda *a: attention.cache_attention(*a[:4], kernels=Kernels(impl), sinks=a[4], window=6))(
             q, kc, vc, pos, sinks)
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=0)
     assert not any("uses the XLA reference" in r.getMessage() for r in caplog.records)
@@ -277,6 +278,18 @@ def hybrid_target(moe: bool, key_heads: int):
     return Target(model, None, f"tiny-{cfg.family}", ())
 
 
+def equations(jaxpr):
+    """Every equation of ``jaxpr``, those of the jaxprs in its equations' parameters included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jax_core.ClosedJaxpr):
+                    yield from equations(sub.jaxpr)
+                elif isinstance(sub, jax_core.Jaxpr):
+                    yield from equations(sub)
+
+
 HYBRID_PROMPTS = random_prompts(5, [4, 9, 13, 6, 3], 128, seed=0)
 
 
@@ -302,13 +315,10 @@ def test_hybrid_decoding_is_token_identical_to_one_device(moe, key_heads, tp, dp
     all-reduces TP needs), replicated otherwise (MoE at tp = 4). The prompts (5 rows: padded to 6 under dp = 2)
     prefill through the chunked delta rule (dense: chunks of 4) or in prefill chunks of 8 (MoE). Dense: compact
     verify too."""
-    from dflash_jax.models import layers, linear_attention as la
+    from dflash_jax.models import layers
 
-    kw = dict(max_new_tokens=16, stop_token_ids=[])
-    if moe:
-        kw["tuning"] = Tuning(prefill_chunk=8)
-    else:
-        monkeypatch.setattr(la, "CHUNK", 4)
+    kw = dict(max_new_tokens=16, stop_token_ids=[],
+              tuning=Tuning().replace(delta_rule_chunk=64 if moe else 4, **({"prefill_chunk": 8} if moe else {})))
     want = generate(hybrid_target(moe, key_heads), HYBRID_PROMPTS, **kw).token_ids
     t = shard(hybrid_target(moe, key_heads), make_mesh(tp=tp, dp=dp))
     split = key_heads % tp == 0
@@ -394,21 +404,21 @@ def test_packed_verify_kernels_run_per_shard(impl, caplog):
     the reference on one device computes (a sliding window too)."""
     import jax.numpy as jnp
 
-    from dflash_jax import attention
+    from dflash_jax.kernels import common, packed
 
     rng = np.random.default_rng(0)
     kc, vc = (jnp.asarray(rng.normal(size=(4, 24, 4, 16)), jnp.float32) for _ in range(2))
-    layout = attention.PackedLayout.build(jnp.asarray([3, 0, 4, 2], jnp.int32),
+    layout = packed.PackedLayout.build(jnp.asarray([3, 0, 4, 2], jnp.int32),
                                           jnp.asarray([16, 10, 2, 7], jnp.int32), 12, 4)
     q = jnp.asarray(rng.normal(size=(12, 8, 16)), jnp.float32)
     kv = jnp.asarray(rng.normal(size=(12, 2, 4, 16)), jnp.float32)  # the windows' own keys and values
 
     def attend(impl):
-        return lambda *a: attention.packed_verify_attention(*a, impl=impl, window=6)
+        return lambda *a: packed.packed_verify_attention(*a, kernels=Kernels(impl), window=6)
 
     args = (jnp.concatenate([q, kv.reshape(12, 8, 16)], axis=1), kc, vc, layout)  # heads: q, then K, then V
     want = np.asarray(fast_jit(attend("xla"))(*args))[:9]  # 9 slots: 3 + 0 + 4 + 2
-    attention._warn_once.cache_clear()
+    common.log_once.cache_clear()
     for mesh in (make_mesh(tp=2), make_mesh(tp=2, dp=2)):
         with caplog.at_level("WARNING", logger="dflash_jax"), jax.set_mesh(mesh):
             program = str(jax.make_jaxpr(attend(impl))(*args))
@@ -420,8 +430,8 @@ def test_packed_verify_kernels_run_per_shard(impl, caplog):
 
 @pytest.mark.parametrize("tp,dp,tokens,bias", [(2, 2, 4, True), (4, 2, 2, False)], ids=["tp2-dp2-sorted-gpt-oss",
                                                                                          "tp4-dp2-pairs"])
-def test_moe_kernels_run_per_shard_under_a_mesh(tp, dp, tokens, bias, monkeypatch):
-    """experts_auto under a (tp, dp) mesh on a (pretended) GPU: the Triton kernels (interpret mode) run on each
+def test_moe_kernels_run_per_shard_under_a_mesh(tp, dp, tokens, bias):
+    """experts_auto under a (tp, dp) mesh with the GPU kernels: the Triton kernels (interpret mode) run on each
     device's token rows and its tp slice of the experts' hidden (2 rows per device: the expert-sorted kernels;
     1: the per-pair ones), the slices' outputs summed over tp, the down bias added once — equal to the jnp
     reference on one device."""
@@ -429,42 +439,43 @@ def test_moe_kernels_run_per_shard_under_a_mesh(tp, dp, tokens, bias, monkeypatc
 
     import jax.numpy as jnp
 
-    from dflash_jax.cuda import moe as cuda_moe
-    from dflash_jax.models import gpt_oss, moe
+    from dflash_jax.kernels import moe
+    from dflash_jax.models import gpt_oss
 
     e, d, f, k = 8, 16, 32, 2
     rng = np.random.default_rng(tp)
     idx = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(tokens)]), jnp.int32)
     shapes = [(tokens, d), (tokens, k), (e, d, f), (e, d, f), (e, f, d)] + ([(e, f), (e, f), (e, d)] if bias else [])
     x, w, *experts = (jnp.asarray(rng.normal(size=s) * 0.3, jnp.bfloat16) for s in shapes)
-    act = functools.partial(gpt_oss.clamped_swiglu, alpha=1.702, limit=1.0) if bias else moe._swiglu
-    call = lambda impl: jax.jit(lambda x, w, i, *ex: impl(x, w, i, *ex[:3], biases=tuple(ex[3:]) or None, act=act))
-    want = np.asarray(call(moe.experts_gathered)(x, w, idx, *experts), np.float32)
+    act = functools.partial(gpt_oss.clamped_swiglu, alpha=1.702, limit=1.0) if bias else moe.swiglu
+
+    def fn(impl, **kw):
+        return lambda x, w, i, *ex: impl(x, w, i, *ex[:3], biases=tuple(ex[3:]) or None, act=act, **kw)
+
+    want = np.asarray(jax.jit(fn(moe.experts_gathered))(x, w, idx, *experts), np.float32)
 
     mesh = make_mesh(tp=tp, dp=dp)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    seen = []
-    real = cuda_moe.grouped_experts
-    monkeypatch.setattr(cuda_moe, "grouped_experts",
-                        lambda *a, **kw: seen.append((a[0].shape, a[3].shape)) or real(*a, interpret=True, **kw))
     args = [x, w, idx, *experts]
     placed = [jax.device_put(a, NamedSharding(mesh, P(*(ax for ax in layout))))
-              for a, layout in zip(args, moe._LAYOUTS)]
+              for a, layout in zip(args, moe.LAYOUTS)]
+    auto = fn(moe.experts_auto, kernels=Kernels("cuda", KernelTuning(interpret=True)))
     with jax.set_mesh(mesh):
-        out = np.asarray(call(moe.experts_auto)(*placed), np.float32)
-    assert seen == [((tokens // dp, d), (e, d, f // tp))]  # traced once, on one device's rows and hidden slice
+        program = jax.make_jaxpr(auto)(*placed)
+        out = np.asarray(jax.jit(auto)(*placed), np.float32)
+    # One shard_map, whose body (a device's token rows and slice of the hidden) runs the Triton kernels.
+    (body,) = [eqn.params["jaxpr"] for eqn in equations(program.jaxpr) if eqn.primitive.name == "shard_map"]
+    assert [tuple(v.aval.shape) for v in body.invars[:4:3]] == [(tokens // dp, d), (e, d, f // tp)]
+    assert any(eqn.primitive.name == "pallas_call" for eqn in equations(body))
     np.testing.assert_allclose(out, want, atol=3e-2 * max(1.0, np.abs(want).max()), rtol=3e-2)
 
 
 @pytest.mark.parametrize("advance", [False, True], ids=["record", "advance"])
-def test_delta_rule_kernel_runs_per_shard(advance, monkeypatch):
+def test_delta_rule_kernel_runs_per_shard(advance):
     """The short-block gated delta rule kernel (interpret mode here) under tp=2 × dp=2: each device runs it on its
     rows and its key heads' value heads (shard_map), with what one device computes."""
     import jax.numpy as jnp
 
-    from dflash_jax.models import linear_attention as la
-
-    monkeypatch.setattr(la, "KERNEL_INTERPRET", True)
+    from dflash_jax.kernels import delta_rule
     b, t, hk, hv, dk, dv = 4, 3, 2, 4, 8, 8
     rng = np.random.default_rng(1)
     qkv = jnp.asarray(rng.normal(size=(b, t, hk, 2 * dk + hv // hk * dv)), jnp.float32)
@@ -472,7 +483,8 @@ def test_delta_rule_kernel_runs_per_shard(advance, monkeypatch):
     beta = jnp.asarray(rng.uniform(0.1, 0.9, size=(b, t, hv)), jnp.float32)
     state = jnp.asarray(rng.normal(size=(b, hv, dk, dv)), jnp.float32)
     lengths = jnp.asarray([3, 1, 0, 2], jnp.int32) if advance else None
-    run = lambda *a: la.kernel_block("cuda", *a, lengths, key_dim=dk, advance=advance)  # noqa: E731
+    kernels = Kernels("cuda", KernelTuning(interpret=True))
+    run = lambda *a: delta_rule.kernel_block(*a, lengths, key_dim=dk, advance=advance, kernels=kernels)  # noqa: E731
     want = jax.jit(run)(qkv, g, beta, state)
     mesh = make_mesh(tp=2, dp=2)
     with jax.set_mesh(mesh):

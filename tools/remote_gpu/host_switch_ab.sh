@@ -1,4 +1,4 @@
-# The host-side tier switch (generation.HOST_TIER_SWITCH, plan-ahead compact) against the CUDA-graph conditional
+# The host-side tier switch (Tuning.host_tier_switch, plan-ahead compact) against the CUDA-graph conditional
 # node, at 64 rows, in one call after calls 1 and 2 (carry .xfer/p2 and, on an H100, .xfer/table.costs.json:
 # session 28's H100 rows for 64 / 128; on an H200 the shipped table is the H200's). Ordered by what matters most,
 # so a call that runs out of time still brings back the A/B:
