@@ -212,10 +212,11 @@ def _rank_tokens(args: argparse.Namespace) -> int:
     from dflash_jax import draft_vocab
     from dflash_jax.loading import load_target
     from dflash_jax.pairs import load_pair_config
+    from dflash_jax.train.data import sharegpt_answers
 
     cfg = load_pair_config(args.config)
     target = load_target(cfg.target, "float32", chat_template_kwargs=cfg.chat_template_kwargs)
-    texts = draft_vocab.sharegpt_answers(args.conversations)
+    texts = sharegpt_answers(args.conversations)
     ids, counts = draft_vocab.token_ranking(target.tokenizer, texts, progress=not args.no_progress)
     out = draft_vocab.save_ranking(args.out, ids, counts, target.config.vocab_size,
                                    f"ShareGPT answers, first {args.conversations} conversations")

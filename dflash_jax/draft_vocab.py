@@ -6,7 +6,8 @@ drafts verified. On a CPU that read is a sizeable part of each speculative step,
 never drafted usefully: the 16,384 most frequent tokens of ShareGPT's answers cover 97 % of them for SmolLM2.
 :func:`dflash_jax.loading.restrict_draft_vocab` makes the drafter propose among such a set only (decoding stays
 exactly lossless; τ falls a little where answers use rarer tokens). A pair config names a ranking and the size
-to keep per backend (``draft_vocab`` in :mod:`dflash_jax.pairs`); ``dflash-jax draft-vocab`` writes a ranking.
+to keep per backend (``draft_vocab`` in :mod:`dflash_jax.pairs`); ``dflash-jax draft-vocab`` writes a ranking
+(counting :func:`dflash_jax.train.data.sharegpt_answers`).
 
 Ranking file (``.npz``): ``ids`` [N] int32, token ids by decreasing count; ``counts`` [N] int64; ``vocab_size``
 (the tokenizer's, checked against the target); ``source`` (what was counted).
@@ -15,7 +16,6 @@ Ranking file (``.npz``): ``ids`` [N] int32, token ids by decreasing count; ``cou
 from __future__ import annotations
 
 import collections
-import itertools
 from pathlib import Path
 from typing import Iterable
 
@@ -38,17 +38,6 @@ def token_ranking(tokenizer, texts: Iterable[str], *, progress: bool = False) ->
         counts.update(tokenizer.encode(text, chat=False))
     ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
     return np.array([i for i, _ in ranked], np.int32), np.array([c for _, c in ranked], np.int64)
-
-
-def sharegpt_answers(conversations: int, max_chars: int = 4000) -> Iterable[str]:
-    """The assistant turns of the first ``conversations`` ShareGPT conversations (the training data's source;
-    never the evaluation prompts), each cut at ``max_chars``."""
-    from dflash_jax.train.data import iter_json_array, sharegpt_path
-
-    for conv in itertools.islice(iter_json_array(sharegpt_path()), conversations):
-        for turn in conv.get("conversations") or []:
-            if turn.get("from") == "gpt" and turn.get("value"):
-                yield str(turn["value"])[:max_chars]
 
 
 def save_ranking(path: str | Path, ids: np.ndarray, counts: np.ndarray, vocab_size: int, source: str) -> Path:

@@ -39,7 +39,7 @@ def exact_float32():
 # references run as whole programs (conftest.fast_jit: compiled for speed on the CPU), not op by op.
 
 
-def _normal(rng: np.random.Generator, shape, dtype, scale=1.0) -> jax.Array:
+def normal_init(rng: np.random.Generator, shape, dtype, scale=1.0) -> jax.Array:
     return jnp.asarray((rng.standard_normal(shape, np.float32) * np.float32(scale)).astype(dtype))
 
 
@@ -79,9 +79,9 @@ if ON_GPU:
 
 def _draft_inputs(seed, b, l, n, k, h, s, dtype):
     rng = np.random.default_rng(seed)
-    q = _normal(rng, (b, l, n, h), dtype, 1.5)
-    ctx_k, ctx_v = _normal(rng, (b, s, k, h), dtype), _normal(rng, (b, s, k, h), dtype)
-    blk_k, blk_v = _normal(rng, (b, l, k, h), dtype), _normal(rng, (b, l, k, h), dtype)
+    q = normal_init(rng, (b, l, n, h), dtype, 1.5)
+    ctx_k, ctx_v = normal_init(rng, (b, s, k, h), dtype), normal_init(rng, (b, s, k, h), dtype)
+    blk_k, blk_v = normal_init(rng, (b, l, k, h), dtype), normal_init(rng, (b, l, k, h), dtype)
     # Lengths: 0, full cache, and random in between.
     lens = rng.integers(0, s + 1, b)
     lens[0] = 0
@@ -138,8 +138,8 @@ def _verify_inputs(seed, b, lmax, n, k, h, s, dtype, pad_rows=3):
         kv[2] = wins[2]  # the window is the whole context
     cu = np.concatenate([[0], np.cumsum(wins)]).astype(np.int32)
     t = int(cu[-1]) + pad_rows
-    q = _normal(rng, (t, n, h), dtype, 1.5)
-    kc, vc = _normal(rng, (b, s, k, h), dtype), _normal(rng, (b, s, k, h), dtype)
+    q = normal_init(rng, (t, n, h), dtype, 1.5)
+    kc, vc = normal_init(rng, (b, s, k, h), dtype), normal_init(rng, (b, s, k, h), dtype)
     return q, kc, vc, jnp.asarray(cu), jnp.asarray(kv, jnp.int32)
 
 
@@ -184,7 +184,7 @@ def test_ragged_verify_sinks_and_window(case):
     sliding windows; blocks wholly before the windows, and empty windows' rows, are NaN: never read."""
     b, lmax, n, k, h, s, dtype, tuning, window, with_sinks = case
     q, kc, vc, cu, kv = _verify_inputs(b * 11 + s, b, lmax, n, k, h, s, dtype)
-    sinks = _normal(np.random.default_rng(s), (n,), jnp.float32, 2.0) if with_sinks else None
+    sinks = normal_init(np.random.default_rng(s), (n,), jnp.float32, 2.0) if with_sinks else None
     assert cuda.ragged_verify_unsupported_reason(q, kc, vc, cu, kv, sinks, max_q_len=lmax, window=window,
                                                  interpret=INTERPRET) is None
     with jax.default_matmul_precision("highest"):
@@ -200,8 +200,8 @@ def test_ragged_verify_static_windows_equal_cache_attention():
     """ℓ_r = L for every r is the decode loop's static verify: same as cache_attention at those positions."""
     b, l, n, k, h, s = 2, 8, 4, 2, 64, 96
     rng = np.random.default_rng(3)
-    q = _normal(rng, (b, l, n, h), jnp.float32)
-    kc, vc = _normal(rng, (b, s, k, h), jnp.float32), _normal(rng, (b, s, k, h), jnp.float32)
+    q = normal_init(rng, (b, l, n, h), jnp.float32)
+    kc, vc = normal_init(rng, (b, s, k, h), jnp.float32), normal_init(rng, (b, s, k, h), jnp.float32)
     kv = np.array([l + 5, s], np.int32)
     pos = jnp.asarray(kv[:, None] - l + np.arange(l)[None], jnp.int32)
     with jax.default_matmul_precision("highest"):
@@ -243,9 +243,9 @@ def test_packed_block_attention_matches_reference(case):
     layout = packed.PackedLayout.build(jnp.asarray(wins, jnp.int32), jnp.asarray(starts, jnp.int32),
                                     int(wins.sum()) + 3, lmax)
     valid = np.asarray(layout.valid)[:, None, None]
-    q = _normal(rng, (layout.valid.shape[0], n, h), dtype, 1.5)
-    kv = _normal(rng, (layout.valid.shape[0], 2, k, h), dtype, 1.5)
-    kc, vc = _normal(rng, (b, s, k, h), dtype), _normal(rng, (b, s, k, h), dtype)
+    q = normal_init(rng, (layout.valid.shape[0], n, h), dtype, 1.5)
+    kv = normal_init(rng, (layout.valid.shape[0], 2, k, h), dtype, 1.5)
+    kc, vc = normal_init(rng, (b, s, k, h), dtype), normal_init(rng, (b, s, k, h), dtype)
     qkv = jnp.concatenate([q, kv.reshape(-1, 2 * k, h)], axis=1)  # heads: queries, keys, values
     with jax.default_matmul_precision("highest"):
         want = fast_jit(packed.packed_verify_attention, window=window)(qkv, kc, vc, layout)
@@ -335,7 +335,7 @@ def test_splits_only_where_the_programs_leave_sms_idle_or_the_cache_is_long(monk
 def test_prefill_attention_matches_reference(b, t, n, k, h, window):
     """cuDNN's causal attention over the prompt (bfloat16) against the float32-softmax reference."""
     rng = np.random.default_rng(t + n)
-    q, kk, v = (_normal(rng, (b, t, heads, h), jnp.bfloat16) for heads in (n, k, k))
+    q, kk, v = (normal_init(rng, (b, t, heads, h), jnp.bfloat16) for heads in (n, k, k))
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     got = jax.jit(lambda *a: ref.prefill_attention(*a, kernels=Kernels("cuda"), window=window))(q, kk, v, positions)
     want = jax.jit(lambda *a: ref.cache_attention(*a, window=window))(q, kk, v, positions)
@@ -361,9 +361,9 @@ def test_write_pending_matches_the_scatters(dtype, w):
     lens = np.asarray([w, 0, 2, w - 1])
     slots = np.concatenate([[0], np.cumsum(lens)[:-1]])
     t = int(lens.sum()) + 2  # two padding slots: the last window's tile reads past them, masked
-    kv = _normal(rng, (t, nl, 2, k, h), dtype)
+    kv = normal_init(rng, (t, nl, 2, k, h), dtype)
     starts = jnp.asarray([s - w, 7, 12, 0], jnp.int32)
-    cache = KVCache(*(tuple(_normal(rng, (b, s, k, h), dtype) for _ in range(nl)) for _ in range(2)))
+    cache = KVCache(*(tuple(normal_init(rng, (b, s, k, h), dtype) for _ in range(nl)) for _ in range(2)))
     assert write_pending_unsupported_reason(kv, cache.k + cache.v, rows=b, interpret=INTERPRET) is None
     pending = PendingKV(starts, jnp.asarray(slots, jnp.int32), jnp.asarray(lens, jnp.int32), kv, width=w)
     want = pending.write(cache)
@@ -408,14 +408,14 @@ def test_place_pending_copies_the_tier_slots_only(t, size):
 
     nl, b, k, h, s, w = 2, 3, 2, 16, 48, 8
     rng = np.random.default_rng(t)
-    kv = _normal(rng, (t, nl, 2, k, h), jnp.float32)
+    kv = normal_init(rng, (t, nl, 2, k, h), jnp.float32)
     placed = jax.jit(lambda kv: place_pending(kv, size, interpret=INTERPRET))(kv)
     assert placed.shape == (size, nl, 2, k, h)
     np.testing.assert_array_equal(np.asarray(placed[:t]), np.asarray(kv))
     lens = jnp.asarray([w, 0, 5], jnp.int32)
     pending = PendingKV(jnp.asarray([3, 9, s - 5], jnp.int32), jnp.asarray([0, w, t - 5], jnp.int32), lens, kv,
                         width=w)
-    cache = KVCache(*(tuple(_normal(rng, (b, s, k, h), jnp.float32) for _ in range(nl)) for _ in range(2)))
+    cache = KVCache(*(tuple(normal_init(rng, (b, s, k, h), jnp.float32) for _ in range(nl)) for _ in range(2)))
     padded = pending.widened(w, size)  # XLA's zeros
     on_placed = dataclasses.replace(padded, kv=placed)
     write = jax.jit(lambda p, c: write_pending(p.kv, p.slots, p.lens, p.starts, c.k, c.v, width=w,

@@ -276,7 +276,7 @@ def test_speculative_decoding_is_lossless(models, greedy, monkeypatch):
     target = models["moe"][2]
     # The oracle never reads its weights: draw them with numpy (eager jax.random compiles per shape, ~4 s).
     rng = np.random.default_rng(0)
-    monkeypatch.setattr(layers, "_normal", lambda rngs, shape, scale, dtype: jnp.asarray(
+    monkeypatch.setattr(layers, "normal_init", lambda rngs, shape, scale, dtype: jnp.asarray(
         (scale * rng.normal(size=shape)).astype(jnp.dtype(dtype))))
     runs = {}
     for block, corrupt, chunk in ((2, 0.3, Tuning().prefill_chunk), (16, 0.15, 8)):

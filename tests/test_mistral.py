@@ -18,8 +18,8 @@ import torch
 import transformers
 from flax import nnx
 
-from conftest import random_prompts
-from dflash_jax import families, generate, generation, load_target, random_drafter, speculative_generate
+from conftest import fast_options, random_prompts
+from dflash_jax import families, generate, load_target, random_drafter, speculative_generate
 from dflash_jax.config import model_config_from_hf
 from dflash_jax.models.target import TargetModel
 
@@ -83,7 +83,7 @@ def test_prefill_and_cached_chunk_match_transformers(ckpt):
 
     args = (state, jnp.asarray(ids[:, :7], jnp.int32), jnp.asarray(np.stack([ids[0, 7:11], ids[1, 6:10]]), jnp.int32),
             jnp.asarray([7, 6], jnp.int32))
-    first, chunk = jax.jit(run).lower(*args).compile(generation.COMPILER_OPTIONS)(*args)
+    first, chunk = jax.jit(run).lower(*args).compile(fast_options())(*args)
     assert rel_err(first, ref[:, :7]) <= REL_TOL
     assert rel_err(chunk[0], ref[0, 7:11]) <= REL_TOL and rel_err(chunk[1], ref[1, 6:10]) <= REL_TOL
 

@@ -36,7 +36,7 @@ from jaxtyping import Array, Float, Int
 
 from dflash_jax.config import CheckpointError, ModelConfig
 from dflash_jax.kernels.moe import experts_auto
-from dflash_jax.models.layers import Dense, _normal, matmul
+from dflash_jax.models.layers import Dense, normal_init, matmul
 from dflash_jax.models.target import DecoderLayer, TargetModel
 from dflash_jax.tuning import Kernels
 
@@ -74,9 +74,9 @@ class Experts(nnx.Module):
     ``[E, F, D]``) plus biases."""
 
     def __init__(self, e: int, d: int, f: int, *, dtype, rngs: nnx.Rngs):
-        self.gate_proj = nnx.Param(_normal(rngs, (e, d, f), 1.0 / math.sqrt(d), dtype))
-        self.up_proj = nnx.Param(_normal(rngs, (e, d, f), 1.0 / math.sqrt(d), dtype))
-        self.down_proj = nnx.Param(_normal(rngs, (e, f, d), 1.0 / math.sqrt(f), dtype))
+        self.gate_proj = nnx.Param(normal_init(rngs, (e, d, f), 1.0 / math.sqrt(d), dtype))
+        self.up_proj = nnx.Param(normal_init(rngs, (e, d, f), 1.0 / math.sqrt(d), dtype))
+        self.down_proj = nnx.Param(normal_init(rngs, (e, f, d), 1.0 / math.sqrt(f), dtype))
         self.gate_proj_bias = nnx.Param(jnp.zeros((e, f), dtype))
         self.up_proj_bias = nnx.Param(jnp.zeros((e, f), dtype))
         self.down_proj_bias = nnx.Param(jnp.zeros((e, d), dtype))

