@@ -392,9 +392,6 @@ def main() -> int:
                     help="hybrid short blocks: the GPU gated-delta-rule kernel (the library's default) or the XLA path")
     ap.add_argument("--commit")
     args = ap.parse_args()
-    if args.delta_rule == "xla":
-        from dflash_jax.models import linear_attention
-        linear_attention.kernel_block = lambda *a, **k: None  # noqa: E731 — every block takes the jnp path
     args.batches = [int(b) for b in args.batches.split(",")]
     if 1 not in args.batches:
         args.batches.insert(0, 1)  # the floor goal and the cycle ratio are at batch 1
@@ -407,7 +404,7 @@ def main() -> int:
         ap.error(f"unknown models {bad} (expected moe, hybrid)")
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     logging.getLogger("dflash_jax").setLevel(logging.INFO)  # kernel fallbacks, if any, are worth seeing
-    args.tuning = Tuning()
+    args.tuning = Tuning().replace(delta_rule_kernel=args.delta_rule == "kernel")  # "xla": every block on jnp
     if args.small and jax.default_backend() == "cpu":
         args.tuning = args.tuning.with_compiler_options(CPU_FAST_COMPILE)
 

@@ -30,6 +30,8 @@ class KernelTuning:
     packed_kernel: bool = True
     write_kernel: bool = True
     place_kernel: bool = True
+    # The short-block gated-delta-rule kernel of the hybrid targets' linear attention (GPU).
+    delta_rule_kernel: bool = True
     # Packed verify: windows of at most this many query tokens run the short-query kernel tile (None: never).
     packed_short_q_len: int | None = 4
     # Packed verify on the XLA path: a step whose every window is whole runs the dense whole-block attention.
@@ -90,6 +92,8 @@ class Tuning:
     host_tier_switch: bool = True
     # A sequential (DSpark) drafter's compact steps draft only this many positions (None: all).
     sequential_draft_cap: int | None = None
+    # Compact's compiled tiers, in tokens per row (None: 1, 2, 4 … L; sizes above L are dropped).
+    tiers_per_row: tuple[int, ...] | None = None
     # The scheduler ranks candidate windows by comparing all pairs up to this many rows × drafts.
     rank_compare_all_max: int = 2048
     # Prompts longer than this are prefilled in chunks of this many positions.

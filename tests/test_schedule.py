@@ -183,6 +183,18 @@ def test_grouped_admission_admits_each_group_alone():
     assert w.tolist()[:2] != [0, 0] and w.tolist()[2:] == [0, 0] and int(tier) < 3
 
 
+def test_tiers_per_row_replace_the_powers_of_two():
+    """``Tuning.tiers_per_row`` sets compact's compiled tiers (sizes past the block dropped, the whole block kept
+    last) and reaches the verify mode's resolution."""
+    assert schedule.tiers_for(4, 16) == (4, 8, 16, 32, 64)
+    assert schedule.tiers_for(4, 16, (3, 1, 6, 12, 32)) == (4, 12, 24, 48, 64)
+    table = CostTable("cpu", "x", "float32", "p", 16, 64, {4: {n: 1.0 + n for n in (1, 3, 6, 12, 16)}})
+    handle = types.SimpleNamespace(cost_tables=None, model=DFLASH_HANDLE.model)
+    mode, tiers, _, _ = job.resolve_verify_mode("cap-accept", handle, 4, 16, table,
+                                                tuning=Tuning(tiers_per_row=(1, 3, 6, 12)))
+    assert mode.name == "cap-accept" and tiers == (4, 12, 24, 48, 64)
+
+
 def test_tiers_that_cannot_pay_for_their_conditional_are_pruned():
     tiers = (4, 8, 16, 32, 64)
     kept, cost = schedule.prune_tiers(tiers, np.asarray([2.55, 2.68, 2.62, 2.54, 2.60]))  # an H200 at batch 1

@@ -34,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, bench_schedule
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_schedule import DEFAULT_PROMPTS, evaluation_ids, sweep_prompts  # noqa: E402
-from dflash_jax import costs, generation, load_drafter, load_target, speculative_generate  # noqa: E402
-from dflash_jax.decode import schedule  # noqa: E402
+from dflash_jax import costs, load_drafter, load_target, speculative_generate  # noqa: E402
+from dflash_jax.engine import job as jobs  # noqa: E402
+from dflash_jax.tuning import Tuning  # noqa: E402
 from dflash_jax.loading import shipped_drafter_dir  # noqa: E402
 
 
@@ -57,12 +58,12 @@ def static_rows(target, drafter, prompts: list[list[int]], max_new: int, chunk: 
     return cycles, ids
 
 
-def compact_batch(target, drafter, batch: list[list[int]], table, max_new: int) -> dict:
+def compact_batch(target, drafter, batch: list[list[int]], table, max_new: int, tuning: Tuning) -> dict:
     """One batch in compact mode, scheduled with ``table``: its token ids and its steps' simulated GPU time."""
-    mode, tiers, step_cost, ar_offered = generation.resolve_verify_mode(
-        "compact", drafter, len(batch), drafter.config.verify_width, table)
+    mode, tiers, step_cost, ar_offered = jobs.resolve_verify_mode(
+        "compact", drafter, len(batch), drafter.config.verify_width, table, tuning=tuning)
     out = speculative_generate(target, drafter, batch, max_new_tokens=max_new, verify_mode="compact",
-                               cost_table=table)
+                               cost_table=table, tuning=tuning)
     if mode.name == "static":  # the table says no tier saves on static's step: compact runs static's program
         steps = {"static": out.stats["cycles"]}
         ms = out.stats["cycles"] * table.static_cost(len(batch))
@@ -76,7 +77,8 @@ def compact_batch(target, drafter, batch: list[list[int]], table, max_new: int) 
     return dict(ids=out.token_ids, ms=ms, steps=steps, tiers=list(tiers), new_tokens=out.stats["new_tokens"])
 
 
-def simulate(target, drafter, prompts, table, batch_sizes, max_new: int, chunk: int, earlier: dict | None) -> dict:
+def simulate(target, drafter, prompts, table, batch_sizes, max_new: int, chunk: int, earlier: dict | None,
+             tuning: Tuning = Tuning()) -> dict:
     """``earlier``: an earlier run's results over the same prompts and drafter, whose static steps to reuse (the
     static pass is the slow part; a scheduler variant changes compact's steps only). Its outputs are then not
     checked against static's."""
@@ -95,7 +97,7 @@ def simulate(target, drafter, prompts, table, batch_sizes, max_new: int, chunk: 
                    identical=None if earlier else True)
         t0 = time.perf_counter()
         for k, batch in enumerate(batches):
-            c = compact_batch(target, drafter, batch, table, max_new)
+            c = compact_batch(target, drafter, batch, table, max_new, tuning)
             res["compact_ms"] += c["ms"]
             res["tokens"] += c["new_tokens"]
             res["tiers"] = c["tiers"]
@@ -148,9 +150,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     batch_sizes = [int(b) for b in args.batches.split(",")]
-    if args.tiers_per_row:
-        per_row = tuple(int(n) for n in args.tiers_per_row.split(","))
-        schedule.tiers_for = lambda batch, block_size: tuple(batch * n for n in per_row if n <= block_size)
+    tuning = Tuning(tiers_per_row=tuple(int(n) for n in args.tiers_per_row.split(",")) if args.tiers_per_row
+                    else None)
     if args.cost_table:
         table = costs.load_tables(args.cost_table)[args.backend]
     elif args.measured:  # the table the sweep scheduled with
@@ -171,7 +172,7 @@ def main() -> int:
                   tiers_per_row=args.tiers_per_row, tier_scale=args.tier_scale,
                   simulated=simulate(target, drafter, prompts, table, batch_sizes, args.max_new, args.chunk,
                                      json.loads(args.static_from.read_text())["simulated"]
-                                     if args.static_from else None))
+                                     if args.static_from else None, tuning))
     if args.measured:
         result["measured"] = measured_ratios(args.measured, batch_sizes)
         for b, m in result["measured"].items():

@@ -42,10 +42,13 @@ POOL = 4.0
 UNOBSERVED_DECAY = 0.7
 
 
-def tiers_for(batch: int, block_size: int) -> tuple[int, ...]:
+def tiers_for(batch: int, block_size: int, per_row: tuple[int, ...] | None = None) -> tuple[int, ...]:
     """The compiled packed-verify sizes for ``batch`` rows of ``block_size`` (= L) tokens: 1, 2, 4, 8 … tokens
     per row, and the whole block (L per row). Five or fewer programs inside one step, the largest the
-    static verify's size, so the whole block always fits."""
+    static verify's size, so the whole block always fits. ``per_row`` (``Tuning.tiers_per_row``) replaces the
+    powers of two (sizes above L dropped; the whole block is kept last)."""
+    if per_row is not None:
+        return tuple(batch * n for n in sorted({n for n in per_row if 0 < n < block_size} | {block_size}))
     per_row = [1]
     while per_row[-1] * 2 < block_size:
         per_row.append(per_row[-1] * 2)

@@ -90,6 +90,7 @@ class BatchCosts:
     dp: int
     has_confidence: bool  # the drafter scores its drafts (windows are then chosen after drafting)
     load_table: Callable[[], Any]  # → a dflash_jax.costs.CostTable
+    tiers_per_row: tuple[int, ...] | None = None  # Tuning.tiers_per_row (None: 1, 2, 4 … L)
 
     @functools.cached_property
     def table(self):
@@ -101,7 +102,7 @@ class BatchCosts:
 
     @functools.cached_property
     def tiers(self) -> tuple[int, ...]:
-        return schedule.tiers_for(self.batch, self.block_size)
+        return schedule.tiers_for(self.batch, self.block_size, self.tiers_per_row)
 
     @functools.cached_property
     def step_cost(self) -> np.ndarray:

@@ -68,7 +68,7 @@ def _time_compact_steps(target, drafter, ids: list[list[int]], block: int, repea
                         tuning: Tuning | None = None) -> dict[int, float]:
     """tokens per row → ms of the compact step at each tier of ``len(ids)`` rows; 0 → the AR step's."""
     b = len(ids)
-    tiers = schedule.tiers_for(b, block)
+    tiers = schedule.tiers_for(b, block, (tuning or Tuning()).tiers_per_row)
     # Costs proportional to the tokens keep every tier (schedule.prune_tiers) and offer the AR step.
     proportional = CostTable("", "", "", "", block, 0, {1: {t // b: float(t) for t in tiers}}, ar_ms={1: 0.5})
     # decode=False: the steps below are timed in a program of their own

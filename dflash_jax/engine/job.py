@@ -251,10 +251,11 @@ def resolve_verify_mode(mode, drafter: Drafter | None, batch: int, block_size: i
     runs). ``tuning``: its ``auto_compact_ratio`` steers auto. Host work only (nothing compiles)."""
     policy = verify_modes.by_name(mode)
     has_confidence = drafter is not None and drafters.kind_of(drafter.model).has_confidence
+    tuning = tuning or Tuning()
     batch_costs = verify_modes.BatchCosts(
         batch, block_size, dp, has_confidence,
-        lambda: costs.resolve(cost_table, jax.default_backend(), drafter.cost_tables))
-    return tuple(policy.resolve(batch_costs, tuning or Tuning()))
+        lambda: costs.resolve(cost_table, jax.default_backend(), drafter.cost_tables), tuning.tiers_per_row)
+    return tuple(policy.resolve(batch_costs, tuning))
 
 
 def checked_verify_mode(mode, drafter: Drafter | None, block_size: int) -> verify_modes.VerifyPolicy:

@@ -59,7 +59,8 @@ REGISTRY: dict[tuple[str, str], str] = {
 }
 
 # Ops whose kernel a KernelTuning field turns off (A/B runs): op → field name.
-SWITCHES = {"packed_verify_attention": "packed_kernel", "cache_write": "write_kernel", "cache_place": "place_kernel"}
+SWITCHES = {"packed_verify_attention": "packed_kernel", "cache_write": "write_kernel", "cache_place": "place_kernel",
+            "delta_rule": "delta_rule_kernel"}
 
 
 def resolve_impl(impl: str, dtype=None) -> str:
