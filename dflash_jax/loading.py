@@ -289,7 +289,8 @@ def random_drafter(target: Target | TargetModel, *, num_layers: int = 2, block_s
     """An untrained drafter of the right shape for ``target`` (training starts here; tests use it as is).
 
     Feature layers: ``target_layer_ids`` or z-lab's default spread of ``num_features`` layers. ``kind``:
-    ``"dflash"`` or ``"dspark"`` (``block_size`` then counts its drafts, see :class:`DrafterConfig`).
+    a registered drafter kind, ``"dflash"`` or ``"dspark"`` (whose ``block_size`` counts its drafts, see
+    :class:`DrafterConfig`).
     """
     tc = as_target(target).config
     n = min(num_features, tc.num_layers)
