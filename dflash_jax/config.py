@@ -262,7 +262,70 @@ class ModelConfig:
             raise ConfigError(f"config field mlp_only_layers has {bad}, out of range for {self.num_layers} layers")
 
 
-DRAFTER_KINDS = ("dflash", "dspark")
+# --------------------------------------------------------------------------------------------------
+# Drafter kinds: the config side. Each kind module of :mod:`dflash_jax.drafters` registers its schema (through
+# ``drafters.register``); this module holds no kind names itself.
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DrafterSchema:
+    """How a drafter kind's ``config.json`` reads and writes, and what its :class:`DrafterConfig` means.
+
+    ``detect(cfg, value)`` says whether an HF config is of this kind (``value(key, default)`` reads a key from
+    ``dflash_config`` or the top level); a schema without one is the fallback when no other kind claims the
+    config. ``fields(value, layers)`` gives the :class:`DrafterConfig` fields the kind reads beyond the shared
+    ones; ``check(cfg)`` adds the kind's own validation; ``to_hf(cfg, out)`` adds its keys to an exported
+    ``config.json``, whose ``architectures`` / ``auto_map`` name ``architecture``.
+    """
+
+    kind: str
+    architecture: str  # the z-lab class name (``architectures``; ``auto_map`` points at ``<kind>.<architecture>``)
+    # Drafts left to right, the anchor itself predicting the first: γ block inputs give γ drafts (verify width
+    # γ+1); a parallel kind's L inputs give L-1 drafts (verify width L).
+    sequential: bool = False
+    detect: Callable[[Mapping[str, Any], Callable], bool] | None = None
+    fields: Callable[[Callable, "ModelConfig"], dict] | None = None
+    check: Callable[["DrafterConfig"], None] | None = None
+    to_hf: Callable[["DrafterConfig", dict], None] | None = None
+
+    @property
+    def min_block_size(self) -> int:
+        return 1 if self.sequential else 2
+
+    def verify_width(self, block_size: int) -> int:
+        """Tokens one cycle verifies for ``block_size`` block inputs: the anchor plus every draft."""
+        return block_size + 1 if self.sequential else block_size
+
+
+_DRAFTER_SCHEMAS: dict[str, DrafterSchema] = {}
+
+
+def register_drafter_schema(schema: DrafterSchema) -> DrafterSchema:
+    """Make ``schema`` known to :class:`DrafterConfig` and :func:`drafter_config_from_hf`. Called by
+    ``dflash_jax.drafters.register``; registering a kind twice replaces it."""
+    _DRAFTER_SCHEMAS[schema.kind] = schema
+    return schema
+
+
+def drafter_kinds() -> tuple[str, ...]:
+    """The registered drafter kinds, in registration order."""
+    return tuple(_DRAFTER_SCHEMAS)
+
+
+def drafter_schema(kind: str) -> DrafterSchema:
+    """The registered schema of drafter kind ``kind`` (ConfigError naming the known ones if none)."""
+    if kind not in _DRAFTER_SCHEMAS:
+        hint = "" if _DRAFTER_SCHEMAS else " (none registered: import dflash_jax.drafters)"
+        raise ConfigError(f"drafter kind {kind!r} is not supported (expected one of {drafter_kinds()}){hint}")
+    return _DRAFTER_SCHEMAS[kind]
+
+
+def _detect_drafter_schema(cfg: Mapping[str, Any], value: Callable, where: str) -> DrafterSchema:
+    claimed = [s for s in _DRAFTER_SCHEMAS.values() if s.detect is not None and s.detect(cfg, value)]
+    fallback = [s for s in _DRAFTER_SCHEMAS.values() if s.detect is None]
+    if not claimed and not fallback:
+        raise ConfigError(f"{where}: no drafter kind reads this config (registered: {drafter_kinds()})")
+    return (claimed or fallback)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,7 +349,7 @@ class DrafterConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
-    kind: str = "dflash"  # dflash | dspark
+    kind: str = "dflash"  # a registered :class:`DrafterSchema` (:func:`drafter_kinds`)
     # DSpark only:
     markov_rank: int = 256  # r: width of the Markov head's token embedding
     draft_vocab_size: int | None = None  # drafts over a reduced vocabulary (ids mapped by the drafter's d2t)
@@ -298,14 +361,18 @@ class DrafterConfig:
         return len(self.target_layer_ids)
 
     @property
+    def schema(self) -> DrafterSchema:
+        return drafter_schema(self.kind)
+
+    @property
     def sequential(self) -> bool:
-        """DSpark: drafts left to right through the Markov head, the anchor itself predicting the first."""
-        return self.kind == "dspark"
+        """Drafts left to right (DSpark's Markov head), the anchor itself predicting the first."""
+        return self.schema.sequential
 
     @property
     def verify_width(self) -> int:
         """Tokens one cycle verifies at the trained block size: the anchor plus every draft."""
-        return self.block_size + 1 if self.sequential else self.block_size
+        return self.schema.verify_width(self.block_size)
 
     @property
     def draft_vocab(self) -> int:
@@ -319,20 +386,11 @@ class DrafterConfig:
 
     def validate(self) -> "DrafterConfig":
         self.layers.validate()
-        if self.kind not in DRAFTER_KINDS:
-            raise ConfigError(f"drafter kind {self.kind!r} is not supported (expected one of {DRAFTER_KINDS})")
-        if self.block_size < (1 if self.sequential else 2):
-            raise ConfigError(f"drafter block_size must be >= {1 if self.sequential else 2}, got {self.block_size}")
-        if self.sequential:
-            if self.markov_rank <= 0:
-                raise ConfigError(f"DSpark markov_rank must be positive, got {self.markov_rank}")
-            if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.layers.vocab_size:
-                raise ConfigError(f"draft_vocab_size {self.draft_vocab_size} must be in [1, vocab_size "
-                                  f"{self.layers.vocab_size}]")
-            temps = self.confidence_temperatures
-            if temps is not None and (len(temps) != self.block_size or any(not t > 0 for t in temps)):
-                raise ConfigError(f"confidence_temperatures must be {self.block_size} positive numbers (one per "
-                                  f"draft position), got {list(temps)}")
+        schema = self.schema
+        if self.block_size < schema.min_block_size:
+            raise ConfigError(f"drafter block_size must be >= {schema.min_block_size}, got {self.block_size}")
+        if schema.check is not None:
+            schema.check(self)
         if len(self.layer_types) != self.layers.num_layers:
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries for "
                               f"{self.layers.num_layers} drafter layers")
@@ -498,20 +556,8 @@ def drafter_config_from_hf(cfg: Mapping[str, Any], where: str = "drafter config.
     layer_types = tuple(cfg.get("layer_types") or ["full_attention"] * layers.num_layers)
     is_causal = value("is_causal")
     softcap = value("final_logit_softcapping")
-    projector = str(value("projector_type", "") or "").lower()
-    archs = " ".join(cfg.get("architectures") or []).lower()
-    kind = "dspark" if projector == "dspark" or "dspark" in archs else "dflash"
-    dspark = {}
-    if kind == "dspark":
-        temps = value("confidence_temperatures")
-        draft_vocab = value("draft_vocab_size")
-        dspark = dict(
-            kind=kind,
-            markov_rank=int(value("markov_rank", 256)),
-            draft_vocab_size=int(draft_vocab) if draft_vocab and int(draft_vocab) != layers.vocab_size else None,
-            confidence_head=bool(value("use_confidence_head", True)),
-            confidence_temperatures=tuple(float(t) for t in temps) if temps else None,
-        )
+    schema = _detect_drafter_schema(cfg, value, where)
+    extra = schema.fields(value, layers) if schema.fields is not None else {}
     return DrafterConfig(
         layers=layers,
         block_size=int(value("block_size", 16)),
@@ -524,16 +570,17 @@ def drafter_config_from_hf(cfg: Mapping[str, Any], where: str = "drafter config.
         input_embedding_scale=float(value("input_embedding_scale", 1.0)),
         output_multiplier=float(value("output_multiplier", 1.0)),
         final_logit_softcapping=float(softcap) if softcap else None,
-        **dspark,
+        kind=schema.kind,
+        **extra,
     ).validate()
 
 
 def drafter_config_to_hf(c: DrafterConfig) -> dict[str, Any]:
     """The z-lab config.json for a drafter (used by export and by tests)."""
-    m = c.layers
+    m, schema = c.layers, c.schema
     out: dict[str, Any] = {
-        "architectures": ["DFlashDraftModel"],
-        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},  # what z-lab's own loader expects
+        "architectures": [schema.architecture],
+        "auto_map": {"AutoModel": f"{c.kind}.{schema.architecture}"},  # what z-lab's own loader expects
         "model_type": "qwen3",
         "attention_bias": m.attention_bias,
         "attention_dropout": 0.0,
@@ -560,14 +607,8 @@ def drafter_config_to_hf(c: DrafterConfig) -> dict[str, Any]:
         "use_sliding_window": False,
         "vocab_size": m.vocab_size,
     }
-    if c.sequential:
-        out["architectures"] = ["DSparkDraftModel"]
-        out["auto_map"] = {"AutoModel": "dspark.DSparkDraftModel"}
-        out["dflash_config"].update(projector_type="dspark", markov_rank=c.markov_rank,
-                                    use_confidence_head=c.confidence_head)
-        if c.confidence_temperatures is not None:
-            out["dflash_config"]["confidence_temperatures"] = list(c.confidence_temperatures)
-        out["draft_vocab_size"] = c.draft_vocab
+    if schema.to_hf is not None:
+        schema.to_hf(c, out)
     if m.rope.kind != "default":
         out["rope_scaling"] = {k: v for k, v in {
             "rope_type": m.rope.kind, "factor": m.rope.factor, "low_freq_factor": m.rope.low_freq_factor,

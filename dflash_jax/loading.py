@@ -221,12 +221,10 @@ def load_drafter(source: str | Path, target: Target | TargetModel | None = None,
     dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
     tensors = read_safetensors(safetensors_files(path))
     mesh = mesh if mesh is not None else (as_target(target).mesh if target is not None else None)
-    if not cfg.sequential:
-        return Drafter(_build(DFlashDrafter, cfg, dtype, tensors, "", str(path), mesh, cfg.layers), str(source),
-                       True, mesh)
     d2t = _draft_to_target(cfg, tensors, path)
-    model = _build(DSparkDrafter, cfg, dtype, tensors, "", str(path), mesh, cfg.layers,
-                   ignore=lambda n: n in ("d2t", "draft_id_to_target_id", "t2d"))
+    model_cls = module_class(cfg)
+    model = _build(model_cls, cfg, dtype, tensors, "", str(path), mesh, cfg.layers,
+                   ignore=lambda n: n in model_cls.checkpoint_extras)
     if d2t is not None:
         model.d2t.set_value(jnp.asarray(d2t, jnp.int32))
         if target is not None:  # the head then reads the draft vocabulary's rows only, not all V
@@ -253,10 +251,7 @@ def restrict_draft_vocab(drafter: Drafter | DFlashDrafter, target: Target | Targ
         raise ConfigError(f"a draft vocabulary must be distinct token ids in [0, {vocab}); got {ids.size} ids "
                           f"of dtype {ids.dtype}" + (f" from {ids.min()} to {ids.max()}" if ids.size else ""))
     model = nnx.merge(*nnx.split(d.model), copy=True)  # new Variables holding the same arrays
-    if d.config.sequential:  # the Markov head's bias is over the draft vocabulary: keep those columns
-        model.config = dataclasses.replace(d.config, draft_vocab_size=int(ids.size)).validate()
-        w2 = model.markov_head.markov_w2.kernel
-        w2.set_value(jnp.take(w2[...], jnp.asarray(ids, jnp.int32), axis=1))
+    model.keep_draft_columns(ids)  # weights over the draft vocabulary (DSpark's Markov head) keep those columns
     model.d2t = TokenMap(jnp.asarray(ids, jnp.int32))
     model.draft_head = DraftHead(_head_rows(t, ids, d.mesh))
     return Drafter(model, f"{d.name} (drafts over {ids.size} tokens)", d.trained, d.mesh, d.cost_tables)
@@ -294,7 +289,8 @@ def random_drafter(target: Target | TargetModel, *, num_layers: int = 2, block_s
     """An untrained drafter of the right shape for ``target`` (training starts here; tests use it as is).
 
     Feature layers: ``target_layer_ids`` or z-lab's default spread of ``num_features`` layers. ``kind``:
-    ``"dflash"`` or ``"dspark"`` (``block_size`` then counts its drafts, see :class:`DrafterConfig`).
+    a registered drafter kind, ``"dflash"`` or ``"dspark"`` (whose ``block_size`` counts its drafts, see
+    :class:`DrafterConfig`).
     """
     tc = as_target(target).config
     n = min(num_features, tc.num_layers)

@@ -14,10 +14,10 @@ from flax import nnx
 
 from conftest import random_prompts, tiny_target
 from test_sampling import V, chi2_pvalue, draw, exact_distribution, logits, pair  # noqa: F401 (fixtures)
-from dflash_jax import drafters, generate, load_drafter, random_drafter, speculative_generate
+from dflash_jax import config, drafters, generate, load_drafter, random_drafter, speculative_generate
 from dflash_jax.checkpoints.export import export_drafter
 from dflash_jax.checkpoints.safetensors_io import CheckpointError, read_safetensors, save_safetensors
-from dflash_jax.config import DRAFTER_KINDS, ConfigError
+from dflash_jax.config import ConfigError, drafter_kinds
 from dflash_jax.decode import loop
 from dflash_jax.engine import job as jobs
 from dflash_jax.loading import Drafter
@@ -105,7 +105,7 @@ def test_drafts_follow_the_sequential_formula(target, dspark):
 def test_every_drafter_kind_has_a_module_and_a_drafting(target, dspark):
     """The config's kinds, the module classes and the drafting kinds the loop calls are the same set; a kind
     says what the loop needs to know about it."""
-    assert set(drafters.names()) == set(DRAFTER_KINDS) == set(MODULE_CLASSES)
+    assert set(drafters.names()) == set(drafter_kinds()) == set(MODULE_CLASSES)
     kind = drafters.kind_of(dspark.model)
     assert kind.sequential and kind.has_confidence and kind.trunk_width(8) == 7
     headless = random_drafter(target, kind="dspark", block_size=4, num_layers=1, markov_rank=8,
@@ -113,6 +113,36 @@ def test_every_drafter_kind_has_a_module_and_a_drafting(target, dspark):
     assert not drafters.kind_of(headless.model).has_confidence
     dflash = drafters.kind_of(random_drafter(target, block_size=4, num_layers=1).model)
     assert not dflash.sequential and not dflash.has_confidence and dflash.trunk_width(8) == 8
+
+
+def test_a_new_drafter_kind_is_one_registered_class(target, reference, monkeypatch):
+    """A kind defined and registered here — DFlash's drafting under another name and checkpoint format — is
+    parsed, validated, exported, built and decoded losslessly with no other change."""
+    for registry in (drafters.KINDS, MODULE_CLASSES, config._DRAFTER_SCHEMAS):
+        monkeypatch.setitem(registry, "echo", None)  # removed again after the test
+
+    def to_hf(c, out):
+        out["dflash_config"]["projector_type"] = "echo"
+
+    @drafters.register
+    class Echo(drafters.dflash.DFlash):
+        name = "echo"
+        schema = config.DrafterSchema(kind="echo", architecture="EchoDraftModel",
+                                      detect=lambda cfg, value: value("projector_type") == "echo", to_hf=to_hf)
+
+    assert "echo" in config.drafter_kinds() and "echo" in drafters.names()
+    d = random_drafter(target, kind="echo", block_size=4, num_layers=1)
+    assert d.config.kind == "echo" and d.config.verify_width == 4 and not d.config.sequential
+    hf = config.drafter_config_to_hf(d.config)
+    assert hf["architectures"] == ["EchoDraftModel"] and hf["auto_map"] == {"AutoModel": "echo.EchoDraftModel"}
+    assert config.drafter_config_from_hf(hf) == d.config
+    with pytest.raises(ConfigError, match="block_size must be >= 2"):
+        dataclasses.replace(d.config, block_size=1).validate()
+    assert isinstance(drafters.kind_of(d.model), Echo)
+    out = speculative_generate(target, d, PROMPTS, max_new_tokens=MAX_NEW, block_size=4, stop_token_ids=[])
+    assert out.token_ids == reference.token_ids
+    with pytest.raises(ConfigError, match="drafter kind 'nope' is not supported"):
+        dataclasses.replace(d.config, kind="nope").validate()
 
 
 @pytest.mark.parametrize("width", [2, 5, 8])

@@ -17,6 +17,9 @@ import jax
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from dflash_jax.config import DrafterSchema, register_drafter_schema
+from dflash_jax.models.drafter import MODULE_CLASSES, DFlashDrafter
+
 # (logits [B, *, Vd], per-row PRNG keys [B] or None) → (draft-vocabulary ids [B, *], the distribution they were
 # drawn from [B, *, Vd] or None): an argmax without keys, else a draw from the filtered distribution. The loop
 # builds it from the sampling settings; a kind calls it wherever it picks drafts.
@@ -26,7 +29,14 @@ KINDS: dict[str, type["DrafterKind"]] = {}
 
 
 def register(cls: type["DrafterKind"]) -> type["DrafterKind"]:
-    """Register a kind under ``cls.name`` (the drafter config's ``kind``)."""
+    """Register a kind under ``cls.name`` (the drafter config's ``kind``): its decoding side here, its config
+    side (``cls.schema``) with :mod:`dflash_jax.config`, its module class (``cls.module_class``) with
+    :data:`dflash_jax.models.drafter.MODULE_CLASSES`, so that parsing, validation, loading and export know it
+    without naming it."""
+    if cls.schema.kind != cls.name:
+        raise ValueError(f"drafter kind {cls.name!r} registers a schema named {cls.schema.kind!r}")
+    register_drafter_schema(cls.schema)
+    MODULE_CLASSES[cls.name] = cls.module_class
     KINDS[cls.name] = cls
     return cls
 
@@ -47,10 +57,8 @@ class DrafterKind:
     """How one kind of drafter drafts. Wraps a drafter module; created where the loop traces (cheap)."""
 
     name: ClassVar[str]
-    # Drafts left to right (each draft conditioned on the one before): a compact step then drafts the whole
-    # block before its tier switch. A parallel kind's per-position logits can instead be read over the
-    # verified windows only (:meth:`draft_logits`, inside the tier's branch).
-    sequential: ClassVar[bool] = False
+    schema: ClassVar[DrafterSchema]  # the config side: parsing, validation, export, verify width
+    module_class: ClassVar[type[DFlashDrafter]] = DFlashDrafter  # the drafter module (weights, checkpoint names)
 
     def __init__(self, module):
         self.module = module
@@ -58,6 +66,13 @@ class DrafterKind:
     @property
     def config(self):
         return self.module.config
+
+    @property
+    def sequential(self) -> bool:
+        """Drafts left to right (each draft conditioned on the one before): a compact step then drafts the
+        whole block before its tier switch. A parallel kind's per-position logits can instead be read over the
+        verified windows only (:meth:`draft_logits`, inside the tier's branch)."""
+        return self.schema.sequential
 
     @property
     def has_confidence(self) -> bool:

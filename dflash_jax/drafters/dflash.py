@@ -3,7 +3,9 @@ target's LM head at once (SPEC §2). The module is :class:`dflash_jax.models.dra
 
 from __future__ import annotations
 
+from dflash_jax.config import DrafterSchema
 from dflash_jax.drafters.base import DrafterKind, register
+from dflash_jax.models.drafter import DFlashDrafter
 
 
 @register
@@ -11,6 +13,9 @@ class DFlash(DrafterKind):
     """``[anchor, MASK × (L-1)]`` in, the drafts are the picks of positions 1 … L-1; no confidences."""
 
     name = "dflash"
+    # No ``detect``: the kind of every drafter config no other kind claims.
+    schema = DrafterSchema(kind="dflash", architecture="DFlashDraftModel")
+    module_class = DFlashDrafter
 
     def draft(self, target, hidden, anchor, pick, key, cap=None):
         ids, q = pick(self.draft_logits(hidden, target), key)

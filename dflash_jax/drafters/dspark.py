@@ -7,7 +7,47 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.config import ConfigError, DrafterConfig, DrafterSchema, ModelConfig
 from dflash_jax.drafters.base import DrafterKind, register
+from dflash_jax.models.drafter import DSparkDrafter
+
+
+def _detect(cfg, value) -> bool:
+    """``dflash_config.projector_type: "dspark"`` or a DSpark architecture."""
+    projector = str(value("projector_type", "") or "").lower()
+    archs = " ".join(cfg.get("architectures") or []).lower()
+    return projector == "dspark" or "dspark" in archs
+
+
+def _fields(value, layers: ModelConfig) -> dict:
+    temps = value("confidence_temperatures")
+    draft_vocab = value("draft_vocab_size")
+    return dict(
+        markov_rank=int(value("markov_rank", 256)),
+        draft_vocab_size=int(draft_vocab) if draft_vocab and int(draft_vocab) != layers.vocab_size else None,
+        confidence_head=bool(value("use_confidence_head", True)),
+        confidence_temperatures=tuple(float(t) for t in temps) if temps else None,
+    )
+
+
+def _check(c: DrafterConfig) -> None:
+    if c.markov_rank <= 0:
+        raise ConfigError(f"DSpark markov_rank must be positive, got {c.markov_rank}")
+    if c.draft_vocab_size is not None and not 0 < c.draft_vocab_size <= c.layers.vocab_size:
+        raise ConfigError(f"draft_vocab_size {c.draft_vocab_size} must be in [1, vocab_size "
+                          f"{c.layers.vocab_size}]")
+    temps = c.confidence_temperatures
+    if temps is not None and (len(temps) != c.block_size or any(not t > 0 for t in temps)):
+        raise ConfigError(f"confidence_temperatures must be {c.block_size} positive numbers (one per "
+                          f"draft position), got {list(temps)}")
+
+
+def _to_hf(c: DrafterConfig, out: dict) -> None:
+    out["dflash_config"].update(projector_type="dspark", markov_rank=c.markov_rank,
+                                use_confidence_head=c.confidence_head)
+    if c.confidence_temperatures is not None:
+        out["dflash_config"]["confidence_temperatures"] = list(c.confidence_temperatures)
+    out["draft_vocab_size"] = c.draft_vocab
 
 
 @register
@@ -19,7 +59,9 @@ class DSpark(DrafterKind):
     :func:`dflash_jax.decode.sampling.accept_sampled` exact. Confidences ``c_k = σ(z_k / T_k)``."""
 
     name = "dspark"
-    sequential = True
+    schema = DrafterSchema(kind="dspark", architecture="DSparkDraftModel", sequential=True, detect=_detect,
+                           fields=_fields, check=_check, to_hf=_to_hf)
+    module_class = DSparkDrafter
 
     @property
     def has_confidence(self) -> bool:

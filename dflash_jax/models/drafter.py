@@ -9,12 +9,14 @@ and written into the drafter's :class:`~dflash_jax.models.target.KVCache`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from dflash_jax.config import DrafterConfig
+from dflash_jax.config import ConfigError, DrafterConfig
 from dflash_jax.kernels.attention import draft_attention, read_after
 from dflash_jax.models.layers import MLP, Dense, Embed, RMSNorm, Rope, apply_rope, matmul
 from dflash_jax.models.target import KVCache, write_rows
@@ -74,6 +76,9 @@ class DraftHead(nnx.Variable):
 
 class DFlashDrafter(nnx.Module):
     """z-lab ``DFlashDraftModel``: fc, hidden_norm, Qwen3-style layers, norm. No embeddings, no lm_head."""
+
+    # Checkpoint tensors that are no parameter of the module (the loader reads them itself, e.g. ``d2t``).
+    checkpoint_extras: tuple[str, ...] = ()
 
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
@@ -146,6 +151,10 @@ class DFlashDrafter(nnx.Module):
     def to_target_ids(self, draft_ids: Int[Array, "*b"]) -> Int[Array, "*b"]:
         return draft_ids if self.d2t is None else jnp.take(self.d2t[...], draft_ids)
 
+    def keep_draft_columns(self, ids: Int[Array, "Vd"]) -> None:
+        """Drafting over target ids ``ids`` only: weights over the draft vocabulary keep those columns (none
+        here: the LM head rows and ``d2t`` are set by :func:`dflash_jax.loading.restrict_draft_vocab`)."""
+
     def to_target_probs(self, q: Float[Array, "*b Vd"]) -> Float[Array, "*b V"]:
         """A draft-vocabulary distribution as one over the target vocabulary (zero outside the draft vocab)."""
         if self.d2t is None:
@@ -205,6 +214,15 @@ class DSparkDrafter(DFlashDrafter):
         if cfg.draft_vocab_size:
             self.d2t = TokenMap(jnp.arange(cfg.draft_vocab, dtype=jnp.int32))
 
+    checkpoint_extras = ("d2t", "draft_id_to_target_id", "t2d")
+
+    def keep_draft_columns(self, ids: Int[Array, "Vd"]) -> None:
+        """The Markov head's bias is over the draft vocabulary: keep the columns of target ids ``ids`` (in
+        place, on a copy the caller made; the config then says the reduced ``draft_vocab_size``)."""
+        self.config = dataclasses.replace(self.config, draft_vocab_size=int(ids.shape[0])).validate()
+        w2 = self.markov_head.markov_w2.kernel
+        w2.set_value(jnp.take(w2[...], jnp.asarray(ids, jnp.int32), axis=1))
+
     def base_logits(self, hidden: Float[Array, "B G D"], target) -> Float[Array, "B G Vd"]:
         """``U_k``: the target's lm_head on the trunk's hidden states, over the draft vocabulary."""
         return self.draft_logits(hidden, target)
@@ -214,11 +232,13 @@ class DSparkDrafter(DFlashDrafter):
         return jnp.asarray(temps[:g] if temps else (1.0,) * g, jnp.float32)
 
 
-# The module class of each drafter kind (``DrafterConfig.kind``); the decoding side of a kind is in
-# :mod:`dflash_jax.drafters`.
-MODULE_CLASSES: dict[str, type[DFlashDrafter]] = {"dflash": DFlashDrafter, "dspark": DSparkDrafter}
+# The module class of each drafter kind (``DrafterConfig.kind``), filled as :mod:`dflash_jax.drafters` registers
+# the kinds (the decoding side of a kind is there).
+MODULE_CLASSES: dict[str, type[DFlashDrafter]] = {}
 
 
 def module_class(cfg: DrafterConfig) -> type[DFlashDrafter]:
     """The module class a drafter of config ``cfg`` is built from."""
+    if cfg.kind not in MODULE_CLASSES:
+        raise ConfigError(f"drafter kind {cfg.kind!r} has no module class (registered: {tuple(MODULE_CLASSES)})")
     return MODULE_CLASSES[cfg.kind]

@@ -20,14 +20,18 @@ V vocabulary, R Markov rank.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from dflash_jax.config import ConfigError, DrafterConfig
 from dflash_jax.kernels.common import NEG_INF
+from dflash_jax.loading import Drafter, dspark_from_dflash
 from dflash_jax.models.drafter import DFlashDrafter, DSparkDrafter
 from dflash_jax.models.layers import apply_rope
 from dflash_jax.models.target import TargetModel
@@ -187,8 +191,12 @@ def anchor_acceptance(drafter: DFlashDrafter, target: TargetModel, batch: dict,
     (1 + leading correct drafts), labels being the row's own tokens. Inference gives exactly these numbers
     at the anchors it visits (tests/test_real_pair.py checks this on the real pair). A DSpark drafter
     drafts sequentially (``dspark_acceptance``; ``block_size`` then counts its drafts)."""
-    if drafter.config.sequential:
-        return dspark_acceptance(drafter, target, batch, block_size)[0]
+    return objective_for(drafter.config.kind).acceptance(drafter, target, batch, block_size)
+
+
+def dflash_acceptance(drafter: DFlashDrafter, target: TargetModel, batch: dict,
+                      block_size: int) -> Int[Array, "Bs A"]:
+    """``anchor_acceptance`` for DFlash: every draft of a block read at once."""
     cfg = drafter.config
     features = target_features(target, batch["tokens"], cfg.target_layer_ids)
     block_ids, positions, labels, label_ok = block_inputs(batch["tokens"], batch["lengths"], batch["anchors"],
@@ -410,6 +418,62 @@ def dspark_acceptance(drafter: DSparkDrafter, target: TargetModel, batch: dict, 
     hidden = drafter_forward_blocks(drafter, target, features, ids, positions, batch["anchors"])
     drafts, z = sequential_drafts(drafter, target, hidden, ids[..., 0])
     return _leading((drafts == labels) & label_ok) + 1, z
+
+
+# --------------------------------------------------------------------------------------------------
+# The objective of each drafter kind
+# --------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    """How one drafter kind trains. ``loss(drafter, target, batch, *, weights, ce_chunk_rows)`` → (loss,
+    metrics); ``acceptance(drafter, target, batch, block_size)`` → [Bs, A] (``anchor_acceptance``);
+    ``replay(drafter, target, batch, verify_width)`` → (acceptance [Bs, A], confidence logits [Bs, A, G] or
+    None), what held-out replay and calibration read; ``check(cfg)`` raises for a drafter it cannot train;
+    ``warm_start(drafter, spec)`` builds a drafter of this kind on the trunk of ``drafter``, one of another
+    kind (``spec``: the run's ``training.drafter`` section), where the kind can start so."""
+
+    loss: Callable
+    acceptance: Callable
+    replay: Callable
+    check: Callable[[DrafterConfig], None] | None = None
+    warm_start: Callable[[Drafter, Any], Drafter] | None = None
+
+
+OBJECTIVES: dict[str, Objective] = {}
+
+
+def objective_for(kind: str) -> Objective:
+    """The training objective of drafter kind ``kind``."""
+    if kind not in OBJECTIVES:
+        raise ConfigError(f"drafter kind {kind!r} has no training objective (known: {tuple(OBJECTIVES)})")
+    return OBJECTIVES[kind]
+
+
+def _dflash_replay(drafter, target, batch, verify_width):
+    return dflash_acceptance(drafter, target, batch, verify_width), None
+
+
+def _dspark_acceptance(drafter, target, batch, num_drafts):
+    return dspark_acceptance(drafter, target, batch, num_drafts)[0]
+
+
+def _dspark_replay(drafter, target, batch, verify_width):
+    return dspark_acceptance(drafter, target, batch, verify_width - 1)
+
+
+def _dspark_check(cfg: DrafterConfig) -> None:
+    if cfg.draft_vocab_size is not None:
+        raise ConfigError("training a DSpark drafter with a reduced draft vocabulary is not supported")
+
+
+def _dspark_warm_start(drafter: Drafter, spec) -> Drafter:
+    return dspark_from_dflash(drafter, spec.block_size, spec.markov_rank, seed=spec.seed)
+
+
+OBJECTIVES["dflash"] = Objective(loss=dflash_loss, acceptance=dflash_acceptance, replay=_dflash_replay)
+OBJECTIVES["dspark"] = Objective(loss=dspark_loss, acceptance=_dspark_acceptance, replay=_dspark_replay,
+                                 check=_dspark_check, warm_start=_dspark_warm_start)
 
 
 def cosine_with_warmup(peak_lr: float, total_steps: int, warmup_frac: float = 0.04):

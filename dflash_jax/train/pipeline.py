@@ -21,11 +21,12 @@ import yaml
 from tqdm.auto import tqdm
 
 from dflash_jax import drafters
-from dflash_jax.config import DRAFTER_KINDS, ConfigError
-from dflash_jax.loading import (Drafter, Target, deepen_drafter, dspark_from_dflash, load_drafter, load_target,
-                                random_drafter, with_confidence_temperatures)
+from dflash_jax.config import ConfigError, drafter_kinds, drafter_schema
+from dflash_jax.loading import (Drafter, Target, deepen_drafter, load_drafter, load_target, random_drafter,
+                                with_confidence_temperatures)
 from dflash_jax.train import data as data_mod
 from dflash_jax.train import sts
+from dflash_jax.train.objective import OBJECTIVES, objective_for
 from dflash_jax.train.trainer import Trainer, TrainSettings, plot_history
 
 log = logging.getLogger("dflash_jax")
@@ -142,9 +143,10 @@ def load_run_config(path: str | Path, out_dir: str | None = None) -> RunConfig:
         eval=_section(EvalSpec, tr.get("eval"), "training.eval"),
         export_dtype=str(tr.get("export_dtype", "bfloat16")),
     )
-    if cfg.drafter.kind not in DRAFTER_KINDS:
-        raise ConfigError(f"{path}: training.drafter.kind must be one of {DRAFTER_KINDS}, got {cfg.drafter.kind!r}")
-    least = 1 if cfg.drafter.kind == "dspark" else 2  # a DSpark block of γ inputs gives γ drafts
+    kinds = tuple(k for k in drafter_kinds() if k in OBJECTIVES)  # registered, and trainable
+    if cfg.drafter.kind not in kinds:
+        raise ConfigError(f"{path}: training.drafter.kind must be one of {kinds}, got {cfg.drafter.kind!r}")
+    least = drafter_schema(cfg.drafter.kind).min_block_size  # a DSpark block of γ inputs gives γ drafts
     if cfg.drafter.block_size < least:
         raise ConfigError(f"{path}: training.drafter.block_size must be >= {least}, got {cfg.drafter.block_size}")
     if cfg.data.sampled_responses < 0 or (cfg.data.sampled_responses and not cfg.data.sample_temperature > 0):
@@ -337,13 +339,15 @@ class Pipeline:
         s = self.cfg.drafter
         if s.init_from:
             d = load_drafter(s.init_from, self.target, dtype="float32")
-            if s.kind == "dspark" and not d.config.sequential:  # a DFlash trunk: any γ, same or more layers
+            warm_start = objective_for(s.kind).warm_start  # e.g. DSpark on a DFlash trunk: any γ, same or more layers
+            if d.config.kind != s.kind and warm_start is not None:
                 if d.config.layers.num_layers > s.num_layers:
                     raise ConfigError(f"init_from drafter {s.init_from} has {d.config.layers.num_layers} layers; the "
                                       f"config asks for {s.num_layers} (a warm start may add layers, not remove them)")
                 d = deepen_drafter(d, s.num_layers, seed=s.seed)
-                log.info("init_from: DSpark drafter (γ = %d) on the trunk of %s", s.block_size, s.init_from)
-                return dspark_from_dflash(d, s.block_size, s.markov_rank, seed=s.seed)
+                log.info("init_from: %s drafter (block size %d) on the trunk of %s", s.kind, s.block_size,
+                         s.init_from)
+                return warm_start(d, s)
             if d.config.kind != s.kind:
                 raise ConfigError(f"init_from drafter {s.init_from} is a {d.config.kind} drafter; the config asks "
                                   f"for {s.kind}")

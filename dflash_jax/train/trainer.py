@@ -26,9 +26,8 @@ from tqdm.auto import tqdm
 from dflash_jax import drafters
 from dflash_jax.config import ConfigError
 from dflash_jax.loading import Drafter, Target
-from dflash_jax.train.objective import (anchor_acceptance, cosine_with_warmup, default_gamma, dflash_loss,
-                                        dspark_acceptance, dspark_loss, loss_weights, repeated_blocks,
-                                        sample_anchors, walked_cycles, walked_tau)
+from dflash_jax.train.objective import (cosine_with_warmup, default_gamma, loss_weights, objective_for,
+                                        repeated_blocks, sample_anchors, walked_cycles, walked_tau)
 
 log = logging.getLogger("dflash_jax")
 
@@ -136,8 +135,9 @@ class Trainer:
         dc.check_target(target.config)
         if dc.verify_width < 2:
             raise ConfigError(f"block size must be >= 2, got {dc.block_size}")
-        if dc.sequential and dc.draft_vocab_size is not None:
-            raise ConfigError("training a DSpark drafter with a reduced draft vocabulary is not supported")
+        objective = objective_for(dc.kind)
+        if objective.check is not None:
+            objective.check(dc)
         if not 0.0 < settings.repeat_anchor_weight <= 1.0:
             raise ConfigError(f"repeat_anchor_weight must be in (0, 1], got {settings.repeat_anchor_weight}")
         if settings.ce_chunk_rows is not None and settings.ce_chunk_rows < 1:
@@ -166,13 +166,13 @@ class Trainer:
         tx = make_optimizer(self.s)
         d_graph, t_graph, weights, cdt = self.d_graph, self.t_graph, self.weights, self.compute_dtype
         ce_chunk_rows = self.s.ce_chunk_rows
-        sequential = self.drafter.config.sequential
-        objective = dspark_loss if sequential else dflash_loss
+        objective = objective_for(self.drafter.config.kind)
+        loss, replay, verify_width = objective.loss, objective.replay, self.block_size
 
         def loss_fn(params, t_state, batch):
             drafter = nnx.merge(d_graph, jax.tree.map(lambda x: x.astype(cdt), params))
             target = nnx.merge(t_graph, t_state)
-            return objective(drafter, target, batch, weights=weights, ce_chunk_rows=ce_chunk_rows)
+            return loss(drafter, target, batch, weights=weights, ce_chunk_rows=ce_chunk_rows)
 
         def step(params, opt_state, t_state, batch, lr):
             grads, metrics = jax.grad(loss_fn, has_aux=True)(params, t_state, batch)
@@ -195,9 +195,7 @@ class Trainer:
             """(acceptance [Bs, A], DSpark's confidence logits [Bs, A, G] or None)."""
             drafter = nnx.merge(d_graph, jax.tree.map(lambda x: x.astype(cdt), params))
             target = nnx.merge(t_graph, t_state)
-            if sequential:
-                return dspark_acceptance(drafter, target, batch, self.block_size - 1)
-            return anchor_acceptance(drafter, target, batch, self.block_size), None
+            return replay(drafter, target, batch, verify_width)
 
         accept_jitted = jax.jit(accept, compiler_options=self.compiler_options)
 
