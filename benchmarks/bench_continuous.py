@@ -1,4 +1,4 @@
-"""Continuous batching (:mod:`dflash_jax.continuous`): throughput by refill size, and where a pool's time goes.
+"""Continuous batching (:mod:`dflash_jax.engine.pool`): throughput by refill size, and where a pool's time goes.
 
 For each pool size and refill size, every evaluation prompt (HumanEval + MT-Bench, ``bench_schedule.py``'s file)
 through one pool, autoregressive and speculative (``--modes``), after an untimed run (programs compiled): tokens/s,
@@ -27,21 +27,29 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_jax import continuous, load_drafter, load_target  # noqa: E402
+from dflash_jax import load_drafter, load_target  # noqa: E402
+from dflash_jax.engine import job as jobs  # noqa: E402
+from dflash_jax.engine import pool as pools  # noqa: E402
 from dflash_jax.loading import shipped_drafter_dir  # noqa: E402
+from dflash_jax.settings import DecodeSettings  # noqa: E402
 
 PROMPTS = Path(__file__).resolve().parent / "data" / "schedule_prompts.json"
 
 
+def pool_settings(target, drafter, prompts, mode: str, b: int, max_new: int) -> DecodeSettings:
+    """A pool of ``b`` rows over ``prompts``: autoregressive without a drafter, else speculative with the
+    drafter's trained block and verify mode ``mode``."""
+    spec = {} if drafter is None else dict(block_size=drafter.config.verify_width, verify_mode=mode)
+    return DecodeSettings.build(target, drafter, len(prompts), max_new, batch_size=b, **spec)
+
+
 def run(target, drafter, prompts, mode: str, b: int, r: int, max_new: int, before_timed=lambda: None) -> dict:
-    kw = dict(batch_size=b, refill_size=r, max_new_tokens=max_new,
-              block_size=1 if mode == "ar" else drafter.config.verify_width,
-              verify_mode="static" if mode == "ar" else mode)
     d = None if mode == "ar" else drafter
-    continuous.run(target, d, prompts, **kw)  # compile
+    settings = pool_settings(target, d, prompts, mode, b, max_new)
+    pools.run(target, d, prompts, settings, refill_size=r)  # compile
     before_timed()
     t0 = time.perf_counter()
-    out = continuous.run(target, d, prompts, **kw)
+    out = pools.run(target, d, prompts, settings, refill_size=r)
     wall = time.perf_counter() - t0
     s = out.stats
     return dict(tokens_per_s=s["new_tokens"] / wall, wall_s=wall, tokens=s["new_tokens"], cycles=s["cycles"],
@@ -72,7 +80,7 @@ def static_batches(target, drafter, prompts, mode: str, b: int, max_new: int) ->
 def breakdown(target, drafter, prompts, mode: str, b: int, r: int, max_new: int) -> dict:
     """The same run with a sync after every program: seconds in decode segments and in refills."""
     spent = {"decode": 0.0, "refill": 0.0}
-    pool_cls = continuous._Pool
+    pool_cls = pools.Pool
     plain_decode, plain_refill = pool_cls.decode, pool_cls.refill
 
     def timed(name, fn):
@@ -101,19 +109,16 @@ def profile_refill(target, drafter, prompts, b: int, r: int, max_new: int, repea
     """A refill alone: ``repeats`` refills of the same r prompts into rows 0…r-1 of a pool of b rows, each
     synced (wall ms each), then the device's kernel time per refill (JAX profiler, top kernels)."""
     from common import device_profile
-    from dflash_jax import generation
 
-    kw = dict(batch_size=b, refill_size=r, max_new_tokens=max_new, block_size=drafter.config.verify_width,
-              verify_mode="static")
-    continuous.run(target, drafter, prompts, **kw)  # compiles every program
-    sp = generation.sampling_params(len(prompts))
-    lens, max_new_rows = generation._checked_lengths(target.config, prompts, max_new)
-    new_cap = generation.bucket(int(max_new_rows.max()))
-    pool = generation.PoolShape(new_cap, generation.cache_length(generation.bucket(int(lens.max())), new_cap,
-                                                                 drafter.config.verify_width), sp)
-    job = generation.prepare(target, drafter, prompts[:b], max_new_tokens=max_new, pool=pool, seed=0,
-                             block_size=drafter.config.verify_width, verify_mode="static")
-    p = continuous._Pool(job, b, r, sp, max_new_rows, 0)
+    settings = pool_settings(target, drafter, prompts, "static", b, max_new)
+    pools.run(target, drafter, prompts, settings, refill_size=r)  # compiles every program
+    rows = settings.rows
+    lens = jobs.checked_lengths(target.config, prompts, rows.max_new)
+    new_cap = jobs.bucket(int(rows.max_new.max()))
+    pool = jobs.PoolShape(new_cap, jobs.cache_length(jobs.bucket(int(lens.max())), new_cap, settings.block_size))
+    first = np.arange(min(b, len(prompts)))
+    job = jobs.prepare(target, drafter, prompts[:b], settings.with_rows(rows.take(first)), pool=pool)
+    p = pools.Pool(job, b, r, rows.sampling, rows.max_new, settings.seed)
     p.start(np.arange(b), 0.0)
     longest = np.argsort([-len(x) for x in prompts])[:r]  # the largest prompt bucket
 

@@ -40,8 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import QWEN3_8B, SMOLLM2_135M, copy_bandwidth, param_bytes, random_target  # noqa: E402
 from dflash_jax import (generate, load_drafter, load_target, random_drafter, speculative_generate,  # noqa: E402
                         speculative_stream, stream_generate)
-from dflash_jax import generation, streaming  # noqa: E402
+from dflash_jax import streaming  # noqa: E402
 from dflash_jax.config import RopeConfig  # noqa: E402
+from dflash_jax.engine import job as jobs  # noqa: E402
 from dflash_jax.loading import shipped_drafter_dir  # noqa: E402
 from dflash_jax.tuning import Tuning  # noqa: E402
 
@@ -195,27 +196,27 @@ def segments_case(repeats: int, cycles: int = 8) -> dict:
     kw = dict(max_new_tokens=256, stop_token_ids=[])
 
     def whole():
-        job = generation.make_job(target, drafter, prompts, chat=False, block_size=16, **kw)
+        job = jobs.make(target, drafter, prompts, chat_template=False, block_size=16, **kw)
         state, packed = job.programs.prefill(*job.pre_args)
         packed.block_until_ready()
         t0 = time.perf_counter()
-        state, packed = job.programs.decode(job.params, state, generation.ALL_CYCLES)
+        state, packed = job.programs.decode(job.params, state, jobs.ALL_CYCLES)
         np.asarray(packed)
         return time.perf_counter() - t0, 1
 
     def segmented():
-        job = generation.make_job(target, drafter, prompts, chat=False, block_size=16, **kw)
+        job = jobs.make(target, drafter, prompts, chat_template=False, block_size=16, **kw)
         state, packed = job.programs.prefill(*job.pre_args)
         packed.block_until_ready()
         t0, n = time.perf_counter(), 0
         while True:
             state, packed = job.programs.decode(job.params, state, np.int32(cycles))
             n += 1
-            if generation.fetch_view(job, packed).done.all():
+            if jobs.fetch_view(job, packed).done.all():
                 return time.perf_counter() - t0, n
 
     def stream(segment_cycles=cycles):
-        job = generation.make_job(target, drafter, prompts, chat=False, block_size=16, **kw)
+        job = jobs.make(target, drafter, prompts, chat_template=False, block_size=16, **kw)
         t0 = time.perf_counter()
         s = streaming.TokenStream(job, segment_cycles)
         for _ in s:
@@ -223,7 +224,7 @@ def segments_case(repeats: int, cycles: int = 8) -> dict:
         return time.perf_counter() - t0 - s.output.stats["time_to_first_token_s"], s.segments
 
     def empty_calls():  # the decode program's fixed cost: calls whose loop runs no cycle
-        job = generation.make_job(target, drafter, prompts, chat=False, block_size=16, **kw)
+        job = jobs.make(target, drafter, prompts, chat_template=False, block_size=16, **kw)
         state, packed = job.programs.prefill(*job.pre_args)
         packed.block_until_ready()
         t0 = time.perf_counter()

@@ -1,13 +1,13 @@
 """Verify modes across batch sizes: autoregressive vs static vs compact (confidence scheduler), and a mixed batch.
 
-* ``--calibrate``: first measure the step cost table for this machine (:func:`dflash_jax.costs.measure`) and
+* ``--calibrate``: first measure the step cost table for this machine (:func:`dflash_jax.engine.calibrate.measure`) and
   schedule with it (written to ``--out`` beside the results); otherwise the pair's / the shipped table is used.
 * Sweep: for each batch size, the evaluation prompts (HumanEval + MT-Bench first turns, token ids made here by
   ``--make-prompts``) in consecutive batches of that size, one call per batch, each mode on the same batches
   after an untimed pass over them (every shape bucket compiled). Per mode: tokens/s over the whole run (prefill + decode, host included), the
   mean per-row latency per token (a batch's wall time ÷ its mean answer length: what one user waits per token),
   τ, verified tokens per committed token, the tier histogram. Drawn as a throughput–latency spectrum.
-  ``--continuous``: every prompt through one pool of the batch's rows instead (:mod:`dflash_jax.continuous`: a
+  ``--continuous``: every prompt through one pool of the batch's rows instead (:mod:`dflash_jax.engine.pool`: a
   finished row takes the next prompt); latency is then each request's own, per token.
 * Mixed batch: code, chat and poetry prompts in one batch, cap-accept (whose commits equal compact's): mean
   window and utilisation (committed ÷ what the whole block would have committed) per kind.
@@ -37,9 +37,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_jax import continuous, costs, draft_vocab, generate, load_drafter, load_target, speculative_generate  # noqa: E402,E501
+from dflash_jax import costs, draft_vocab, generate, load_drafter, load_target, speculative_generate  # noqa: E402
 from dflash_jax import pairs  # noqa: E402
 from dflash_jax.cuda.attention import PROGRAMS_PER_SM  # noqa: E402
+from dflash_jax.engine import calibrate  # noqa: E402
+from dflash_jax.engine import pool as pools  # noqa: E402
+from dflash_jax.settings import DecodeSettings  # noqa: E402
 from dflash_jax.tuning import Tuning  # noqa: E402
 from dflash_jax.loading import restrict_draft_vocab, shipped_drafter_dir  # noqa: E402
 
@@ -77,9 +80,11 @@ def run_mode(mode: str, target, drafter, batches: list[list[list[int]]], max_new
     ``tuning``: the library's knobs (:class:`dflash_jax.tuning.Tuning`) for every call."""
     def call(batch):
         if pool:
-            return continuous.run(target, None if mode == "ar" else drafter, batch, max_new_tokens=max_new,
-                                  block_size=1 if mode == "ar" else drafter.config.verify_width,
-                                  verify_mode="static" if mode == "ar" else mode, tuning=tuning, **pool)
+            d = None if mode == "ar" else drafter
+            spec = {} if d is None else dict(block_size=d.config.verify_width, verify_mode=mode)
+            settings = DecodeSettings.build(target, d, len(batch), max_new, batch_size=pool["batch_size"],
+                                            tuning=tuning, **spec)
+            return pools.run(target, d, batch, settings, refill_size=pool["refill_size"])
         if mode == "ar":
             return generate(target, batch, max_new_tokens=max_new, tuning=tuning)
         return speculative_generate(target, drafter, batch, max_new_tokens=max_new, verify_mode=mode,
@@ -353,8 +358,8 @@ def main() -> int:
                       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip())
     if args.calibrate:
         t0 = time.perf_counter()
-        table = costs.measure(target, drafter, batches=[int(b) for b in args.batches.split(",")],
-                              pair=pair_name, progress=lambda line: print(line, flush=True), tuning=tuning)
+        table = calibrate.measure(target, drafter, batches=[int(b) for b in args.batches.split(",")],
+                                  pair=pair_name, progress=lambda line: print(line, flush=True), tuning=tuning)
         print(f"calibrated in {time.perf_counter() - t0:.0f} s", flush=True)
         # With the rows of an earlier calibration already in that file (same settings), their union.
         table = costs.save_table(args.out.with_name(args.out.stem + ".costs.json"), table)

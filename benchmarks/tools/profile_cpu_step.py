@@ -30,9 +30,11 @@ import numpy as np
 from jax.profiler import ProfileData
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
-from dflash_jax import costs, generation, load_pair  # noqa: E402
+from dflash_jax import costs, load_pair  # noqa: E402
 from dflash_jax.costs import CostTable  # noqa: E402
 from dflash_jax.decode import loop  # noqa: E402
+from dflash_jax.engine import job as jobs  # noqa: E402
+from dflash_jax.engine import programs as progs  # noqa: E402
 from dflash_jax.tuning import Tuning  # noqa: E402
 
 
@@ -46,11 +48,13 @@ def _same_positions(out, s):
 # prepared LoopSpec's fields (e.g. impl="cuda"). The jobs compile the prefill only: the steps run in programs
 # of their own.
 
-def _cycle(target, drafter, ids, spec_changes: dict, *, block_size: int = 16, **prepare_kw):
-    """(job, step): the decode loop's cycle (``loop.cycle``) on a job prepared with ``prepare_kw``, whose spec,
-    with ``spec_changes``, is the step's."""
-    job = generation.prepare(target, drafter, ids, max_new_tokens=64, block_size=block_size, stop_token_ids=[],
-                             decode=False, **prepare_kw)
+def _cycle(target, drafter, ids, spec_changes: dict, *, block_size: int = 16, **options):
+    """(job, step): the decode loop's cycle (``loop.cycle``) on a job prepared with ``options`` (the public
+    calls' keyword arguments), whose spec, with ``spec_changes``, is the step's. Without a drafter the job is
+    autoregressive (``block_size`` unused)."""
+    if drafter is not None:
+        options["block_size"] = block_size
+    job = jobs.make(target, drafter, ids, 64, stop_token_ids=[], decode=False, **options)
     job = dataclasses.replace(job, spec=dataclasses.replace(job.spec, **spec_changes))
     graphs = (job.target.split().static, job.drafter.split().static if job.drafter is not None else None)
 
@@ -73,8 +77,8 @@ def compact_step(target, drafter, ids, batch: int, *, ar_step: bool = True, one_
     """Every tier compiled and, with ``ar_step``, the step without drafting (tier index K); ``one_tier``: only the
     whole-block tier (a one-branch switch: no conditional at all). The job's spec is the step's."""
     every_tier = CostTable("", "", "", "", 16, 0, {1: {n: 3.0 * n for n in (1, 2, 4, 8, 16)}}, ar_ms={1: 0.5})
-    job = generation.prepare(target, drafter, ids, max_new_tokens=64, block_size=16, stop_token_ids=[],
-                             verify_mode="compact", cost_table=every_tier, decode=False, tuning=tuning)
+    job = jobs.make(target, drafter, ids, 64, block_size=16, stop_token_ids=[], verify_mode="compact",
+                    cost_table=every_tier, decode=False, tuning=tuning)
     spec = dataclasses.replace(job.spec, ar_step=ar_step, tiers=job.spec.tiers[-1:] if one_tier else job.spec.tiers,
                                **spec_changes)
     job = dataclasses.replace(job, spec=spec)
@@ -107,7 +111,7 @@ def step_loop(job, step, tier: int):
                                   (state, jnp.zeros((), jnp.int32)))[0]
 
     lowered = jax.jit(run, donate_argnums=1).lower(job.params, state, np.int32(0), np.int32(1))
-    fn = generation.compile_steps(lowered, job.spec, state)  # as the decode loop compiles its steps
+    fn = progs.compile_steps(lowered, job.spec, state)  # as the decode loop compiles its steps
     return fn, jax.block_until_ready(fn(job.params, state, np.int32(tier), np.int32(2)))
 
 
