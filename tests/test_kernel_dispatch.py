@@ -240,3 +240,40 @@ def test_moe_delta_rule_and_cache_writes_honour_the_impl(monkeypatch):
         cw.write_pending(kv, slots, lens, starts, caches, caches, width=4, kernels=kernels)
         cw.place_pending(kv, 16, kernels=kernels)
         assert calls == want, impl
+
+
+@pytest.mark.parametrize("family, extra", [
+    ("qwen3", {}),
+    ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)),
+    ("qwen3_5_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=24, norm_topk_prob=True)),
+])
+def test_a_family_declares_the_kernel_ops_its_target_runs(family, extra, monkeypatch):
+    """Tracing a family's target (prefill, then one cached step) asks the dispatch for exactly the family's own
+    kernel ops (``Family.kernel_ops``) beyond the attention ops every target runs (shapes only: nothing runs)."""
+    from flax import nnx
+
+    from conftest import tiny_config
+    from dflash_jax import families
+    from dflash_jax.config import HybridConfig
+
+    if family == "qwen3_5_moe":
+        extra = dict(extra, hybrid=HybridConfig(("linear_attention", "full_attention"), conv_kernel=4, key_heads=2,
+                                                value_heads=4, key_head_dim=8, value_head_dim=8, rotary_dim=4))
+    cfg = tiny_config(family, num_layers=2, **extra)
+    fam = families.of(cfg)
+    asked = set()
+    registered = dispatch.registered
+    monkeypatch.setattr(dispatch, "registered", lambda op, impl: asked.add(op) or registered(op, impl))
+    model = nnx.eval_shape(lambda: fam.model(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+
+    def run(state, tokens):
+        m = nnx.merge(graphdef, state)
+        cache = m.new_cache(2, 32)
+        _, _, cache = m(tokens, jnp.broadcast_to(jnp.arange(8), (2, 8)), cache, prefill=True)
+        return m(tokens[:, :1], jnp.full((2, 1), 8), cache)[0]
+
+    jax.eval_shape(run, state, jax.ShapeDtypeStruct((2, 8), jnp.int32))
+    assert set(fam.kernel_ops) <= asked <= set(fam.kernels), (sorted(asked), fam.kernels)
+    assert ("moe_experts" in asked) == ("moe_experts" in fam.kernel_ops)

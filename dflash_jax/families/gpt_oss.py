@@ -67,6 +67,7 @@ GPT_OSS = Family(
     FamilySchema("gpt_oss", ("gpt_oss",), fields=fields, prepare=prepare, check=check, attention_sinks=True),
     model=gpt_oss.GptOssTargetModel, checkpoint=checkpoint,
     sharding_rules=EXPERT_RULES + ((r"mlp\.experts\.(gate|up)_proj_bias$", ("experts", "mlp")),
-                                   (r"self_attn\.sinks$", ("q_heads",))))
+                                   (r"self_attn\.sinks$", ("q_heads",))),
+    kernel_ops=("moe_experts",))
 
 FAMILIES = (GPT_OSS,)

@@ -85,7 +85,8 @@ def checkpoint(cfg: ModelConfig, tensors: dict, dtype, source: str):
 
 def _family(schema: FamilySchema) -> Family:
     return Family(schema, model=hybrid.HybridTargetModel, checkpoint=checkpoint,
-                  sharding_rules=LINEAR_RULES + EXPERT_RULES)
+                  sharding_rules=LINEAR_RULES + EXPERT_RULES,
+                  kernel_ops=("delta_rule",) + (("moe_experts",) if schema.moe else ()))
 
 
 QWEN3_5 = _family(FamilySchema("qwen3_5", ("qwen3_5", "qwen3_5_text"), fields=qwen3_5_fields,

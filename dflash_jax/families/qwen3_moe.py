@@ -35,6 +35,6 @@ def moe_fields(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 QWEN3_MOE = Family(FamilySchema("qwen3_moe", ("qwen3_moe",), fields=moe_fields, qk_norm=True, moe=True),
-                   sharding_rules=EXPERT_RULES)
+                   sharding_rules=EXPERT_RULES, kernel_ops=("moe_experts",))
 
 FAMILIES = (QWEN3_MOE,)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from dflash_jax.config import ConfigError, FamilySchema, ModelConfig, register_schema
+from dflash_jax.kernels.dispatch import OPS
 from dflash_jax.models.moe import stack_experts
 from dflash_jax.models.target import TargetModel
 
@@ -45,12 +46,26 @@ class Family:
     (:class:`~dflash_jax.models.target.TargetModel` or a subclass; it builds the layers, ``new_cache`` gives the
     cache kind, and its forward / ``settle`` / cache carry any state beyond K/V). ``checkpoint``: HF tensors →
     the model's names and layout, and which checkpoint tensors to ignore. ``sharding_rules``: partition rules of
-    its own parameters, tried before :data:`dflash_jax.sharding.RULES` (the shared layers')."""
+    its own parameters, tried before :data:`dflash_jax.sharding.RULES` (the shared layers'). ``kernel_ops``: the
+    kernel ops (:data:`dflash_jax.kernels.dispatch.OPS`) its layers call beyond the attention every target runs
+    (:data:`ATTENTION_OPS`) — e.g. the routed experts or the delta rule; :attr:`kernels` lists them all."""
 
     schema: FamilySchema
     model: type[TargetModel] = TargetModel
     checkpoint: CheckpointMap = hf_checkpoint
     sharding_rules: ShardingRules = ()
+    kernel_ops: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        unknown = [op for op in self.kernel_ops if op not in OPS]
+        if unknown:
+            raise ConfigError(f"family {self.schema.name!r} needs kernel ops {unknown} that the kernel dispatch does "
+                              f"not know (ops: {tuple(OPS)})")
+
+    @property
+    def kernels(self) -> tuple[str, ...]:
+        """Every kernel op the family's target runs: the attention ops and its own."""
+        return ATTENTION_OPS + self.kernel_ops
 
     @property
     def name(self) -> str:
@@ -60,6 +75,9 @@ class Family:
     def model_types(self) -> tuple[str, ...]:
         return self.schema.model_types
 
+
+# The ops every target's attention runs (decode, prefill, compact's packed verify and its deferred cache writes).
+ATTENTION_OPS = ("cache_attention", "prefill_attention", "packed_verify_attention", "cache_write", "cache_place")
 
 _BY_NAME: dict[str, Family] = {}
 _BY_MODEL_TYPE: dict[str, Family] = {}
