@@ -1,26 +1,39 @@
-"""Verify modes on a target whose verified tokens cost real time: AR, static and compact at several batch sizes on
-a Qwen3-8B-shaped target (random bf16 weights, drawn on the device), with a drafter of chosen acceptance.
+r"""Verify modes on a target whose verified tokens cost real time: AR, static, compact and auto (the default mode
+users get) at several batch sizes on a Qwen3-8B-shaped target (``--shape 8b``) or a Qwen3-30B-A3B-shaped MoE target
+(``--shape moe``: 48 layers, 128 experts, top-8; ``common.QWEN3_30B_A3B``), random bf16 weights drawn on the
+device, with a drafter of chosen acceptance.
 
-The embedded 135M pair is launch-bound on an H200 (a whole block costs ≤ 1.5× one token per row even at batch
-128), so trimming can save little there (RESULTS.md, 2026-12-04). Here a verify token is a real share of an 8B
-step. The drafter is a DFlash drafter of the target's shape (``--drafter-layers`` random layers: its full cost —
-context projection, trunk over the block, the target's LM head over the drafts compact verifies) whose drafts
-are then forced to the target's own greedy continuation, each replaced by a wrong token with probability
-``--corrupt`` (seeded per position): draft j survives with probability (1 − p)^j, as a trained drafter's
-acceptance decays along the block (p = 0.3: τ ≈ 3.3 at block 16). Random weights' greedy text is what it is;
-only its cost and the acceptance pattern matter here.
+The embedded 135M pair is launch-bound on a GPU (a whole block costs ≤ 1.5× one token per row even at batch
+128), so trimming can save little there. Here a verify token is a real share of a step. The drafter is a DFlash
+drafter of the target's shape (``--drafter-layers`` random layers: its full cost — context projection, trunk over
+the block, the target's LM head over the drafts compact verifies) whose drafts are then forced to the target's
+own greedy continuation, each replaced by a wrong token with probability ``--corrupt`` (seeded per position):
+draft j survives with probability (1 − p)^j, as a trained drafter's acceptance decays along the block (p = 0.3:
+τ ≈ 3.3 at block 16; p = 0.2: τ ≈ 4.9). Random weights' greedy text is what it is; only its cost and the
+acceptance pattern matter here.
 
 Per batch (prompts of ``--prompt-len`` random ids, ``--max-new`` new tokens, no stop tokens): the AR reference
 (which also gives the continuation the drafter knows), the cost table for that batch
-(:func:`dflash_jax.engine.calibrate.measure`, unless ``--cost-table``), then static and compact, each timed after an
-untimed first call (median of ``--repeats``): tokens/s, τ, verified tokens per committed token, compact's tiers,
-and whether each mode's tokens equal AR's (bf16: a verify of several tokens may round differently from one
-step, so a few rows can differ; float32 runs are token-identical, tests/test_schedule.py).
+(:func:`dflash_jax.engine.calibrate.measure`, unless ``--cost-table``; it times the static step too when auto
+runs, as ``dflash-jax calibrate`` does for users: auto gets the whole table, compact the table without that
+column, so that it always runs its own tiers), then each of ``--modes`` (default static, compact, auto),
+each timed after an untimed first call (median of ``--repeats``): tokens/s, τ, verified tokens per committed
+token, the mode that ran (auto's resolution), compact's tiers, and whether each mode's tokens equal AR's (bf16: a
+verify of several tokens may round differently from one step, so a few rows can differ; float32 runs are
+token-identical, tests/test_schedule.py). ``--plot`` draws the throughput–latency curve of every mode and AR:
+tokens/s against per-row ms per token (1000 × batch ÷ tokens/s), log-log, each point labelled by its batch.
 
-    python benchmarks/bench_compact_scaled.py --batches 64 --out $OUT/scaled_64.json   # GPU (H200): a batch a call
-    python benchmarks/bench_compact_scaled.py --small --batches 2,4 --out /tmp/scaled_cpu.json   # CPU smoke test
+    # GPU: the Qwen3-8B shape at p = 0.2, the Qwen3-30B-A3B shape at p = 0.3
+    python benchmarks/bench_compact_scaled.py --batches 1,4,16,32,64,128 --corrupt 0.2 --out $OUT/8b.json \
+        --plot $OUT/8b.png
+    python benchmarks/bench_compact_scaled.py --shape moe --batches 1,4,16,32,64,128 --corrupt 0.3 --out $OUT/moe.json \
+        --plot $OUT/moe.png
+    # CPU smoke tests (tiny shapes)
+    python benchmarks/bench_compact_scaled.py --small --batches 2,4 --repeats 1 --out /tmp/s8b.json --plot /tmp/s8b.png
+    python benchmarks/bench_compact_scaled.py --small --shape moe --batches 2,4 --repeats 1 --out /tmp/smoe.json \
+        --plot /tmp/smoe.png
 
-The JSON is rewritten after each batch, so a run cut short keeps what it finished.
+The JSON and the plot are rewritten after each batch, so a run cut short keeps what it finished.
 """
 
 from __future__ import annotations
@@ -43,15 +56,27 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import QWEN3_8B, random_target  # noqa: E402
+from common import QWEN3_8B, QWEN3_30B_A3B, random_target  # noqa: E402
 from dflash_jax import costs, generate, random_drafter, speculative_generate  # noqa: E402
+from dflash_jax.config import model_config_from_hf  # noqa: E402
 from dflash_jax.engine import calibrate  # noqa: E402
 from dflash_jax.loading import Drafter  # noqa: E402
 from dflash_jax.models.drafter import DFlashDrafter  # noqa: E402
+from dflash_jax.models.moe import SparseMoE  # noqa: E402
 from dflash_jax.tuning import Kernels, Tuning  # noqa: E402
 
 SMALL = dataclasses.replace(QWEN3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=4,
                             num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=4096)
+# --shape: (name, full config, --small config); the small MoE as bench_families' SMALL["moe"] (16 experts of 32, top-4)
+SHAPES = {
+    "8b": ("qwen3-8b", QWEN3_8B, SMALL),
+    "moe": ("qwen3-30b-a3b", model_config_from_hf(QWEN3_30B_A3B),
+            model_config_from_hf(dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+                                      max_position_embeddings=4096))),
+}
+MODES = ("static", "compact", "auto")
 # --small on the CPU: cut XLA's compile time (tiny programs run instantly anyway).
 CPU_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
                     "xla_cpu_use_fusion_emitters": False, "xla_cpu_parallel_codegen_split_count": 1}
@@ -84,9 +109,10 @@ def make_predictable(target, seed: int = 0, residual_scale: float = 1e-2) -> Non
     permutation of the current one. Random weights' logits are nearly flat, so a 16-token verify and an AR step
     round differently in bf16, rows leave the AR text the drafter proposes, and every later draft is wrong
     (τ ~1.2 instead of ~3.3, almost no row identical to AR). Here the embedding
-    dominates the residual stream (each layer's output projections scaled by ``residual_scale``) and the LM head
-    is the embedding's rows permuted, so the permuted token's logit leads by ~√D times the rest's spread. Every
-    layer still runs at full size: only values change, not the cost."""
+    dominates the residual stream (each layer's output projections scaled by ``residual_scale``: attention's
+    ``o_proj`` and the MLP's ``down_proj`` — for a sparse MoE block the experts' stacked ``down_proj`` and the shared
+    expert's) and the LM head is the embedding's rows permuted, so the permuted token's logit leads by ~√D times
+    the rest's spread. Every layer still runs at full size: only values change, not the cost."""
     m = target.model
     v, d = m.embed_tokens.embedding[...].shape
     dtype = m.embed_tokens.embedding[...].dtype
@@ -95,8 +121,15 @@ def make_predictable(target, seed: int = 0, residual_scale: float = 1e-2) -> Non
     successor = np.random.default_rng(seed).permutation(v)  # token x is followed by successor[x]
     m.lm_head.kernel.set_value(embed[np.argsort(successor)].T)  # column y: the embedding of y's predecessor
     for layer in m.layers:
-        for dense in (layer.self_attn.o_proj, layer.mlp.down_proj):
-            dense.kernel.set_value((dense.kernel[...] * residual_scale).astype(dtype))
+        mlp = layer.mlp
+        if isinstance(mlp, SparseMoE):
+            outs = [mlp.experts.down_proj]
+            if mlp.shared_expert is not None:
+                outs.append(mlp.shared_expert.down_proj.kernel)
+        else:
+            outs = [mlp.down_proj.kernel]
+        for param in [layer.self_attn.o_proj.kernel] + outs:
+            param.set_value((param[...] * residual_scale).astype(dtype))
 
 
 def known_drafter(target, prompts: list[list[int]], continuations: list[list[int]], *, layers: int, block: int,
@@ -149,17 +182,20 @@ def batch_case(target, batch: int, args, table_file: Path | None) -> dict:
         table = earlier_table(table_file, batch)
     else:
         table = calibrate.measure(target, drafter, batches=(batch,), block_size=args.block_size,
-                                  context=args.prompt_len + args.max_new // 2, pair="qwen3-8b-shaped",
+                                  context=args.prompt_len + args.max_new // 2, pair=f"{args.shape_name}-shaped",
                                   progress=lambda line: print("  " + line, flush=True), tuning=args.tuning,
-                                  time_static=False)  # static runs below: compact's own tiers are compared with it
+                                  time_static="auto" in args.modes)  # auto reads it, as users' tables have it
     calibrate_s = time.perf_counter() - t0
     tokens = sum(map(len, ar.token_ids))
     out = dict(ar=dict(tokens_per_s=tokens / ar_s, wall_s=ar_s), cost_table=table.to_json(),
                calibrate_s=calibrate_s)
     print(f"batch {batch:4d} ar       {tokens / ar_s:9.1f} tok/s", flush=True)
-    for mode in ("static", "compact"):
-        res, wall = timed(lambda: speculative_generate(target, drafter, prompts, verify_mode=mode, cost_table=table,
-                                                       block_size=args.block_size, **kw), args.repeats)
+    for mode in args.modes:
+        # compact without the static column: its own tiers always (static runs beside it), not static's program
+        mode_table = dataclasses.replace(table, static_ms={}) if mode == "compact" else table
+        res, wall = timed(lambda: speculative_generate(target, drafter, prompts, verify_mode=mode,
+                                                       cost_table=mode_table, block_size=args.block_size, **kw),
+                          args.repeats)
         n = res.stats["new_tokens"]
         out[mode] = dict(tokens_per_s=n / wall, wall_s=wall, tau=res.tau,
                          verified_per_token=res.stats.get("verify_tokens", n * args.block_size) / n,
@@ -168,17 +204,70 @@ def batch_case(target, batch: int, args, table_file: Path | None) -> dict:
                          ar_steps=res.stats.get("ar_steps"))
         print(f"batch {batch:4d} {mode:8s} {n / wall:9.1f} tok/s  τ {res.tau:.2f}  "
               f"{out[mode]['verified_per_token']:.2f} verified per token  ({res.stats['verify_mode']})", flush=True)
-    out["compact_vs_static"] = out["compact"]["tokens_per_s"] / out["static"]["tokens_per_s"]
-    out["compact_vs_ar"] = out["compact"]["tokens_per_s"] / out["ar"]["tokens_per_s"]
-    out["static_vs_ar"] = out["static"]["tokens_per_s"] / out["ar"]["tokens_per_s"]
-    print(f"batch {batch:4d} compact ÷ static {out['compact_vs_static']:.2f}, compact ÷ AR "
-          f"{out['compact_vs_ar']:.2f}, static ÷ AR {out['static_vs_ar']:.2f}", flush=True)
+    ratios = []
+    if "compact" in out and "static" in out:
+        out["compact_vs_static"] = out["compact"]["tokens_per_s"] / out["static"]["tokens_per_s"]
+        ratios.append(f"compact ÷ static {out['compact_vs_static']:.2f}")
+    for mode in args.modes:
+        out[f"{mode}_vs_ar"] = out[mode]["tokens_per_s"] / out["ar"]["tokens_per_s"]
+        ratios.append(f"{mode} ÷ AR {out[f'{mode}_vs_ar']:.2f}")
+    print(f"batch {batch:4d} " + ", ".join(ratios), flush=True)
     return out
+
+
+def plot(result: dict, path: Path) -> None:
+    """The throughput–latency plot of ``result`` (this script's JSON, or its dict in memory): per mode and AR, a
+    line through its batches at x = per-row ms per token (1000 × batch ÷ tokens/s), y = tokens/s, log-log, each
+    point labelled by its batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    batches = sorted(result["batches"].items(), key=lambda kv: int(kv[0]))
+    modes = ["ar"] + [m for m in MODES + tuple(result.get("modes", ())) if m != "ar"]
+    modes = [m for m in dict.fromkeys(modes) if any(m in case for _, case in batches)]
+    fig, ax = plt.subplots(figsize=(8, 6), dpi=120)
+    for i, mode in enumerate(modes):
+        pts = [(int(b), case[mode]["tokens_per_s"]) for b, case in batches if mode in case]
+        xs = [1000.0 * b / tps for b, tps in pts]
+        ys = [tps for _, tps in pts]
+        label = "AR" if mode == "ar" else mode
+        if mode == "auto":
+            ran = sorted({case["auto"]["verify_mode"] for _, case in batches if "auto" in case})
+            label += f" (ran {', '.join(ran)})"
+        (line,) = ax.plot(xs, ys, marker="o", linestyle="--" if mode == "ar" else "-", label=label)
+        for (b, _), x, y in zip(pts, xs, ys):
+            ax.annotate(str(b), (x, y), textcoords="offset points", xytext=(5, 5 if i % 2 else -11), fontsize=8,
+                        color=line.get_color())  # modes alternate above and below, so coinciding points stay legible
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(plain)
+        axis.set_minor_formatter(plain)
+    ax.tick_params(which="minor", labelsize=7)
+    ax.set_xlabel("per-row latency, ms per token (1000 × batch ÷ tokens/s)")
+    ax.set_ylabel("throughput, tokens/s")
+    args = result.get("args", {})
+    ax.set_title(f"{result.get('shape', '?')}, {result.get('dtype', '')}, p = {args.get('corrupt', '?')}, "
+                 f"block {args.get('block_size', '?')}\n{result.get('device', '')} · points: batch", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--small", action="store_true", help="tiny shapes (a CPU smoke test, not a measurement)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b",
+                    help="8b: Qwen3-8B (dense); moe: Qwen3-30B-A3B (128 experts, top-8)")
+    ap.add_argument("--small", action="store_true", help="a tiny version of the shape (a CPU smoke test, not a "
+                                                         "measurement)")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help="speculative verify modes, comma-separated (default: %(default)s)")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-new", type=int, default=128)
@@ -192,24 +281,30 @@ def main() -> int:
     ap.add_argument("--cost-table", type=Path,
                     help="a costs file, or an earlier run's JSON (its table at each batch), instead of timing them")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--plot", type=Path, help="a PNG of the throughput–latency curves, rewritten after each batch")
     args = ap.parse_args()
+    args.modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    name, full, small = SHAPES[args.shape]
+    args.shape_name = f"small-{name}" if args.small else name
     args.tuning = Tuning()
     if args.small and jax.default_backend() == "cpu":
         args.tuning = args.tuning.with_compiler_options(CPU_FAST_COMPILE)
-    cfg = SMALL if args.small else QWEN3_8B
+    cfg = small if args.small else full
     target = random_target(cfg, jnp.dtype(args.dtype))
     if not args.flat_logits:
         make_predictable(target)
     device = jax.devices()[0]
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=getattr(device, "device_kind", str(device)),
-                  platform=platform.platform(), dtype=args.dtype, shape="small" if args.small else "qwen3-8b",
+                  platform=platform.platform(), dtype=args.dtype, shape=args.shape_name, modes=list(args.modes),
                   commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                         text=True).stdout.strip(),
                   args={k: str(v) for k, v in vars(args).items()}, batches={})
     for batch in (int(b) for b in args.batches.split(",")):
         result["batches"][batch] = batch_case(target, batch, args, args.cost_table)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"→ {args.out}")
+        if args.plot:
+            plot(result, args.plot)
+    print(f"→ {args.out}" + (f", {args.plot}" if args.plot else ""))
     return 0
 
 

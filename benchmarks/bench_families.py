@@ -3,7 +3,7 @@
 Random weights of the real shapes (bf16), drawn on the device, one model at a time (freed before the next):
 
 * ``moe``: Qwen3-30B-A3B (``qwen3_moe``: 48 layers, D 2048, 32 q / 4 kv heads of 128, 128 experts, top-8,
-  expert width 768, vocab 151936; its ``config.json`` below);
+  expert width 768, vocab 151936; its ``config.json`` is ``common.QWEN3_30B_A3B``);
 * ``hybrid``: Qwen3.5-9B (``qwen3_5_text``: 32 layers, 3 Gated DeltaNet layers then one gated full-attention
   layer, ×8; D 4096, 16 q / 4 kv heads of 256, linear attention 16 key / 32 value heads of 128, conv 4, MLP
   12288, vocab 248320, untied; the text part of its ``config.json`` below).
@@ -61,7 +61,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import copy_bandwidth, device_profile, param_bytes, print_profile  # noqa: E402
+from common import QWEN3_30B_A3B, copy_bandwidth, device_profile, param_bytes, print_profile  # noqa: E402
 from dflash_jax import generate, random_drafter, speculative_generate  # noqa: E402
 from dflash_jax import families  # noqa: E402
 from dflash_jax.engine import job as jobs  # noqa: E402
@@ -71,16 +71,6 @@ from dflash_jax.config import model_config_from_hf  # noqa: E402
 from dflash_jax.loading import Target, restrict_draft_vocab  # noqa: E402
 from dflash_jax.models import moe  # noqa: E402
 
-# Qwen/Qwen3-30B-A3B config.json (the fields the parser reads).
-QWEN3_30B_A3B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
-    "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
-    "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "rope_scaling": None,
-    "max_position_embeddings": 40960, "tie_word_embeddings": False, "attention_bias": False,
-    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
-    "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False, "bos_token_id": 151643,
-    "eos_token_id": 151645,
-}
 # Qwen/Qwen3.5-9B config.json's text_config.
 QWEN3_5_9B = {
     "model_type": "qwen3_5_text", "vocab_size": 248320, "hidden_size": 4096, "intermediate_size": 12288,

@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from dflash_jax import families
 from dflash_jax.config import ModelConfig, RopeConfig
 from dflash_jax.loading import Target
-from dflash_jax.models.target import TargetModel
 
 QWEN3_8B = ModelConfig(family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
                        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
@@ -23,16 +23,28 @@ SMOLLM2_135M = ModelConfig(family="llama", vocab_size=49152, hidden_size=576, in
                            num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
                            rope=RopeConfig(theta=100000.0), max_position_embeddings=8192,
                            tie_word_embeddings=True)
+# Qwen/Qwen3-30B-A3B config.json (the fields the parser reads; dflash_jax.config.model_config_from_hf parses it).
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0, "rope_scaling": None,
+    "max_position_embeddings": 40960, "tie_word_embeddings": False, "attention_bias": False,
+    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": True,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False, "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
 
 
 def random_target(cfg: ModelConfig, dtype, seed: int = 0) -> Target:
-    """Random weights generated on the device, one jitted draw per parameter (no host round trip)."""
-    model = nnx.eval_shape(lambda: TargetModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    """Random weights generated on the device, one jitted draw per parameter (no host round trip). The model is
+    the family's (``families.of(cfg).model``: MoE layers for a ``qwen3_moe`` config); kernels are scaled by
+    their fan-in (stacked experts ``[E, in, out]`` by ``in``)."""
+    model = nnx.eval_shape(lambda: families.of(cfg).model(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     draw = jax.jit(lambda key, shape, scale: (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype),
                    static_argnums=(1,))
     key = jax.random.key(seed)
     for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.Param))):
-        scale = 1.0 if path[-1] == "weight" else 1.0 / np.sqrt(var.shape[0])
+        scale = 1.0 if path[-1] == "weight" else 1.0 / np.sqrt(var.shape[-2] if len(var.shape) >= 3 else var.shape[0])
         value = draw(jax.random.fold_in(key, i), tuple(var.shape), scale)
         if path[-1] == "weight":  # norms: around 1
             value = (1.0 + 0.1 * value).astype(dtype)
