@@ -111,7 +111,7 @@ class GptOssDecoderLayer(DecoderLayer):
 
 
 class GptOssTargetModel(TargetModel):
-    """A gpt-oss causal LM: :class:`~dflash_jax.models.target.TargetModel` with :class:`GptOssDecoderLayer`\ s
+    """A gpt-oss causal LM: :class:`~dflash_jax.models.target.TargetModel` with :class:`GptOssDecoderLayer` layers
     and gpt-oss's final norm."""
 
     layer_class = GptOssDecoderLayer
