@@ -414,3 +414,18 @@ def smollm2_drafter(smollm2):
     from dflash_jax.loading import _ASSETS
 
     return load_drafter(_ASSETS / "smollm2-135m-dflash", smollm2)
+
+
+def hf_greedy_tokens(hf_model, prompts: list[list[int]], new: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (``new`` tokens, no stop token): what a family's port
+    must reproduce token for token (docs/port-a-model.md)."""
+    import torch  # the family tests import it anyway; other test files need not
+
+    out = []
+    for prompt in prompts:
+        with torch.no_grad():
+            ids = hf_model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                    eos_token_id=None, pad_token_id=0)
+        out.append(ids[0, len(prompt):].tolist())
+    return out
+

@@ -26,10 +26,10 @@ from safetensors.numpy import load_file, save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from conftest import random_prompts
+from conftest import hf_greedy_tokens, random_prompts
 from dflash_jax import generate, load_target, random_drafter, speculative_generate
 from dflash_jax.config import ConfigError, model_config_from_hf, rope_attention_factor
-from dflash_jax.models import gpt_oss, moe
+from dflash_jax.models import gpt_oss
 from dflash_jax.kernels import attention
 from dflash_jax.kernels import moe as kmoe
 from dflash_jax.tuning import Kernels
@@ -221,12 +221,7 @@ def greedy(ckpt):
 
 
 def test_greedy_generate_matches_transformers(ckpt, greedy):
-    hf = ckpt[0]
-    for prompt, row in zip(PROMPTS, greedy):
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-        assert row == out[0, len(prompt):].tolist()
+    assert greedy == hf_greedy_tokens(ckpt[0], PROMPTS, NEW)
 
 
 def test_speculative_decoding_is_lossless(ckpt, greedy):

@@ -18,7 +18,7 @@ import torch
 import transformers
 from flax import nnx
 
-from conftest import fast_options, random_prompts
+from conftest import fast_options, hf_greedy_tokens, random_prompts
 from dflash_jax import families, generate, load_target, random_drafter, speculative_generate
 from dflash_jax.config import model_config_from_hf
 from dflash_jax.models.target import TargetModel
@@ -97,12 +97,7 @@ def greedy(ckpt):
 
 
 def test_greedy_generate_matches_transformers(ckpt, greedy):
-    hf = ckpt[0]
-    for prompt, row in zip(PROMPTS, greedy):
-        with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-        assert row == out[0, len(prompt):].tolist()
+    assert greedy == hf_greedy_tokens(ckpt[0], PROMPTS, NEW)
 
 
 def test_speculative_decoding_is_lossless(ckpt, greedy):
