@@ -203,8 +203,11 @@ class VerifyMode(VerifyPolicy):
         return None
 
     def stats(self, spec, view, n: int, acc_lens: list[list[int]]) -> dict:
-        """What verifying cost (see :func:`dflash_jax.engine.job.verify_stats`), from the host view of ``n`` real
-        rows."""
+        """What verifying cost, from the host view of ``n`` real rows: ``verify_mode``, ``verify_tokens`` (tokens
+        through the target's verify, summed over rows and cycles), ``mean_window`` (the tokens per row and cycle
+        the schedule verifies or — cap-accept — commits from, anchor included: L for static); for scheduled modes
+        ``tier_steps`` (steps per compiled tier: {tokens: steps}), ``ar_steps`` (steps the scheduler ran without
+        drafting, when offered) and ``row_verify_tokens`` (each row's windows, summed)."""
         cycles = int(view.num_cycles[:n].sum())
         windows = int(view.verify_tokens[:n].sum()) if spec.scheduled else cycles * spec.block_size
         verified = cycles * spec.block_size if self.verifies_whole_blocks else windows
@@ -326,6 +329,8 @@ class CapAccept(Scheduled):
         return ops.verify(state, block, q, window)
 
     def stats(self, spec, view, n: int, acc_lens: list[list[int]]) -> dict:
+        """:meth:`VerifyMode.stats` and ``utilization``: committed tokens ÷ what committing every accepted draft of
+        the whole block would have given (1.0: trimming gave up nothing), ``row_untrimmed`` (that figure per row)."""
         out = super().stats(spec, view, n, acc_lens)
         committed = sum(sum(row) for row in acc_lens)
         out["utilization"] = committed / max(int(view.untrimmed[:n].sum()), 1)

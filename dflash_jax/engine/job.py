@@ -310,10 +310,10 @@ def collect(job: Job, packed, stats: dict | None = None) -> GenerationOutput:
     stats.setdefault("compile_s", job.compile_s)
     stats["new_tokens"] = int(view.num_new[:n].sum())
     stats["cycles"] = int(view.num_cycles[:n].max(initial=0))
-    if job.survival_width:
-        stats.update(survival_stats(view.survival_sum[:n], acc_lens))
-    if job.spec.block_size > 1:
-        stats.update(verify_stats(job.spec, view, n, acc_lens))
+    if job.survival_width:  # a scoring drafter's calibration
+        stats.update(drafters.survival_stats(view.survival_sum[:n], acc_lens))
+    if job.spec.block_size > 1:  # what verifying cost, as the verify mode reports it
+        stats.update(job.spec.verify_mode.stats(job.spec, view, n, acc_lens))
     return GenerationOutput(token_ids, texts, acc_lens, float(np.mean(all_acc)) if all_acc else 0.0, stats,
                             job.ids, finish_reasons(token_ids, job.stops))
 
@@ -333,22 +333,3 @@ def run(job: Job) -> GenerationOutput:
     out.stats["tokens_per_s"] = total / max(prefill_s + decode_s, 1e-9)
     out.stats["decode_tokens_per_s"] = (total - b) / max(decode_s, 1e-9)
     return out
-
-
-def survival_stats(survival_sum: np.ndarray, acc_lens: list[list[int]]) -> dict:
-    """A scoring drafter's calibration (:func:`dflash_jax.drafters.survival_stats`): ``predicted_survival[j]``
-    the mean predicted probability that draft j is accepted next to ``realized_survival[j]`` the fraction of
-    cycles that accepted it; ``predicted_tau`` vs the realised τ."""
-    return drafters.survival_stats(survival_sum, acc_lens)
-
-
-def verify_stats(spec: LoopSpec, view: DecodeView, n: int, acc_lens: list[list[int]]) -> dict:
-    """What verifying cost, as the verify mode reports it (:meth:`dflash_jax.decode.verify_modes.VerifyMode.stats`):
-    ``verify_mode``, ``verify_tokens`` (tokens through the target's verify, summed over rows and cycles),
-    ``mean_window`` (the tokens per row and cycle the schedule verifies or — cap-accept — commits from, anchor
-    included: L for static); for scheduled modes ``tier_steps`` (steps per compiled tier: {tokens: steps}),
-    ``ar_steps`` (steps the scheduler ran without drafting, when offered) and ``row_verify_tokens`` (each row's
-    windows, summed); for cap-accept ``utilization``: committed tokens ÷ what committing every accepted draft of
-    the whole block would have given (1.0: trimming gave up nothing) and ``row_untrimmed`` (per row, that
-    whole-block figure)."""
-    return spec.verify_mode.stats(spec, view, n, acc_lens)
