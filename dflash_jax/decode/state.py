@@ -31,7 +31,6 @@ class LoopSpec:
     top_k: bool = False  # some row uses top-k
     top_p: bool = False  # some row uses top-p
     plan: Plan | None = None  # mesh placement of the state (None: one device)
-    prefill_chunk: int | None = None  # longer prompts are prefilled this many positions at a time
     # How much of each block is verified (dflash_jax.decode.verify_modes; a registered name is accepted too)
     verify_mode: VerifyMode = verify_modes.STATIC
     tiers: tuple[int, ...] = ()  # compiled packed-verify sizes (scheduled modes; the last is B·L)
@@ -40,6 +39,11 @@ class LoopSpec:
 
     def __post_init__(self):
         object.__setattr__(self, "verify_mode", verify_modes.mode(self.verify_mode))
+
+    @property
+    def prefill_chunk(self) -> int:
+        """Longer prompts are prefilled this many positions at a time (:attr:`Tuning.prefill_chunk`)."""
+        return self.tuning.prefill_chunk
 
     @property
     def kernels(self) -> Kernels:
