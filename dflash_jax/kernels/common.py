@@ -66,11 +66,6 @@ def compile_probe(key: tuple, local: Callable, shapes: tuple) -> str | None:
     return _PROBED[key]
 
 
-def forget_probes() -> None:
-    """Clear :func:`compile_probe`'s results (tests that swap a kernel for a broken one)."""
-    _PROBED.clear()
-
-
 # How a kernel argument is laid out under a (dp, tp) mesh: the mesh axis of each of its dimensions.
 HEADS = ("dp", None, "tp", None)  # [B, ·, heads, H]: rows over dp, heads over tp
 HEAD_VECTOR = ("tp",)  # [N]: per query head (attention sinks)
