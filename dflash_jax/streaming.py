@@ -236,7 +236,7 @@ def _dispatch_segments(job: Job, segment_cycles: int | None, out: _Channel, coun
         state, _ = job.programs.prefill(*job.pre_args)
         previous = None
         while True:
-            state, packed = job.programs.decode(job.params, state, pacer.next_cycles())
+            state, packed = job.decoder(state, pacer.next_cycles())
             k = count[0]
             count[0] += 1
             if packed.is_ready():  # a GPU: the call returned with its segment done

@@ -68,6 +68,11 @@ def _env_ratio() -> float:
     return float(os.environ.get("DFLASH_JAX_AUTO_COMPACT_RATIO", 1.35))
 
 
+def _env_fallback() -> bool:
+    """$DFLASH_JAX_AR_FALLBACK: "0" turns the fallback off (the test suite's default outside its own tests)."""
+    return os.environ.get("DFLASH_JAX_AR_FALLBACK", "1") != "0"
+
+
 def _env_compiler_options() -> tuple[tuple[str, Any], ...] | None:
     """$DFLASH_JAX_COMPILER_OPTIONS: a JSON object of XLA options (unset or empty: XLA's defaults)."""
     raw = os.environ.get("DFLASH_JAX_COMPILER_OPTIONS", "").strip()
@@ -87,6 +92,12 @@ class Tuning:
     # Verify mode "auto" without the static step in the cost table: compact where the whole-block step costs at
     # least this many times the one-token step ($DFLASH_JAX_AUTO_COMPACT_RATIO; "inf": auto is always static).
     auto_compact_ratio: float = dataclasses.field(default_factory=_env_ratio)
+    # Verify mode "auto": fall back to plain autoregressive steps while the acceptance observed says drafting does
+    # not pay (dflash_jax.engine.switching; default: $DFLASH_JAX_AR_FALLBACK, on unless "0"), in segments of this many cycles (drafted) and steps (autoregressive,
+    # rounded up to a multiple of the block size).
+    ar_fallback: bool = dataclasses.field(default_factory=_env_fallback)
+    drafted_segment_cycles: int = 8
+    fallback_steps: int = 32
     # On a GPU, a compact loop that plans its steps ahead switches tiers from the host instead of a CUDA-graph
     # conditional node.
     host_tier_switch: bool = True

@@ -137,7 +137,8 @@ def fast_nnx_jit(fun, static_argnums: tuple[int, ...] = ()):
 def tiny_subprocess_env(**extra: str) -> dict[str, str]:
     """The environment of a subprocess that runs tiny models only (e.g. the CLI on the z-lab fixture): CPU,
     and FAST_COMPILE as XLA_FLAGS (which there apply to every program of the process)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "DFLASH_JAX_AUTO_COMPACT_RATIO": "inf", **PROGRAM_CACHE_ENV,
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "DFLASH_JAX_AUTO_COMPACT_RATIO": "inf",
+           "DFLASH_JAX_AR_FALLBACK": "0", **PROGRAM_CACHE_ENV,
            **extra}
     if fast_options() and FAST_FLAGS not in env.get("XLA_FLAGS", ""):
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {FAST_FLAGS}".strip()
@@ -273,6 +274,7 @@ def pytest_unconfigure(config):
 
 # The library's verify_mode="auto" ratio, as the process started ($DFLASH_JAX_AUTO_COMPACT_RATIO or its default).
 _LIBRARY_AUTO_RATIO = os.environ.get("DFLASH_JAX_AUTO_COMPACT_RATIO")
+_LIBRARY_FALLBACK = os.environ.get("DFLASH_JAX_AR_FALLBACK", "1")
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -282,16 +284,19 @@ def pytest_runtest_setup(item):
     _start_next_background_run()
     options = compiler_options(item)
     os.environ["DFLASH_JAX_COMPILER_OPTIONS"] = json.dumps(options) if options else ""
-    # verify_mode="auto" is static here unless a test asks for the default (marker auto_verify): on the CPU it
-    # resolves to compact, whose tier programs compile several verify passes; tests/test_schedule.py covers the
-    # modes, and one real-pair test the default.
+    # verify_mode="auto" is static here, without its fallback to autoregressive steps, unless a test asks for the
+    # default (marker auto_verify): on the CPU it resolves to compact, whose tier programs compile several verify
+    # passes, and falls back where tiny models' drafts are poor; tests/test_schedule.py covers the modes,
+    # tests/test_switching.py the fallback, and one real-pair test the default.
     if item.get_closest_marker("auto_verify"):
         if _LIBRARY_AUTO_RATIO is None:
             os.environ.pop("DFLASH_JAX_AUTO_COMPACT_RATIO", None)
         else:
             os.environ["DFLASH_JAX_AUTO_COMPACT_RATIO"] = _LIBRARY_AUTO_RATIO
+        os.environ["DFLASH_JAX_AR_FALLBACK"] = _LIBRARY_FALLBACK
     else:
         os.environ["DFLASH_JAX_AUTO_COMPACT_RATIO"] = "inf"
+        os.environ["DFLASH_JAX_AR_FALLBACK"] = "0"
 
 
 def tiny_config(family: str = "qwen3", **kw) -> ModelConfig:

@@ -563,6 +563,59 @@ def decode(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeStat
     return state
 
 
+def fallback(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, spec: LoopSpec, mask_token_id: int,
+             max_steps: Int[Array, ""], steps: int) -> DecodeState:
+    """At most ``min(steps, max_steps)`` plain autoregressive steps of a speculative state — the step
+    :func:`generate <dflash_jax.generate>`'s loop runs (the anchor alone through the target, then accept and
+    commit), with the captured features kept aside — and then the drafter's context for the tokens they
+    committed, written once, so that drafting can resume where they stopped (:mod:`dflash_jax.engine.switching`:
+    the loop falls back to these steps where drafting does not pay). Returns as :func:`decode` does, once
+    ``return_at_done`` rows are done. Each step is recorded as a cycle that committed one token.
+
+    ``steps`` (static) sizes the feature buffer [B, steps, F]; it is a multiple of L, so the buffer is written
+    L positions at a time from a position some step's anchor held — never past the cache (capacity ≥ anchor + L).
+    Entries of steps not run (or run after a row was done) land past the row's anchor: outside its context,
+    overwritten before they enter it."""
+    b, l = state.anchor.shape[0], spec.block_size
+
+    def body(carry):
+        s, feats_buf, pos_buf, i = carry
+        block = s.anchor[:, None]
+        positions = block_positions(s, 1)
+        hidden, feats, tcache = target(block, positions, s.target_cache, capture=spec.capture,
+                                       kernels=spec.kernels, defer=True)
+        s, accepted, last, _ = _accept(s, block, target.logits(hidden), None, spec, None, None)
+        s = dataclasses.replace(s, target_cache=target.settle(tcache, accepted + 1))
+        s = shard_state(commit(s, sampling.committed_tokens(block, accepted, last), accepted + 1), spec.plan)
+        feats_buf = jax.lax.dynamic_update_slice_in_dim(feats_buf, feats.astype(feats_buf.dtype), i, axis=1)
+        pos_buf = jax.lax.dynamic_update_slice_in_dim(pos_buf, positions, i, axis=1)
+        return s, _shard_rows(feats_buf, spec.plan), pos_buf, i + 1
+
+    def running(carry):
+        s, _, _, i = carry
+        until = s.done.shape[0] if s.return_at_done is None else s.return_at_done
+        return (jnp.sum(s.done, dtype=jnp.int32) < until) & (i < jnp.minimum(max_steps, steps))
+
+    feats_like = jax.eval_shape(lambda: target(state.anchor[:, None], block_positions(state, 1), state.target_cache,
+                                               capture=spec.capture, kernels=spec.kernels, defer=True)[1])
+    feats_buf = _shard_rows(jnp.zeros((b, steps, feats_like.shape[-1]), feats_like.dtype), spec.plan)
+    pos_buf = jnp.zeros((b, steps), jnp.int32)
+    state, feats_buf, pos_buf, ran = jax.lax.while_loop(running, body, (state, feats_buf, pos_buf,
+                                                                         jnp.zeros((), jnp.int32)))
+    pos_buf = jnp.where(jnp.arange(steps)[None, :] < ran, pos_buf, state.anchor_pos[:, None])
+    dcache = state.draft_cache
+    for j in range(0, steps, l):
+        dcache = drafter.materialize(dcache, feats_buf[:, j: j + l], pos_buf[:, j: j + l])
+    state = shard_state(dataclasses.replace(state, draft_cache=dcache), spec.plan)
+    if plans_ahead(state, spec):  # the plan made before these steps drafted from an anchor since committed
+        state = plan_next(target, drafter, state, spec, mask_token_id)
+    return state
+
+
+def _shard_rows(x: jax.Array, plan: Plan | None) -> jax.Array:
+    return x if plan is None else constrain(x, plan.rows(x.ndim))
+
+
 # --------------------------------------------------------------------------------------------------
 # Pure entry points (graph definitions static, parameters as pytrees) for jit / AOT compilation.
 # --------------------------------------------------------------------------------------------------
@@ -626,4 +679,11 @@ def decode_fn(graphdefs, params, state, max_cycles, *, spec: LoopSpec, mask_toke
     """→ (state, its packed view) after at most ``max_cycles`` cycles."""
     target, drafter = merge_models(graphdefs, params)
     state = decode(target, drafter, state, spec, mask_token_id, max_cycles)
+    return state, DecodeView.pack(state)
+
+
+def fallback_fn(graphdefs, params, state, max_steps, *, spec: LoopSpec, mask_token_id: int, steps: int):
+    """→ (state, its packed view) after at most ``max_steps`` autoregressive steps (:func:`fallback`)."""
+    target, drafter = merge_models(graphdefs, params)
+    state = fallback(target, drafter, state, spec, mask_token_id, max_steps, steps)
     return state, DecodeView.pack(state)

@@ -162,6 +162,9 @@ class VerifyPolicy:
     """Something a user may name as ``verify_mode``: it resolves to a :class:`VerifyMode` per batch."""
 
     name: ClassVar[str]
+    # Falls back to plain autoregressive steps where the acceptance observed says drafting does not pay
+    # (dflash_jax.engine.switching).
+    falls_back: ClassVar[bool] = False
 
     def resolve(self, costs: BatchCosts, tuning: Tuning) -> Resolved:
         raise NotImplementedError
@@ -202,15 +205,18 @@ class VerifyMode(VerifyPolicy):
         """Draft positions a sequential drafter drafts in this mode's steps (None: all)."""
         return None
 
-    def stats(self, spec, view, n: int, acc_lens: list[list[int]]) -> dict:
+    def stats(self, spec, view, n: int, acc_lens: list[list[int]], fallback_cycles: int = 0) -> dict:
         """What verifying cost, from the host view of ``n`` real rows: ``verify_mode``, ``verify_tokens`` (tokens
         through the target's verify, summed over rows and cycles), ``mean_window`` (the tokens per row and cycle
         the schedule verifies or — cap-accept — commits from, anchor included: L for static); for scheduled modes
         ``tier_steps`` (steps per compiled tier: {tokens: steps}), ``ar_steps`` (steps the scheduler ran without
-        drafting, when offered) and ``row_verify_tokens`` (each row's windows, summed)."""
+        drafting, when offered) and ``row_verify_tokens`` (each row's windows, summed). ``fallback_cycles``: the
+        rows' cycles that were autoregressive fallback steps (:mod:`dflash_jax.engine.switching`; the anchor
+        alone verified)."""
         cycles = int(view.num_cycles[:n].sum())
-        windows = int(view.verify_tokens[:n].sum()) if spec.scheduled else cycles * spec.block_size
-        verified = cycles * spec.block_size if self.verifies_whole_blocks else windows
+        drafted = cycles - fallback_cycles
+        windows = (int(view.verify_tokens[:n].sum()) if spec.scheduled else drafted * spec.block_size) + fallback_cycles
+        verified = (drafted * spec.block_size + fallback_cycles) if self.verifies_whole_blocks else windows
         out = {"verify_mode": self.name, "verify_tokens": verified, "mean_window": windows / max(cycles, 1)}
         if spec.scheduled:
             out["tier_steps"] = {int(t): int(c) for t, c in zip(spec.tiers, view.tier_steps[0]) if c}
@@ -328,10 +334,10 @@ class CapAccept(Scheduled):
     def verify_windows(self, ops: StepOps, state, block, q, window, tier):
         return ops.verify(state, block, q, window)
 
-    def stats(self, spec, view, n: int, acc_lens: list[list[int]]) -> dict:
+    def stats(self, spec, view, n: int, acc_lens: list[list[int]], fallback_cycles: int = 0) -> dict:
         """:meth:`VerifyMode.stats` and ``utilization``: committed tokens ÷ what committing every accepted draft of
         the whole block would have given (1.0: trimming gave up nothing), ``row_untrimmed`` (that figure per row)."""
-        out = super().stats(spec, view, n, acc_lens)
+        out = super().stats(spec, view, n, acc_lens, fallback_cycles)
         committed = sum(sum(row) for row in acc_lens)
         out["utilization"] = committed / max(int(view.untrimmed[:n].sum()), 1)
         out["row_untrimmed"] = view.untrimmed[:n, 0].tolist()
@@ -344,9 +350,11 @@ class Auto(VerifyPolicy):
     """Compact where the cost table says trimming can pay at this batch, static elsewhere: where the table
     times the static verify's step, compact (whose resolution runs static's program wherever no tier saves on
     that step); without it, compact where the whole-block step costs at least ``tuning.auto_compact_ratio``
-    times the one-token-per-row step (``inf``: always static)."""
+    times the one-token-per-row step (``inf``: always static). Falls back to autoregressive steps while drafting
+    does not pay (:mod:`dflash_jax.engine.switching`)."""
 
     name: ClassVar[str] = "auto"
+    falls_back: ClassVar[bool] = True
 
     def resolve(self, costs: BatchCosts, tuning: Tuning) -> Resolved:
         ratio = tuning.auto_compact_ratio

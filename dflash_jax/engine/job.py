@@ -23,6 +23,7 @@ from dflash_jax.decode import verify_modes
 from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.decode.state import DecodeView, LoopSpec
 from dflash_jax.engine import programs as progs
+from dflash_jax.engine import switching
 from dflash_jax.engine.programs import Programs
 from dflash_jax.loading import Drafter, Target
 from dflash_jax.settings import DecodeSettings, Prompt, check_prompts
@@ -157,6 +158,17 @@ class Job:
     host: HostBatch | None = None
     step_cost: np.ndarray | None = None  # the scheduler's cost per tier (scheduled verify modes)
     settings: DecodeSettings | None = None
+    fallback: switching.Fallback | None = None  # "auto": the costs its fallback decides with (None: not armed)
+    pooled: bool = False  # rows that finish get new prompts (dflash_jax.engine.pool)
+    record: switching.Record = dataclasses.field(default_factory=switching.Record)
+    _decoder: switching.Decoder | None = dataclasses.field(default=None, repr=False)
+
+    @property
+    def decoder(self) -> switching.Decoder:
+        """This run's decode (one per job: a switching decoder's estimate lasts the run's segments)."""
+        if self._decoder is None:
+            self._decoder = switching.decoder(self, self.record, self.pooled)
+        return self._decoder
 
     @property
     def survival_width(self) -> int:
@@ -196,9 +208,9 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], setti
     b = -(-max(n, pad_batch_to or 0) // dp) * dp  # batch rows split evenly over dp
     host = host_batch(ids, lens, rows.max_new, stops, b, settings.block_size, pool)
     sampled = settings.sampling.sampled
-    verify_mode, tiers, step_cost, ar_step = resolve_verify_mode(
-        checked_verify_mode(settings.verify_mode, drafter, settings.block_size), drafter, b, settings.block_size,
-        settings.cost_table, dp, settings.tuning)
+    resolved, fallback = resolve(checked_verify_mode(settings.verify_mode, drafter, settings.block_size), drafter, b,
+                                 settings.block_size, settings.cost_table, dp, settings.tuning)
+    verify_mode, tiers, step_cost, ar_step = resolved
     if b > n:  # on the host: eager device ops would compile anew for each partial batch's row count
         sp = SamplingParams(*(np.concatenate([x, np.repeat(x[-1:], b - n)]) for x in
                               (sp.temperature, sp.top_k, sp.top_p)))
@@ -224,7 +236,7 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], setti
     programs = progs.programs(key, graphdefs, params, pre_args, spec, dict(capacity=host.capacity, **shapes),
                               mask_id, decode)
     return Job(target, drafter, ids, stops, params, pre_args, spec, programs, time.perf_counter() - t0, key, host,
-               step_cost, settings)
+               step_cost, settings, fallback if decode else None)
 
 
 def make(target: Target, drafter: Drafter | None, prompts, max_new_tokens, *, pad_batch_to: int | None = None,
@@ -241,6 +253,21 @@ def make(target: Target, drafter: Drafter | None, prompts, max_new_tokens, *, pa
 # Verify modes and statistics
 # --------------------------------------------------------------------------------------------------
 
+def resolve(mode, drafter: Drafter | None, batch: int, block_size: int, cost_table=None, dp: int = 1,
+            tuning: Tuning | None = None) -> tuple[verify_modes.Resolved, switching.Fallback | None]:
+    """The verify mode a batch runs (:func:`resolve_verify_mode`) and, where its policy falls back to
+    autoregressive steps and the table says a drafted step can lose to one, the fallback's costs
+    (:func:`dflash_jax.engine.switching.fallback_for`)."""
+    policy = verify_modes.by_name(mode)
+    has_confidence = drafter is not None and drafters.kind_of(drafter.model).has_confidence
+    tuning = tuning or Tuning()
+    batch_costs = verify_modes.BatchCosts(
+        batch, block_size, dp, has_confidence,
+        lambda: costs.resolve(cost_table, jax.default_backend(), drafter.cost_tables), tuning.tiers_per_row)
+    resolved = policy.resolve(batch_costs, tuning)
+    return resolved, switching.fallback_for(policy, resolved, batch_costs, tuning)
+
+
 def resolve_verify_mode(mode, drafter: Drafter | None, batch: int, block_size: int, cost_table=None,
                         dp: int = 1, tuning: Tuning | None = None
                         ) -> tuple[verify_modes.VerifyMode, tuple[int, ...], np.ndarray | None, bool]:
@@ -249,13 +276,7 @@ def resolve_verify_mode(mode, drafter: Drafter | None, batch: int, block_size: i
     (:meth:`dflash_jax.decode.verify_modes.VerifyPolicy.resolve`; docs/verify-modes.md). ``mode``: a name or a
     strategy. Under a ``dp`` mesh the costs are those of a device's ``batch / dp`` rows (what each device
     runs). ``tuning``: its ``auto_compact_ratio`` steers auto. Host work only (nothing compiles)."""
-    policy = verify_modes.by_name(mode)
-    has_confidence = drafter is not None and drafters.kind_of(drafter.model).has_confidence
-    tuning = tuning or Tuning()
-    batch_costs = verify_modes.BatchCosts(
-        batch, block_size, dp, has_confidence,
-        lambda: costs.resolve(cost_table, jax.default_backend(), drafter.cost_tables), tuning.tiers_per_row)
-    return tuple(policy.resolve(batch_costs, tuning))
+    return tuple(resolve(mode, drafter, batch, block_size, cost_table, dp, tuning)[0])
 
 
 def checked_verify_mode(mode, drafter: Drafter | None, block_size: int) -> verify_modes.VerifyPolicy:
@@ -284,7 +305,7 @@ def pack_inputs(prompt: np.ndarray, lens: np.ndarray, max_new: np.ndarray, stops
 def launch(job: Job, max_cycles: int | np.integer = ALL_CYCLES):
     """Dispatch prefill + decode; returns the (not yet computed) final packed view (see :func:`collect`)."""
     state, _ = job.programs.prefill(*job.pre_args)
-    return job.programs.decode(job.params, state, np.int32(max_cycles))[1]
+    return job.decoder(state, np.int32(max_cycles))[1]
 
 
 def finish_reasons(token_ids: list[list[int]], stops: Sequence[int]) -> list[str]:
@@ -313,7 +334,10 @@ def collect(job: Job, packed, stats: dict | None = None) -> GenerationOutput:
     if job.survival_width:  # a scoring drafter's calibration
         stats.update(drafters.survival_stats(view.survival_sum[:n], acc_lens))
     if job.spec.block_size > 1:  # what verifying cost, as the verify mode reports it
-        stats.update(job.spec.verify_mode.stats(job.spec, view, n, acc_lens))
+        fallback_cycles = min(job.record.row_ar_steps, int(view.num_cycles[:n].sum()))
+        stats.update(job.spec.verify_mode.stats(job.spec, view, n, acc_lens, fallback_cycles))
+    if job.fallback is not None:
+        stats.update(job.record.stats())
     return GenerationOutput(token_ids, texts, acc_lens, float(np.mean(all_acc)) if all_acc else 0.0, stats,
                             job.ids, finish_reasons(token_ids, job.stops))
 
@@ -324,7 +348,7 @@ def run(job: Job) -> GenerationOutput:
     state, packed = job.programs.prefill(*job.pre_args)
     packed.block_until_ready()
     t2 = time.perf_counter()
-    state, packed = job.programs.decode(job.params, state, ALL_CYCLES)
+    state, packed = job.decoder(state, ALL_CYCLES)
     view = fetch_view(job, packed)  # waits for the decode, then one device-to-host copy
     t3 = time.perf_counter()
     prefill_s, decode_s = t2 - t1, t3 - t2

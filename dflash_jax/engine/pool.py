@@ -80,6 +80,7 @@ def run(target: Target, drafter: Drafter | None, ids: list[list[int]], settings:
     rest = n - len(first)
     job = jobs.prepare(target, drafter, [ids[i] for i in first], settings.with_rows(rows.take(first)),
                        pad_batch_to=b, pool=pool, return_at_done=min(r, rest) if rest else None)
+    job.pooled = True
     pool_run = Pool(job, b, r, rows.sampling, max_new, settings.seed)
     pool_run.compile_refills(ids, np.arange(len(first), n))  # none compiles mid-run, leaving the device idle
     t0 = time.perf_counter()
@@ -124,7 +125,7 @@ class Pool:
         self.admitted[:] = now
 
     def decode(self) -> DecodeView:
-        self.state, packed = self.job.programs.decode(self.job.params, self.state, jobs.ALL_CYCLES)
+        self.state, packed = self.job.decoder(self.state, jobs.ALL_CYCLES)
         view = jobs.fetch_view(self.job, packed)
         self.segments += 1
         self.cycles += int((view.num_cycles - self.cycles_seen).max())  # a row active all along saw every cycle

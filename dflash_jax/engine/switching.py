@@ -1,0 +1,290 @@
+"""Falling back to plain autoregressive decoding where drafting does not pay (verify mode ``"auto"``).
+
+A drafted step costs more than an autoregressive one — at large batches several times more (docs/verify-modes.md)
+— and pays only while the rows commit enough tokens per step. Where the cost table times both steps and a drafted
+step costs more than an autoregressive one, :func:`decoder` runs a job's decode loop in *segments* and, between
+them, compares the two rates with the acceptance observed so far:
+
+    drafted:        τ̂ / (ms of the drafted steps run)     tokens per row and ms
+    autoregressive: 1 / (ms of an autoregressive step)
+
+τ̂ is the tokens a row committed per drafted step, averaged over recent segments (an estimate that follows the
+text), and the drafted steps' cost is the table's cost of the tiers they ran. While drafting loses, the loop runs
+the plain autoregressive program (:func:`dflash_jax.decode.loop.fallback`: the step ``generate`` runs, whose
+captured features write the drafter's context once per segment) and, from time to time, one drafted *probe*
+segment to see whether the text has become easier (after 1, 2, 4 … :data:`MAX_BACKOFF` fallback segments while
+the probes keep losing). Every token is still the target's own — the fallback's steps are the target's
+autoregressive steps — so a switch changes speed, never output.
+
+Cost: one small device-to-host read per segment (each segment is a call of a compiled loop; on a GPU every call of
+a while loop ends with a host read anyway).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.decode import loop, verify_modes
+from dflash_jax.decode.state import DecodeState
+from dflash_jax.engine import programs as progs
+from dflash_jax.tuning import Tuning
+
+DRAFT, AUTOREGRESSIVE = "draft", "autoregressive"
+# Leave drafting once it is estimated this much slower than autoregressive steps (return as soon as it is not
+# slower): a margin against the table's noise, so that a batch near break-even does not switch back and forth.
+LEAVE_MARGIN = 0.05
+# Weight of the newest drafted segment in the running acceptance estimate.
+SMOOTHING = 0.5
+# At most this many fallback segments between two probes.
+MAX_BACKOFF = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """A batch's costs from the table (per device: a dp shard's rows): ms of an autoregressive step, and of the
+    drafted program's steps — the static verify's step, or a scheduled mode's step at each tier (and its own
+    autoregressive tier where offered) — with the tokens per row the most each can commit."""
+
+    ar_ms: float
+    drafted_ms: tuple[float, ...]
+    tokens_per_row: tuple[int, ...]
+
+    @property
+    def can_pay(self) -> bool:
+        """Some drafted step commits enough, at best, to beat autoregressive steps."""
+        return any(n * self.ar_ms > ms for n, ms in zip(self.tokens_per_row, self.drafted_ms))
+
+
+def fallback_for(policy: verify_modes.VerifyPolicy, resolved: verify_modes.Resolved,
+                 costs: verify_modes.BatchCosts, tuning: Tuning) -> Fallback | None:
+    """The fallback's costs for a batch, where ``policy`` falls back (``"auto"``, :attr:`Tuning.ar_fallback`)
+    and the table times an autoregressive step cheaper than every drafted step (else None: a drafted step then
+    never loses to one, as it commits at least one token)."""
+    if not (policy.falls_back and tuning.ar_fallback) or costs.block_size < 2:
+        return None
+    ar_ms = costs.ar_cost
+    if ar_ms is None:
+        return None
+    mode = resolved.mode
+    if mode.scheduled:
+        per_row = [t // costs.batch for t in resolved.tiers]
+        ms = [float(c) for c in resolved.step_cost[: len(per_row)]]
+        drafted = min(ms)
+        if resolved.ar_step:  # the scheduler's own step without drafting, at the table's cost
+            per_row.append(1)
+            ms.append(float(resolved.step_cost[len(resolved.tiers)]))
+    else:
+        static = costs.static_cost
+        per_row, ms = [costs.block_size], [float(costs.step_cost[-1] if static is None else static)]
+        drafted = ms[0]
+    if drafted <= ar_ms:
+        return None
+    return Fallback(float(ar_ms), tuple(ms), tuple(per_row))
+
+
+class SwitchPolicy:
+    """When to draft and when to fall back, from the segments' statistics (host only).
+
+    A batch that waits for its slowest row (a whole call) finishes when the row with the most work left does:
+    drafting's time is ``max_r(left_r / τ_r) × drafted ms``, the fallback's ``max_r(left_r) × autoregressive ms``,
+    with ``τ_r`` each row's own running estimate and ``left_r`` its budget left. A pool (``pooled``: finished
+    rows get new prompts) is paid by its throughput: the rows' mean τ."""
+
+    def __init__(self, fallback: Fallback, pooled: bool = False):
+        self.fallback, self.pooled = fallback, pooled
+        self.row_tau: np.ndarray | None = None  # [B] tokens per drafted step, each row's running estimate
+        self.tau: float | None = None  # the same over the batch
+        self.left: np.ndarray | None = None  # [B] tokens each active row may still commit (0: done)
+        self.step_ms: float | None = None  # ms of a drafted step, running
+        self.mode = DRAFT if fallback.can_pay else AUTOREGRESSIVE
+        self.backoff = 1  # fallback segments before the next probe
+        self.until_probe = 0  # fallback segments left before the next probe (AUTOREGRESSIVE)
+
+    def value(self) -> float:
+        """Drafting's speed ÷ the fallback's (> 1: drafting pays), from the running estimates."""
+        fb = self.fallback
+        if self.pooled or self.left is None or not (self.left > 0).any():
+            return self.tau * fb.ar_ms / self.step_ms
+        left = self.left[self.left > 0]
+        tau = self.row_tau[self.left > 0]
+        return (left.max() * fb.ar_ms) / ((left / tau).max() * self.step_ms)
+
+    def drafted(self, tokens: np.ndarray, steps: np.ndarray, left: np.ndarray, step_ms: float) -> None:
+        """A drafted segment: per row, the tokens it committed in its ``steps`` active steps and the budget it has
+        ``left`` (0 once done); ``step_ms``: what a step of the segment cost."""
+        ran = steps > 0
+        if not ran.any():
+            return
+        stale = self.mode == AUTOREGRESSIVE or self.tau is None  # a probe: the estimates from before are stale
+        w = 1.0 if stale else SMOOTHING
+        tau = float(tokens[ran].sum() / steps[ran].sum())
+        row_tau = np.where(ran, tokens / np.maximum(steps, 1), tau)
+        self.row_tau = row_tau if stale or self.row_tau is None else np.where(
+            ran, w * row_tau + (1 - w) * self.row_tau, self.row_tau)
+        self.tau = tau if stale else w * tau + (1 - w) * self.tau
+        self.step_ms = step_ms if stale else w * step_ms + (1 - w) * self.step_ms
+        self.left = left
+        if self.mode == AUTOREGRESSIVE:  # a probe
+            if self.value() >= 1.0:
+                self.mode, self.backoff = DRAFT, 1
+            else:
+                self.backoff = min(2 * self.backoff, MAX_BACKOFF)
+                self.until_probe = self.backoff
+        elif self.value() < 1.0 - LEAVE_MARGIN:
+            self.mode, self.until_probe = AUTOREGRESSIVE, self.backoff
+
+    def next_segment(self) -> str:
+        """What the next segment runs (a fallback segment counts down to the next probe)."""
+        if self.mode == DRAFT or not self.fallback.can_pay:
+            return self.mode
+        if self.until_probe <= 0:
+            return DRAFT  # probe
+        self.until_probe -= 1
+        return AUTOREGRESSIVE
+
+
+@dataclasses.dataclass
+class Record:
+    """What switching did in one run (the output's stats)."""
+
+    ar_steps: int = 0  # autoregressive steps run by the fallback program
+    row_ar_steps: int = 0  # the same, summed over the rows active in them
+    switches: int = 0  # segments that ran another program than the one before
+    segments: int = 0
+
+    def stats(self) -> dict[str, int]:
+        return {"ar_fallback_steps": self.ar_steps, "fallback_switches": self.switches,
+                "fallback_segments": self.segments}
+
+
+class Decoder:
+    """A job's decode: ``decoder(state, max_cycles)`` → (state, packed view), like the compiled decode program
+    (at most ``max_cycles`` cycles; returns once ``return_at_done`` rows are done)."""
+
+    def __init__(self, job):
+        self.job = job
+
+    def __call__(self, state, max_cycles):
+        return self.job.programs.decode(self.job.params, state, max_cycles)
+
+
+class SwitchingDecoder(Decoder):
+    """The decode loop in segments, each drafted or autoregressive as ``policy`` says (module docstring)."""
+
+    def __init__(self, job, policy: SwitchPolicy, record: Record):
+        super().__init__(job)
+        self.policy, self.record = policy, record
+        self.last_mode: str | None = None
+        self.segment: _Segment | None = None  # the segment under way (a call may end inside one)
+        tuning = job.settings.tuning  # the loop spec carries these host-side knobs at a fixed value
+        self.drafted_cycles = max(1, tuning.drafted_segment_cycles)
+        l = job.spec.block_size
+        self.ar_steps = max(1, -(-tuning.fallback_steps // l)) * l
+
+    def __call__(self, state, max_cycles):
+        left = int(np.asarray(max_cycles))
+        if left <= 0:
+            return self.job.programs.decode(self.job.params, state, np.int32(0))
+        before = np.asarray(_counts(state))
+        while True:
+            if self.segment is None:
+                self.segment = _Segment(self.policy.next_segment(), before.shape[0])
+            seg = self.segment
+            length = self.drafted_cycles if seg.mode == DRAFT else self.ar_steps
+            n = min(left, length - seg.ran)
+            program = self.job.programs.decode if seg.mode == DRAFT else self._fallback_program()
+            state, packed = program(self.job.params, state, np.int32(n))
+            after = np.asarray(_counts(state))
+            ran = seg.add(before, after)
+            before = after
+            left -= ran
+            if seg.ran >= length or ran < n:  # whole, or the loop returned (rows done)
+                self._finish(seg, after)
+            if ran < n or left <= 0:
+                return state, packed
+
+    def _finish(self, seg: "_Segment", after: np.ndarray) -> None:
+        """Record a segment and tell the policy what a drafted one observed."""
+        self.segment = None
+        if seg.ran == 0:
+            return
+        self.record.segments += 1
+        self.record.switches += self.last_mode is not None and seg.mode != self.last_mode
+        self.last_mode = seg.mode
+        if seg.mode == AUTOREGRESSIVE:
+            self.record.ar_steps += seg.ran
+            self.record.row_ar_steps += int(seg.cycles.sum())
+            return
+        left = np.where(after[:, 2] > 0, 0, after[:, 3] - after[:, 1])
+        fb = self.policy.fallback
+        tiers = seg.tiers
+        step_ms = float(tiers @ np.asarray(fb.drafted_ms) / tiers.sum()) if tiers.sum() else fb.drafted_ms[-1]
+        self.policy.drafted(seg.tokens, seg.cycles, left, step_ms)
+
+    def _fallback_program(self):
+        """The fallback's compiled loop, compiled on first use (its time counted as the job's compile time)."""
+        job = self.job
+        key = job.key + ("fallback", self.ar_steps)
+
+        def build():
+            spec = job.spec
+            graphdefs = (job.target.split().static, job.drafter.split().static)
+            fn = jax.jit(functools.partial(loop.fallback_fn, spec=spec, steps=self.ar_steps,
+                                           mask_token_id=job.drafter.config.mask_token_id),
+                         static_argnums=0, donate_argnums=2)
+            state_info = job.programs.prefill.out_info[0]
+            with progs.mesh_context(spec):
+                lowered = fn.lower(graphdefs, job.params, state_info, jax.ShapeDtypeStruct((), jnp.int32))
+                return progs.compile_steps(lowered, spec, state_info)
+
+        t0 = time.perf_counter()
+        before = progs.compile_count()
+        program = progs.CACHE.get(key, build)
+        if progs.compile_count() != before:
+            job.compile_s += time.perf_counter() - t0
+        return program
+
+
+class _Segment:
+    """What one segment ran so far, summed over the calls it spans (rows refilled between two calls count from
+    their refill: each call's counts are taken against its own start)."""
+
+    def __init__(self, mode: str, rows: int):
+        self.mode, self.ran = mode, 0
+        self.tokens = np.zeros(rows, np.int64)
+        self.cycles = np.zeros(rows, np.int64)
+        self.tiers = np.zeros(0)
+
+    def add(self, before: np.ndarray, after: np.ndarray) -> int:
+        """Add one call's counts; → the loop iterations it ran (a row active at the last was active at every one)."""
+        cycles = after[:, 0] - before[:, 0]
+        ran = int(cycles.max(initial=0))
+        self.ran += ran
+        self.cycles += cycles
+        self.tokens += after[:, 1] - before[:, 1]
+        tiers = (after[0, 4:] - before[0, 4:]).astype(np.float64)  # steps per tier (scheduled modes)
+        self.tiers = tiers if not self.tiers.size else self.tiers + tiers
+        return ran
+
+
+@jax.jit
+def _counts(state: DecodeState) -> jax.Array:
+    """[B, 4 + K]: each row's cycles, new tokens, done and budget, and the tier histogram (scheduled modes; the
+    same in every row) — what a segment's statistics are read from."""
+    cols = [state.num_cycles[:, None], state.num_new[:, None], state.done[:, None], state.max_new[:, None]]
+    if state.schedule is not None:
+        cols.append(state.schedule.tier_steps)
+    return jnp.concatenate(cols, axis=1).astype(jnp.int32)
+
+
+def decoder(job, record: Record | None = None, pooled: bool = False) -> Decoder:
+    """The job's decoder: switching where its verify mode armed the fallback (``job.fallback``), else the compiled
+    decode program itself. ``pooled``: rows that finish get new prompts (:mod:`dflash_jax.engine.pool`)."""
+    if job.fallback is None:
+        return Decoder(job)
+    return SwitchingDecoder(job, SwitchPolicy(job.fallback, pooled), record if record is not None else Record())

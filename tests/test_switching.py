@@ -1,0 +1,244 @@
+"""The fallback to plain autoregressive steps (verify mode "auto", :mod:`dflash_jax.engine.switching`): switches
+change speed, never output — greedy float32 runs equal AR with switches forced at random segments (static and
+compact, DFlash and DSpark, whole calls, streams and pools), sampled runs are exact (χ²), the drafter's context
+after a fallback segment is the one drafting would have written — and the policy's decisions."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import oracle_drafter, random_prompts, tiny_target
+from dflash_jax import generate, random_drafter, speculative_generate, speculative_stream
+from dflash_jax.costs import CostTable
+from dflash_jax.decode import loop, verify_modes
+from dflash_jax.engine import job as jobs
+from dflash_jax.engine import switching
+from dflash_jax.engine.switching import AUTOREGRESSIVE, DRAFT, Fallback, SwitchPolicy
+from dflash_jax.tuning import Tuning
+from test_dspark import oracle_dspark
+from test_sampling import N, PROMPT, STEPS, V, chi2_pvalue, exact_distribution
+from test_sampling import logits, pair  # noqa: F401 — fixtures
+
+L = 4
+
+
+def tuning(mode: str = "static", **kw) -> Tuning:
+    """Short segments, so that a short run switches many times; auto resolves to ``mode`` with the table below.
+    (Built in the test: the default Tuning reads the test's compile options from the environment.)"""
+    return Tuning(ar_fallback=True, drafted_segment_cycles=2, fallback_steps=4,
+                  auto_compact_ratio=math.inf if mode == "static" else 1.0).replace(**kw)
+
+
+def table(batch: int) -> CostTable:
+    """A drafted step costs 1.3–1.8 autoregressive ones: the fallback is armed, and compact's scheduler drafts."""
+    return CostTable("cpu", "test", "float32", "tiny", L, 64, {batch: {1: 1.3, 2: 1.5, L: 1.8}},
+                     ar_ms={batch: 1.0}, static_ms={batch: 1.8})
+
+
+class RandomSwitches(SwitchPolicy):
+    """A test double: each segment drafted or autoregressive at random (seeded), whatever was observed."""
+
+    seed = 0
+
+    def __init__(self, fallback, pooled=False):
+        super().__init__(fallback, pooled)
+        self.rng = np.random.default_rng(RandomSwitches.seed)
+
+    def drafted(self, *args) -> None:
+        pass
+
+    def next_segment(self) -> str:
+        return DRAFT if self.rng.random() < 0.5 else AUTOREGRESSIVE
+
+
+class Scripted(SwitchPolicy):
+    """A test double: the segments' modes in a given order (then autoregressive)."""
+
+    modes: tuple[str, ...] = ()
+
+    def __init__(self, fallback, pooled=False):
+        super().__init__(fallback, pooled)
+        self.left_modes = list(Scripted.modes)
+
+    def drafted(self, *args) -> None:
+        pass
+
+    def next_segment(self) -> str:
+        return self.left_modes.pop(0) if self.left_modes else AUTOREGRESSIVE
+
+
+@pytest.fixture
+def random_switches(monkeypatch):
+    monkeypatch.setattr(switching, "SwitchPolicy", RandomSwitches)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    target = tiny_target("qwen3", seed=11)
+    prompts = random_prompts(3, [4, 13, 9], target.config.vocab_size, seed=12)
+    ref = generate(target, prompts, max_new_tokens=40, stop_token_ids=[7, 21])
+    return target, prompts, ref
+
+
+@pytest.mark.parametrize("kind,mode", [("dflash", "static"), ("dflash", "compact"), ("dspark", "compact")])
+def test_random_switches_are_lossless(tiny, random_switches, kind, mode):
+    """Greedy float32: the tokens of generate() whatever the segments ran, stop tokens and budgets included."""
+    target, prompts, ref = tiny
+    if kind == "dflash":
+        drafter = oracle_drafter(target, prompts, ref.token_ids, block_size=L, corrupt=0.3)
+    else:
+        drafter = oracle_dspark(target, prompts, ref.token_ids, drafts=L - 1, corrupt=0.3)
+    for seed in (0, 1):
+        RandomSwitches.seed = seed
+        out = speculative_generate(target, drafter, prompts, max_new_tokens=40, stop_token_ids=[7, 21],
+                                   cost_table=table(len(prompts)), tuning=tuning(mode))
+        assert out.token_ids == ref.token_ids
+        assert out.stats["verify_mode"] == mode
+        assert out.stats["ar_fallback_steps"] > 0 and out.stats["fallback_switches"] >= 2
+        assert sum(map(sum, out.acceptance_lengths)) == sum(map(len, out.token_ids)) - len(prompts)
+        assert max(a for row in out.acceptance_lengths for a in row) > 1  # drafted cycles accepted drafts
+
+
+def test_streams_and_pools_switch_as_whole_calls(tiny, random_switches):
+    """A stream's segments of any length switch where the whole call does (decisions fall on the same cycles), so
+    even sampled streams give the whole call's tokens; a pool of 2 rows over 3 prompts stays lossless."""
+    target, prompts, ref = tiny
+    drafter = oracle_drafter(target, prompts, ref.token_ids, block_size=L, corrupt=0.3)
+    kw = dict(max_new_tokens=40, stop_token_ids=[7, 21], cost_table=table(len(prompts)), tuning=tuning())
+    for temperature in (0.0, 1.0):
+        whole = speculative_generate(target, drafter, prompts, temperature=temperature, seed=3, **kw)
+        assert whole.stats["fallback_switches"] >= 2
+        for cycles in (1, 3):
+            stream = speculative_stream(target, drafter, prompts, segment_cycles=cycles, temperature=temperature,
+                                        seed=3, **kw)
+            for _ in stream:
+                pass
+            assert stream.output.token_ids == whole.token_ids
+            assert stream.output.acceptance_lengths == whole.acceptance_lengths
+    real = random_drafter(target, block_size=L, num_layers=1, seed=3)  # an oracle knows rows, not prompts
+    pooled = speculative_generate(target, real, prompts, batch_size=2,
+                                  **{**kw, "cost_table": table(2)})
+    assert pooled.token_ids == ref.token_ids and pooled.stats["ar_fallback_steps"] > 0
+
+
+def test_the_drafter_context_after_fallback_steps(tiny, monkeypatch):
+    """A real (random) drafter: after drafted cycles, then a fallback segment that ends mid-buffer, the drafter's
+    context cache holds, at every committed position, what a prefill over the whole text writes there."""
+    target, prompts, _ = tiny
+    drafter = random_drafter(target, block_size=L, num_layers=1, seed=3)
+    monkeypatch.setattr(switching, "SwitchPolicy", Scripted)
+    monkeypatch.setattr(Scripted, "modes", (DRAFT, AUTOREGRESSIVE))
+    job = jobs.make(target, drafter, prompts, 13, stop_token_ids=[], cost_table=table(len(prompts)), tuning=tuning())
+    assert job.fallback is not None
+    state, _ = job.programs.prefill(*job.pre_args)
+    state, _ = job.decoder(state, np.int32(1000))  # 2 drafted cycles, then autoregressive steps to the budget
+    assert job.record.ar_steps > 0 and job.record.segments >= 2
+    texts = [p + row[: int(n)].tolist() for p, row, n in zip(prompts, np.asarray(state.tokens), np.asarray(state.num_new))]
+    # The reference: a prefill over each row's whole text (the same target and drafter), no decoding.
+    longest = max(map(len, texts))
+    padded = jnp.asarray([t + [0] * (longest - len(t)) for t in texts], jnp.int32)
+    spec = dataclasses.replace(job.spec, verify_mode=verify_modes.STATIC, tiers=(), ar_step=False)
+    ref = loop.prefill(target.model, drafter.model, padded, jnp.asarray(list(map(len, texts)), jnp.int32),
+                       jnp.ones((len(texts),), jnp.int32), jnp.asarray([-1], jnp.int32), spec,
+                       int(state.draft_cache.k[0].shape[1]), plan=False)
+    anchor = np.asarray(state.anchor_pos)
+    for got, want in zip(state.draft_cache.k + state.draft_cache.v, ref.draft_cache.k + ref.draft_cache.v):
+        for row, a in enumerate(anchor):
+            np.testing.assert_allclose(np.asarray(got[row, :a]), np.asarray(want[row, :a]), atol=2e-5, rtol=2e-5)
+
+
+def test_sampled_switch_is_exact(pair, logits, monkeypatch):  # noqa: F811
+    """N draws of 3 tokens: one drafted cycle, then autoregressive steps — the target's exact distribution
+    (χ² against the enumeration of tests/test_sampling.py), drafts sampled and argmax."""
+    target, drafter = pair
+    monkeypatch.setattr(switching, "SwitchPolicy", Scripted)
+    monkeypatch.setattr(Scripted, "modes", (DRAFT,))
+    probs = exact_distribution(logits, 1.0, 0, 1.0)
+    one_cycle = tuning(drafted_segment_cycles=1)
+    cost = CostTable("cpu", "test", "float32", "tiny", L, 64, {N: {1: 2.0, L: 3.0}}, ar_ms={N: 1.0},
+                     static_ms={N: 3.0})
+    for draft_sampling in (True, False):
+        out = speculative_generate(target, drafter, [PROMPT] * N, max_new_tokens=STEPS, stop_token_ids=[],
+                                   temperature=1.0, seed=4, draft_sampling=draft_sampling, cost_table=cost,
+                                   tuning=one_cycle)
+        assert out.stats["ar_fallback_steps"] == 1 and out.stats["fallback_switches"] == 1
+        firsts = [row[0] for row in out.acceptance_lengths]
+        assert 1 in firsts and max(firsts) >= 2  # some rows took their 3rd token from the fallback's step
+        assert chi2_pvalue(np.asarray(out.token_ids), probs) > 1e-3
+
+
+def test_the_policy_falls_back_and_returns(tiny):
+    """The real policy on scripted acceptance: an oracle that is always wrong (τ = 1) makes the loop fall back
+    after its first segment and stay there but for its probes; an oracle always right never falls back."""
+    target, prompts, ref = tiny
+    kw = dict(max_new_tokens=40, stop_token_ids=[7, 21], cost_table=table(len(prompts)), tuning=tuning())
+    wrong = oracle_drafter(target, prompts, ref.token_ids, block_size=L, corrupt=1.0)
+    out = speculative_generate(target, wrong, prompts, **kw)
+    assert out.token_ids == ref.token_ids
+    assert out.stats["ar_fallback_steps"] > 0.6 * out.stats["cycles"]  # most steps: fallback ones
+    assert out.stats["fallback_switches"] >= 3  # it probed
+    right = oracle_drafter(target, prompts, ref.token_ids, block_size=L, corrupt=0.0)
+    out = speculative_generate(target, right, prompts, **kw)
+    assert out.token_ids == ref.token_ids and out.stats["ar_fallback_steps"] == 0
+
+
+FB = Fallback(ar_ms=1.0, drafted_ms=(2.0,), tokens_per_row=(L,))
+
+
+def test_policy_decisions():
+    p = SwitchPolicy(FB)
+    assert p.next_segment() == DRAFT
+    p.drafted(np.array([6, 6]), np.array([2, 2]), np.array([20, 20]), 2.0)  # τ 3 at 2 ms: 1.5× AR
+    assert p.mode == DRAFT and p.value() == pytest.approx(1.5)
+    p.drafted(np.array([2, 2]), np.array([2, 2]), np.array([18, 18]), 2.0)  # τ 1 now: running 2 → 1.0×, stays
+    assert p.mode == DRAFT
+    p.drafted(np.array([2, 2]), np.array([2, 2]), np.array([16, 16]), 2.0)  # running 1.5 → 0.75×: falls back
+    assert p.mode == AUTOREGRESSIVE
+    assert [p.next_segment() for _ in range(2)] == [AUTOREGRESSIVE, DRAFT]  # one fallback segment, then a probe
+    p.drafted(np.array([2, 2]), np.array([2, 2]), np.array([10, 10]), 2.0)  # the probe loses: backoff doubles
+    assert [p.next_segment() for _ in range(3)] == [AUTOREGRESSIVE, AUTOREGRESSIVE, DRAFT]
+    p.drafted(np.array([8, 8]), np.array([2, 2]), np.array([4, 4]), 2.0)  # the text got easy: drafting again
+    assert p.mode == DRAFT and p.next_segment() == DRAFT and p.backoff == 1
+
+
+def test_a_whole_call_waits_for_its_slowest_row_and_a_pool_does_not():
+    """Rows at τ 4 and τ 1.5 with the same budget left: the call ends with the slow row (1.5 / 2 ms < 1 / 1 ms:
+    fall back), while a pool is paid by the mean (2.75 / 2 ms > 1 / 1 ms: keep drafting)."""
+    tokens, steps, left = np.array([8, 3]), np.array([2, 2]), np.array([30, 30])
+    whole, pooled = SwitchPolicy(FB), SwitchPolicy(FB, pooled=True)
+    for p in (whole, pooled):
+        p.drafted(tokens, steps, left, 2.0)
+    assert whole.value() == pytest.approx(0.75) and whole.mode == AUTOREGRESSIVE
+    assert pooled.value() == pytest.approx(1.375) and pooled.mode == DRAFT
+    # A row done (0 left) no longer holds the call back.
+    done = SwitchPolicy(FB)
+    done.drafted(tokens, steps, np.array([30, 0]), 2.0)
+    assert done.value() == pytest.approx(2.0) and done.mode == DRAFT
+
+
+def test_when_the_fallback_is_armed():
+    """Armed for "auto" where the table times an autoregressive step cheaper than every drafted step; never for a
+    mode named explicitly, without the column, or where a drafted step is as cheap; never drafting where no
+    drafted step can pay even with every draft accepted."""
+    costs = verify_modes.BatchCosts(4, L, 1, False, lambda: table(4))
+    auto, static = verify_modes.by_name("auto"), verify_modes.STATIC
+    fast = tuning()
+    resolved = static.resolve(costs, fast)
+    armed = switching.fallback_for(auto, resolved, costs, fast)
+    assert armed == Fallback(1.0, (1.8,), (L,)) and armed.can_pay
+    assert switching.fallback_for(static, resolved, costs, fast) is None
+    assert switching.fallback_for(auto, resolved, costs, fast.replace(ar_fallback=False)) is None
+    no_ar = verify_modes.BatchCosts(4, L, 1, False, lambda: dataclasses.replace(table(4), ar_ms={}))
+    assert switching.fallback_for(auto, resolved, no_ar, fast) is None
+    cheap = verify_modes.BatchCosts(4, L, 1, False, lambda: dataclasses.replace(table(4), ar_ms={4: 1.8}))
+    assert switching.fallback_for(auto, resolved, cheap, fast) is None
+    compact = verify_modes.by_name("compact").resolve(costs, fast)
+    got = switching.fallback_for(auto, compact, costs, fast)
+    assert got.tokens_per_row[:len(compact.tiers)] == tuple(t // 4 for t in compact.tiers)
+    hopeless = Fallback(1.0, (5.0,), (L,))
+    assert not hopeless.can_pay and SwitchPolicy(hopeless).next_segment() == AUTOREGRESSIVE
