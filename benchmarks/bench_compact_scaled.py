@@ -201,9 +201,13 @@ def batch_case(target, batch: int, args, table_file: Path | None) -> dict:
                          verified_per_token=res.stats.get("verify_tokens", n * args.block_size) / n,
                          identical_to_ar=float(np.mean([a == b for a, b in zip(res.token_ids, ar.token_ids)])),
                          verify_mode=res.stats["verify_mode"], tier_steps=res.stats.get("tier_steps"),
-                         ar_steps=res.stats.get("ar_steps"))
+                         ar_steps=res.stats.get("ar_steps"), ar_fallback_steps=res.stats.get("ar_fallback_steps"),
+                         fallback_switches=res.stats.get("fallback_switches"), cycles=res.stats.get("cycles"))
+        fell_back = (f", {res.stats['ar_fallback_steps']} of {res.stats['cycles']} steps fallen back"
+                     if res.stats.get("ar_fallback_steps") is not None else "")
         print(f"batch {batch:4d} {mode:8s} {n / wall:9.1f} tok/s  τ {res.tau:.2f}  "
-              f"{out[mode]['verified_per_token']:.2f} verified per token  ({res.stats['verify_mode']})", flush=True)
+              f"{out[mode]['verified_per_token']:.2f} verified per token  ({res.stats['verify_mode']}{fell_back})",
+              flush=True)
     ratios = []
     if "compact" in out and "static" in out:
         out["compact_vs_static"] = out["compact"]["tokens_per_s"] / out["static"]["tokens_per_s"]

@@ -48,6 +48,10 @@ class CostTable:
     # batch → ms of the static verify's step (the whole block drafted, verified and committed, no scheduler):
     # compact runs static's program where none of its tiers saves on this. Empty: not measured.
     static_ms: dict[int, float] = dataclasses.field(default_factory=dict)
+    # batch → ms of a plain autoregressive step (the step generate runs, capturing the drafter's features): what
+    # verify mode auto falls back to where drafting does not pay (dflash_jax.engine.switching). Empty: not
+    # measured (the fallback then counts the scheduler's step without drafting, ar_ms).
+    fallback_ms: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def step_costs(self, batch: int, tiers: tuple[int, ...]) -> np.ndarray:
         """Milliseconds of a step at each tier of ``batch`` rows: interpolated in tokens per row, and in
@@ -68,6 +72,11 @@ class CostTable:
     def static_cost(self, batch: int) -> float | None:
         """Milliseconds of a static verify's step of ``batch`` rows (None: not in the table)."""
         return _column(self.static_ms, batch)
+
+    def fallback_cost(self, batch: int) -> float | None:
+        """Milliseconds of a plain autoregressive step of ``batch`` rows: :attr:`fallback_ms`, else the scheduler's
+        step without drafting (None: neither in the table)."""
+        return _column(self.fallback_ms, batch) if self.fallback_ms else self.ar_cost(batch)
 
     def explain(self, batch: int) -> str | None:
         """Why speculative decoding does or does not pay at ``batch`` rows on the machine measured, from the
@@ -92,13 +101,15 @@ class CostTable:
         if key(older) != key(self):
             return self
         return dataclasses.replace(self, step_ms={**older.step_ms, **self.step_ms}, ar_ms={**older.ar_ms, **self.ar_ms},
-                                   static_ms={**older.static_ms, **self.static_ms})
+                                   static_ms={**older.static_ms, **self.static_ms},
+                                   fallback_ms={**older.fallback_ms, **self.fallback_ms})
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["step_ms"] = {str(b): {str(t): round(ms, 4) for t, ms in row.items()} for b, row in self.step_ms.items()}
         d["ar_ms"] = {str(b): round(ms, 4) for b, ms in self.ar_ms.items()}
         d["static_ms"] = {str(b): round(ms, 4) for b, ms in self.static_ms.items()}
+        d["fallback_ms"] = {str(b): round(ms, 4) for b, ms in self.fallback_ms.items()}
         return d
 
     @staticmethod
@@ -107,15 +118,16 @@ class CostTable:
             step = {int(b): {int(t): float(ms) for t, ms in row.items()} for b, row in d["step_ms"].items()}
             ar = {int(b): float(ms) for b, ms in (d.get("ar_ms") or {}).items()}
             static = {int(b): float(ms) for b, ms in (d.get("static_ms") or {}).items()}
+            fallback = {int(b): float(ms) for b, ms in (d.get("fallback_ms") or {}).items()}
             table = CostTable(str(d["backend"]), str(d.get("device", "")), str(d.get("dtype", "")),
                               str(d.get("pair", "")), int(d["block_size"]), int(d.get("context", 0)), step,
-                              str(d.get("created", "")), ar, static)
+                              str(d.get("created", "")), ar, static, fallback)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CostTableError(f"{where}: not a cost table ({type(e).__name__}: {e})") from None
         if not step or any(not row or min(row.values()) <= 0 for row in step.values()):
             raise CostTableError(f"{where}: a cost table needs positive step times for at least one batch")
-        if any(ms <= 0 for ms in (*ar.values(), *static.values())):
-            raise CostTableError(f"{where}: autoregressive and static step times must be positive")
+        if any(ms <= 0 for ms in (*ar.values(), *static.values(), *fallback.values())):
+            raise CostTableError(f"{where}: autoregressive, static and fallback step times must be positive")
         return table
 
 

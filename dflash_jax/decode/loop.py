@@ -580,13 +580,7 @@ def fallback(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, sp
 
     def body(carry):
         s, feats_buf, pos_buf, i = carry
-        block = s.anchor[:, None]
-        positions = block_positions(s, 1)
-        hidden, feats, tcache = target(block, positions, s.target_cache, capture=spec.capture,
-                                       kernels=spec.kernels, defer=True)
-        s, accepted, last, _ = _accept(s, block, target.logits(hidden), None, spec, None, None)
-        s = dataclasses.replace(s, target_cache=target.settle(tcache, accepted + 1))
-        s = shard_state(commit(s, sampling.committed_tokens(block, accepted, last), accepted + 1), spec.plan)
+        s, feats, positions = autoregressive_step(target, s, spec)
         feats_buf = jax.lax.dynamic_update_slice_in_dim(feats_buf, feats.astype(feats_buf.dtype), i, axis=1)
         pos_buf = jax.lax.dynamic_update_slice_in_dim(pos_buf, positions, i, axis=1)
         return s, _shard_rows(feats_buf, spec.plan), pos_buf, i + 1
@@ -610,6 +604,20 @@ def fallback(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, sp
     if plans_ahead(state, spec):  # the plan made before these steps drafted from an anchor since committed
         state = plan_next(target, drafter, state, spec, mask_token_id)
     return state
+
+
+def autoregressive_step(target: TargetModel, state: DecodeState, spec: LoopSpec
+                        ) -> tuple[DecodeState, Float[Array, "B 1 F"] | None, Int[Array, "B 1"]]:
+    """One plain autoregressive step of every row — the anchor alone through the target, accept (the target's
+    choice), commit: what the loop runs with L = 1 and no drafter — and its captured features and position."""
+    block = state.anchor[:, None]
+    positions = block_positions(state, 1)
+    hidden, feats, tcache = target(block, positions, state.target_cache, capture=spec.capture, kernels=spec.kernels,
+                                   defer=True)
+    state, accepted, last, _ = _accept(state, block, target.logits(hidden), None, spec, None, None)
+    state = dataclasses.replace(state, target_cache=target.settle(tcache, accepted + 1))
+    state = commit(state, sampling.committed_tokens(block, accepted, last), accepted + 1)
+    return shard_state(state, spec.plan), feats, positions
 
 
 def _shard_rows(x: jax.Array, plan: Plan | None) -> jax.Array:

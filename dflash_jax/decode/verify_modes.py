@@ -119,6 +119,11 @@ class BatchCosts:
         """ms of a step without drafting (None: not timed)."""
         return self.table.ar_cost(self.rows)
 
+    @property
+    def fallback_cost(self) -> float | None:
+        """ms of a plain autoregressive step (:meth:`dflash_jax.costs.CostTable.fallback_cost`; None: not timed)."""
+        return self.table.fallback_cost(self.rows)
+
 
 REGISTRY: dict[str, type["VerifyPolicy"]] = {}
 

@@ -31,7 +31,8 @@ def measure(target, drafter, *, batches=(1, 4, 16, 32, 64, 128), block_size: int
             context: int = 256, repeats: int = 20, pair: str = "", progress=None, time_static: bool = True,
             tuning: Tuning | None = None) -> CostTable:
     """Time one compact step (draft + packed verify of ``per_row`` tokens per row + accept + commit) at every
-    tier of every batch, the scheduler's autoregressive step (no drafting) and the static verify's step, the
+    tier of every batch, the scheduler's autoregressive step (no drafting), the plain autoregressive step (what
+    verify mode auto falls back to) and the static verify's step, the
     rows' caches holding ``context`` tokens. One program per batch and mode (the tier is a runtime argument,
     as in the decode loop) that runs the step in a ``lax.while_loop``, as decoding does: one call's dispatch
     and the host's wait are spread over its steps instead of added to each (on a GPU they are a large part of
@@ -46,22 +47,24 @@ def measure(target, drafter, *, batches=(1, 4, 16, 32, 64, 128), block_size: int
     step_ms: dict[int, dict[int, float]] = {}
     ar_ms: dict[int, float] = {}
     static_ms: dict[int, float] = {}
+    fallback_ms: dict[int, float] = {}
     for b in batches:
         ids = rng.integers(0, target.config.vocab_size, (b, context)).tolist()
         row = _time_compact_steps(target, drafter, ids, block, repeats, tuning)
         ar_ms[b] = row.pop(0)
         step_ms[b] = row
+        fallback_ms[b] = _time_fallback_step(target, drafter, ids, block, repeats, tuning)
         if time_static:
             static_ms[b] = _time_static_step(target, drafter, ids, block, repeats, tuning)
         if progress:
             progress(f"batch {b:4d}: " + "  ".join(f"{n}/row {ms:.2f} ms" for n, ms in row.items())
-                     + f"  autoregressive {ar_ms[b]:.2f} ms"
+                     + f"  autoregressive {ar_ms[b]:.2f} ms (plain {fallback_ms[b]:.2f} ms)"
                      + (f"  static {static_ms[b]:.2f} ms" if time_static else ""))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
     return CostTable(jax.default_backend(), device_kind(),
                      str(target.model.dtype), pair or target.name, block, context, step_ms,
-                     f"{datetime.date.today().isoformat()} {commit}".strip(), ar_ms, static_ms)
+                     f"{datetime.date.today().isoformat()} {commit}".strip(), ar_ms, static_ms, fallback_ms)
 
 
 def _time_compact_steps(target, drafter, ids: list[list[int]], block: int, repeats: int,
@@ -102,6 +105,22 @@ def _time_static_step(target, drafter, ids: list[list[int]], block: int, repeats
     def step(params, state, _):
         t, d = merge_model(graphdefs[0], params[0]), merge_model(graphdefs[1], params[1])
         return _same_positions(loop.cycle(t, d, state, job.spec, d.config.mask_token_id), state)
+
+    fn, state = _step_program(job, step)
+    return _timed(fn, job.params, state, 0, repeats)[0]
+
+
+def _time_fallback_step(target, drafter, ids: list[list[int]], block: int, repeats: int,
+                        tuning: Tuning | None = None) -> float:
+    """ms of a plain autoregressive step of ``len(ids)`` rows, capturing the drafter's features (the fallback's
+    step, :func:`dflash_jax.decode.loop.autoregressive_step`)."""
+    job = jobs.make(target, drafter, ids, 4 * block, block_size=block, stop_token_ids=[], verify_mode="static",
+                    tuning=tuning, decode=False)
+    graphdefs = (job.target.split().static, None)
+
+    def step(params, state, _):
+        t = merge_model(graphdefs[0], params[0])
+        return _same_positions(loop.autoregressive_step(t, state, job.spec)[0], state)
 
     fn, state = _step_program(job, step)
     return _timed(fn, job.params, state, 0, repeats)[0]

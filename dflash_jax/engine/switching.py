@@ -38,10 +38,16 @@ DRAFT, AUTOREGRESSIVE = "draft", "autoregressive"
 # Leave drafting once it is estimated this much slower than autoregressive steps (return as soon as it is not
 # slower): a margin against the table's noise, so that a batch near break-even does not switch back and forth.
 LEAVE_MARGIN = 0.05
+# Drafting is left only if it loses with the τs read this many standard errors up (τ̂ / √(row steps seen)).
+LEAVE_OPTIMISM = 1.5
 # Weight of the newest drafted segment in the running acceptance estimate.
 SMOOTHING = 0.5
-# At most this many fallback segments between two probes.
+# A probe costs at most this share of the fallback's time between two probes (times the backoff, which doubles
+# up to MAX_BACKOFF while probes keep losing).
+PROBE_SHARE = 0.05
 MAX_BACKOFF = 8
+# A row's own τ counts against the batch's as if the batch's had been seen over this many of its steps.
+ROW_PRIOR_STEPS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +73,7 @@ def fallback_for(policy: verify_modes.VerifyPolicy, resolved: verify_modes.Resol
     never loses to one, as it commits at least one token)."""
     if not (policy.falls_back and tuning.ar_fallback) or costs.block_size < 2:
         return None
-    ar_ms = costs.ar_cost
+    ar_ms = costs.fallback_cost
     if ar_ms is None:
         return None
     mode = resolved.mode
@@ -93,26 +99,45 @@ class SwitchPolicy:
     A batch that waits for its slowest row (a whole call) finishes when the row with the most work left does:
     drafting's time is ``max_r(left_r / τ_r) × drafted ms``, the fallback's ``max_r(left_r) × autoregressive ms``,
     with ``τ_r`` each row's own running estimate and ``left_r`` its budget left. A pool (``pooled``: finished
-    rows get new prompts) is paid by its throughput: the rows' mean τ."""
+    rows get new prompts) is paid by its throughput: the rows' mean τ.
 
-    def __init__(self, fallback: Fallback, pooled: bool = False):
+    The first segment and every probe draft ``probe_cycles`` cycles (short: where drafting loses, each costs);
+    drafting is left only when it loses even by an optimistic reading of what was seen (τ̂ :data:`LEAVE_OPTIMISM`
+    standard errors up, a standard error taken as τ̂ / √(row steps seen)): a row or two of a few cycles may have been unlucky. Probes come after enough
+    fallback segments that a probe costs at most :data:`PROBE_SHARE` of the time between two (more while probes
+    keep losing: up to :data:`MAX_BACKOFF` times that)."""
+
+    def __init__(self, fallback: Fallback, pooled: bool = False, probe_cycles: int = 2, fallback_steps: int = 32):
         self.fallback, self.pooled = fallback, pooled
-        self.row_tau: np.ndarray | None = None  # [B] tokens per drafted step, each row's running estimate
-        self.tau: float | None = None  # the same over the batch
+        self.probe_cycles, self.fallback_steps = probe_cycles, fallback_steps
+        self.tau: float | None = None  # tokens per row and drafted step over the batch, running
+        self.seen = 0  # row steps behind self.tau since it was last restarted
+        self.row_tokens: np.ndarray | None = None  # [B] each row's tokens from drafted steps so far
+        self.row_steps: np.ndarray | None = None  # [B] and its drafted steps
         self.left: np.ndarray | None = None  # [B] tokens each active row may still commit (0: done)
         self.step_ms: float | None = None  # ms of a drafted step, running
         self.mode = DRAFT if fallback.can_pay else AUTOREGRESSIVE
-        self.backoff = 1  # fallback segments before the next probe
+        self.backoff = 1  # grows while probes lose
         self.until_probe = 0  # fallback segments left before the next probe (AUTOREGRESSIVE)
+        self.probing = True  # the next drafted segment is a probe (or the first): probe_cycles long
 
-    def value(self) -> float:
-        """Drafting's speed ÷ the fallback's (> 1: drafting pays), from the running estimates."""
+    @property
+    def row_tau(self) -> np.ndarray:
+        """Each row's τ: its own drafted steps, shrunk towards the batch's running τ by :data:`ROW_PRIOR_STEPS`
+        pseudo-steps (a few cycles of one row say little: the slowest-looking row of a large batch would
+        otherwise be mostly noise)."""
+        return (self.row_tokens + ROW_PRIOR_STEPS * self.tau) / (self.row_steps + ROW_PRIOR_STEPS)
+
+    def value(self, optimism: float = 0.0) -> float:
+        """Drafting's speed ÷ the fallback's (> 1: drafting pays), from the running estimates; ``optimism``: the
+        τs read that many standard errors up."""
         fb = self.fallback
+        up = 1.0 + optimism / np.sqrt(max(self.seen, 1))
         if self.pooled or self.left is None or not (self.left > 0).any():
-            return self.tau * fb.ar_ms / self.step_ms
-        left = self.left[self.left > 0]
-        tau = self.row_tau[self.left > 0]
-        return (left.max() * fb.ar_ms) / ((left / tau).max() * self.step_ms)
+            return up * self.tau * fb.ar_ms / self.step_ms
+        active = self.left > 0
+        left = self.left[active]
+        return up * (left.max() * fb.ar_ms) / ((left / self.row_tau[active]).max() * self.step_ms)
 
     def drafted(self, tokens: np.ndarray, steps: np.ndarray, left: np.ndarray, step_ms: float) -> None:
         """A drafted segment: per row, the tokens it committed in its ``steps`` active steps and the budget it has
@@ -120,30 +145,42 @@ class SwitchPolicy:
         ran = steps > 0
         if not ran.any():
             return
-        stale = self.mode == AUTOREGRESSIVE or self.tau is None  # a probe: the estimates from before are stale
+        stale = self.mode == AUTOREGRESSIVE or self.tau is None  # a probe: the running figures are stale
         w = 1.0 if stale else SMOOTHING
         tau = float(tokens[ran].sum() / steps[ran].sum())
-        row_tau = np.where(ran, tokens / np.maximum(steps, 1), tau)
-        self.row_tau = row_tau if stale or self.row_tau is None else np.where(
-            ran, w * row_tau + (1 - w) * self.row_tau, self.row_tau)
         self.tau = tau if stale else w * tau + (1 - w) * self.tau
+        self.seen = int(steps.sum()) + (0 if stale else self.seen)
         self.step_ms = step_ms if stale else w * step_ms + (1 - w) * self.step_ms
+        if self.row_tokens is None or self.row_tokens.shape != tokens.shape:
+            self.row_tokens, self.row_steps = np.zeros(tokens.shape), np.zeros(tokens.shape)
+        self.row_tokens = self.row_tokens + tokens
+        self.row_steps = self.row_steps + steps
         self.left = left
+        self.probing = False
         if self.mode == AUTOREGRESSIVE:  # a probe
             if self.value() >= 1.0:
                 self.mode, self.backoff = DRAFT, 1
             else:
                 self.backoff = min(2 * self.backoff, MAX_BACKOFF)
-                self.until_probe = self.backoff
-        elif self.value() < 1.0 - LEAVE_MARGIN:
-            self.mode, self.until_probe = AUTOREGRESSIVE, self.backoff
+                self._fall_back()
+        elif self.value(optimism=LEAVE_OPTIMISM) < 1.0 - LEAVE_MARGIN:
+            self.mode = AUTOREGRESSIVE
+            self._fall_back()
+
+    def _fall_back(self) -> None:
+        """Fallback segments until the next probe: a probe's cost ≤ PROBE_SHARE of the time between two, times
+        the backoff."""
+        probe_ms = self.probe_cycles * self.step_ms
+        segment_ms = self.fallback_steps * self.fallback.ar_ms
+        self.until_probe = self.backoff * max(1, int(np.ceil(probe_ms / (PROBE_SHARE * segment_ms))))
 
     def next_segment(self) -> str:
         """What the next segment runs (a fallback segment counts down to the next probe)."""
         if self.mode == DRAFT or not self.fallback.can_pay:
             return self.mode
         if self.until_probe <= 0:
-            return DRAFT  # probe
+            self.probing = True
+            return DRAFT
         self.until_probe -= 1
         return AUTOREGRESSIVE
 
@@ -181,10 +218,8 @@ class SwitchingDecoder(Decoder):
         self.policy, self.record = policy, record
         self.last_mode: str | None = None
         self.segment: _Segment | None = None  # the segment under way (a call may end inside one)
-        tuning = job.settings.tuning  # the loop spec carries these host-side knobs at a fixed value
-        self.drafted_cycles = max(1, tuning.drafted_segment_cycles)
-        l = job.spec.block_size
-        self.ar_steps = max(1, -(-tuning.fallback_steps // l)) * l
+        self.drafted_cycles = max(1, job.settings.tuning.drafted_segment_cycles)
+        self.ar_steps = policy.fallback_steps
 
     def __call__(self, state, max_cycles):
         left = int(np.asarray(max_cycles))
@@ -193,9 +228,11 @@ class SwitchingDecoder(Decoder):
         before = np.asarray(_counts(state))
         while True:
             if self.segment is None:
-                self.segment = _Segment(self.policy.next_segment(), before.shape[0])
+                mode = self.policy.next_segment()
+                self.segment = _Segment(mode, before.shape[0], mode == DRAFT and self.policy.probing)
             seg = self.segment
-            length = self.drafted_cycles if seg.mode == DRAFT else self.ar_steps
+            length = self.ar_steps if seg.mode == AUTOREGRESSIVE else (
+                self.policy.probe_cycles if seg.probe else self.drafted_cycles)
             n = min(left, length - seg.ran)
             program = self.job.programs.decode if seg.mode == DRAFT else self._fallback_program()
             state, packed = program(self.job.params, state, np.int32(n))
@@ -254,8 +291,8 @@ class _Segment:
     """What one segment ran so far, summed over the calls it spans (rows refilled between two calls count from
     their refill: each call's counts are taken against its own start)."""
 
-    def __init__(self, mode: str, rows: int):
-        self.mode, self.ran = mode, 0
+    def __init__(self, mode: str, rows: int, probe: bool = False):
+        self.mode, self.probe, self.ran = mode, probe, 0
         self.tokens = np.zeros(rows, np.int64)
         self.cycles = np.zeros(rows, np.int64)
         self.tiers = np.zeros(0)
@@ -287,4 +324,8 @@ def decoder(job, record: Record | None = None, pooled: bool = False) -> Decoder:
     decode program itself. ``pooled``: rows that finish get new prompts (:mod:`dflash_jax.engine.pool`)."""
     if job.fallback is None:
         return Decoder(job)
-    return SwitchingDecoder(job, SwitchPolicy(job.fallback, pooled), record if record is not None else Record())
+    tuning = job.settings.tuning  # the loop spec carries these host-side knobs at a fixed value
+    l = job.spec.block_size
+    fallback_steps = max(1, -(-tuning.fallback_steps // l)) * l
+    policy = SwitchPolicy(job.fallback, pooled, max(1, tuning.probe_cycles), fallback_steps)
+    return SwitchingDecoder(job, policy, record if record is not None else Record())
