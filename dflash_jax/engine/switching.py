@@ -35,11 +35,19 @@ from dflash_jax.engine import programs as progs
 from dflash_jax.tuning import Tuning
 
 DRAFT, AUTOREGRESSIVE = "draft", "autoregressive"
+# Armed only where the cheapest drafted step costs more than this many autoregressive steps. Below it drafting
+# loses only on text the drafter cannot draft at all (under 1.3 tokens a step: a trained drafter's τ is 2–7), while
+# the segments' returns to the host cost a few percent of every run where steps are short (a large model at batch
+# 1 on a GPU: measured 9 % with 8-cycle segments, benchmarks/README.md).
+ARM_BREAKEVEN = 1.3
 # Leave drafting once it is estimated this much slower than autoregressive steps (return as soon as it is not
 # slower): a margin against the table's noise, so that a batch near break-even does not switch back and forth.
 LEAVE_MARGIN = 0.05
 # Drafting is left only if it loses with the τs read this many standard errors up (τ̂ / √(row steps seen)).
 LEAVE_OPTIMISM = 1.5
+# Drafted segments double in length (up to this many times their base) while drafting pays even with the τs read
+# LEAVE_OPTIMISM standard errors down: each segment ends with a return to the host (a few ms with a large model).
+MAX_RUN = 16
 # Weight of the newest drafted segment in the running acceptance estimate.
 SMOOTHING = 0.5
 # A probe costs at most this share of the fallback's time between two probes (times the backoff, which doubles
@@ -69,8 +77,8 @@ class Fallback:
 def fallback_for(policy: verify_modes.VerifyPolicy, resolved: verify_modes.Resolved,
                  costs: verify_modes.BatchCosts, tuning: Tuning) -> Fallback | None:
     """The fallback's costs for a batch, where ``policy`` falls back (``"auto"``, :attr:`Tuning.ar_fallback`)
-    and the table times an autoregressive step cheaper than every drafted step (else None: a drafted step then
-    never loses to one, as it commits at least one token)."""
+    and the table times an autoregressive step more than :data:`ARM_BREAKEVEN` times cheaper than every drafted
+    step (else None)."""
     if not (policy.falls_back and tuning.ar_fallback) or costs.block_size < 2:
         return None
     ar_ms = costs.fallback_cost
@@ -88,7 +96,7 @@ def fallback_for(policy: verify_modes.VerifyPolicy, resolved: verify_modes.Resol
         static = costs.static_cost
         per_row, ms = [costs.block_size], [float(costs.step_cost[-1] if static is None else static)]
         drafted = ms[0]
-    if drafted <= ar_ms:
+    if drafted <= ARM_BREAKEVEN * ar_ms:
         return None
     return Fallback(float(ar_ms), tuple(ms), tuple(per_row))
 
@@ -105,7 +113,7 @@ class SwitchPolicy:
     drafting is left only when it loses even by an optimistic reading of what was seen (τ̂ :data:`LEAVE_OPTIMISM`
     standard errors up, a standard error taken as τ̂ / √(row steps seen)): a row or two of a few cycles may have been unlucky. Probes come after enough
     fallback segments that a probe costs at most :data:`PROBE_SHARE` of the time between two (more while probes
-    keep losing: up to :data:`MAX_BACKOFF` times that)."""
+    keep losing: up to :data:`MAX_BACKOFF` times that). Drafted segments grow while drafting clearly pays."""
 
     def __init__(self, fallback: Fallback, pooled: bool = False, probe_cycles: int = 2, fallback_steps: int = 32):
         self.fallback, self.pooled = fallback, pooled
@@ -120,6 +128,7 @@ class SwitchPolicy:
         self.backoff = 1  # grows while probes lose
         self.until_probe = 0  # fallback segments left before the next probe (AUTOREGRESSIVE)
         self.probing = True  # the next drafted segment is a probe (or the first): probe_cycles long
+        self.run = 1  # drafted segments are this many times their base length (grows while drafting clearly pays)
 
     @property
     def row_tau(self) -> np.ndarray:
@@ -132,7 +141,7 @@ class SwitchPolicy:
         """Drafting's speed ÷ the fallback's (> 1: drafting pays), from the running estimates; ``optimism``: the
         τs read that many standard errors up."""
         fb = self.fallback
-        up = 1.0 + optimism / np.sqrt(max(self.seen, 1))
+        up = max(0.0, 1.0 + optimism / np.sqrt(max(self.seen, 1)))
         if self.pooled or self.left is None or not (self.left > 0).any():
             return up * self.tau * fb.ar_ms / self.step_ms
         active = self.left > 0
@@ -166,6 +175,10 @@ class SwitchPolicy:
         elif self.value(optimism=LEAVE_OPTIMISM) < 1.0 - LEAVE_MARGIN:
             self.mode = AUTOREGRESSIVE
             self._fall_back()
+        if self.mode == DRAFT and self.value(optimism=-LEAVE_OPTIMISM) >= 1.0 + LEAVE_MARGIN:
+            self.run = min(2 * self.run, MAX_RUN)  # clearly paying: fewer returns to the host
+        else:
+            self.run = 1
 
     def _fall_back(self) -> None:
         """Fallback segments until the next probe: a probe's cost ≤ PROBE_SHARE of the time between two, times
@@ -232,7 +245,7 @@ class SwitchingDecoder(Decoder):
                 self.segment = _Segment(mode, before.shape[0], mode == DRAFT and self.policy.probing)
             seg = self.segment
             length = self.ar_steps if seg.mode == AUTOREGRESSIVE else (
-                self.policy.probe_cycles if seg.probe else self.drafted_cycles)
+                self.policy.probe_cycles if seg.probe else self.drafted_cycles * self.policy.run)
             n = min(left, length - seg.ran)
             program = self.job.programs.decode if seg.mode == DRAFT else self._fallback_program()
             state, packed = program(self.job.params, state, np.int32(n))
