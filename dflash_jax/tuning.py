@@ -93,11 +93,11 @@ class Tuning:
     # least this many times the one-token step ($DFLASH_JAX_AUTO_COMPACT_RATIO; "inf": auto is always static).
     auto_compact_ratio: float = dataclasses.field(default_factory=_env_ratio)
     # Verify mode "auto": fall back to plain autoregressive steps while the acceptance observed says drafting does
-    # not pay (dflash_jax.engine.switching; default: $DFLASH_JAX_AR_FALLBACK, on unless "0"), in segments of this
-    # many cycles (drafted; the first and the probes: probe_cycles) and steps (autoregressive, rounded up to a
-    # multiple of the block size).
+    # not pay (dflash_jax.engine.switching; default: $DFLASH_JAX_AR_FALLBACK, on unless "0"), in segments: drafted
+    # ones of probe_cycles, doubling up to drafted_segment_cycles while drafting clearly pays; autoregressive ones
+    # of fallback_steps (rounded up to a multiple of the block size).
     ar_fallback: bool = dataclasses.field(default_factory=_env_fallback)
-    drafted_segment_cycles: int = 8
+    drafted_segment_cycles: int = 128
     probe_cycles: int = 2
     fallback_steps: int = 32
     # On a GPU, a compact loop that plans its steps ahead switches tiers from the host instead of a CUDA-graph

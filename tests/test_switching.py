@@ -198,10 +198,11 @@ def segment(tau: float, rows: int = 16, steps: int = 8, left: int = 100):
 def test_policy_decisions():
     p = SwitchPolicy(FB)  # probes of 2 cycles, fallback segments of 32 steps
     assert p.next_segment() == DRAFT and p.probing  # the first segment is probe-sized
-    p.drafted(*segment(3), 2.0)  # τ 3 at 2 ms: 1.5× AR
+    p.drafted(*segment(3), 2.0)  # τ 3 at 2 ms: 1.5× AR, clearly (1.3× read 1.5 standard errors down)
     assert p.mode == DRAFT and p.value() == pytest.approx(1.5) and not p.probing
-    p.drafted(*segment(1), 2.0)  # τ 1 now: running 2 → 1.0×, stays
-    assert p.mode == DRAFT
+    assert p.cycles == 4  # the next drafted segment twice as long
+    p.drafted(*segment(1), 2.0)  # τ 1 now: running 2 → 1.0×, stays, but back to short segments
+    assert p.mode == DRAFT and p.cycles == 2
     p.drafted(*segment(1), 2.0)  # running 1.5 (rows 1.6 with their prior) → 0.8×: falls back
     assert p.mode == AUTOREGRESSIVE
     # A probe (2 cycles × 2 ms) costs ≤ 5 % of the fallback time between two: 3 segments of 32 × 1 ms first.

@@ -45,9 +45,6 @@ ARM_BREAKEVEN = 1.3
 LEAVE_MARGIN = 0.05
 # Drafting is left only if it loses with the τs read this many standard errors up (τ̂ / √(row steps seen)).
 LEAVE_OPTIMISM = 1.5
-# Drafted segments double in length (up to this many times their base) while drafting pays even with the τs read
-# LEAVE_OPTIMISM standard errors down: each segment ends with a return to the host (a few ms with a large model).
-MAX_RUN = 16
 # Weight of the newest drafted segment in the running acceptance estimate.
 SMOOTHING = 0.5
 # A probe costs at most this share of the fallback's time between two probes (times the backoff, which doubles
@@ -113,11 +110,15 @@ class SwitchPolicy:
     drafting is left only when it loses even by an optimistic reading of what was seen (τ̂ :data:`LEAVE_OPTIMISM`
     standard errors up, a standard error taken as τ̂ / √(row steps seen)): a row or two of a few cycles may have been unlucky. Probes come after enough
     fallback segments that a probe costs at most :data:`PROBE_SHARE` of the time between two (more while probes
-    keep losing: up to :data:`MAX_BACKOFF` times that). Drafted segments grow while drafting clearly pays."""
+    keep losing: up to :data:`MAX_BACKOFF` times that). Drafted segments are probe-sized while it is not clear
+    that drafting pays, and double (up to ``max_cycles``) while it clearly does (even with the τs read
+    LEAVE_OPTIMISM standard errors down): each segment ends with a return to the host, a few ms with a large
+    model."""
 
-    def __init__(self, fallback: Fallback, pooled: bool = False, probe_cycles: int = 2, fallback_steps: int = 32):
+    def __init__(self, fallback: Fallback, pooled: bool = False, probe_cycles: int = 2, fallback_steps: int = 32,
+                 max_cycles: int = 128):
         self.fallback, self.pooled = fallback, pooled
-        self.probe_cycles, self.fallback_steps = probe_cycles, fallback_steps
+        self.probe_cycles, self.fallback_steps, self.max_cycles = probe_cycles, fallback_steps, max_cycles
         self.tau: float | None = None  # tokens per row and drafted step over the batch, running
         self.seen = 0  # row steps behind self.tau since it was last restarted
         self.row_tokens: np.ndarray | None = None  # [B] each row's tokens from drafted steps so far
@@ -128,7 +129,7 @@ class SwitchPolicy:
         self.backoff = 1  # grows while probes lose
         self.until_probe = 0  # fallback segments left before the next probe (AUTOREGRESSIVE)
         self.probing = True  # the next drafted segment is a probe (or the first): probe_cycles long
-        self.run = 1  # drafted segments are this many times their base length (grows while drafting clearly pays)
+        self.cycles = probe_cycles  # the next drafted segment's length
 
     @property
     def row_tau(self) -> np.ndarray:
@@ -176,9 +177,9 @@ class SwitchPolicy:
             self.mode = AUTOREGRESSIVE
             self._fall_back()
         if self.mode == DRAFT and self.value(optimism=-LEAVE_OPTIMISM) >= 1.0 + LEAVE_MARGIN:
-            self.run = min(2 * self.run, MAX_RUN)  # clearly paying: fewer returns to the host
+            self.cycles = min(2 * self.cycles, self.max_cycles)  # clearly paying: fewer returns to the host
         else:
-            self.run = 1
+            self.cycles = self.probe_cycles  # not clear yet: decide again soon
 
     def _fall_back(self) -> None:
         """Fallback segments until the next probe: a probe's cost ≤ PROBE_SHARE of the time between two, times
@@ -231,7 +232,6 @@ class SwitchingDecoder(Decoder):
         self.policy, self.record = policy, record
         self.last_mode: str | None = None
         self.segment: _Segment | None = None  # the segment under way (a call may end inside one)
-        self.drafted_cycles = max(1, job.settings.tuning.drafted_segment_cycles)
         self.ar_steps = policy.fallback_steps
 
     def __call__(self, state, max_cycles):
@@ -245,9 +245,11 @@ class SwitchingDecoder(Decoder):
                 self.segment = _Segment(mode, before.shape[0], mode == DRAFT and self.policy.probing)
             seg = self.segment
             length = self.ar_steps if seg.mode == AUTOREGRESSIVE else (
-                self.policy.probe_cycles if seg.probe else self.drafted_cycles * self.policy.run)
+                self.policy.probe_cycles if seg.probe else self.policy.cycles)
             n = min(left, length - seg.ran)
             program = self.job.programs.decode if seg.mode == DRAFT else self._fallback_program()
+            if self.job.spec.plan is not None:  # under a mesh one program's outputs may be placed otherwise
+                state = jax.device_put(state, program.input_shardings[0][1])  # than the other's inputs
             state, packed = program(self.job.params, state, np.int32(n))
             after = np.asarray(_counts(state))
             ran = seg.add(before, after)
@@ -340,5 +342,6 @@ def decoder(job, record: Record | None = None, pooled: bool = False) -> Decoder:
     tuning = job.settings.tuning  # the loop spec carries these host-side knobs at a fixed value
     l = job.spec.block_size
     fallback_steps = max(1, -(-tuning.fallback_steps // l)) * l
-    policy = SwitchPolicy(job.fallback, pooled, max(1, tuning.probe_cycles), fallback_steps)
+    policy = SwitchPolicy(job.fallback, pooled, max(1, tuning.probe_cycles), fallback_steps,
+                          max(1, tuning.drafted_segment_cycles))
     return SwitchingDecoder(job, policy, record if record is not None else Record())

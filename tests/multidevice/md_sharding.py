@@ -53,6 +53,39 @@ def test_token_identical_to_single_device(reference, tp, dp):
         assert speculative_generate(t, d, PROMPTS, temperature=1.0, seed=3, **kw).token_ids == reference["sampled"]
 
 
+def test_fallback_switches_under_a_mesh(reference, monkeypatch):
+    """Auto's fallback to autoregressive steps (dflash_jax.engine.switching) under tp × dp, switching at random
+    segments: the fallback program's feature buffer and context writes sharded with the rows, the tokens a single
+    device gives, for static and compact."""
+    import math
+
+    from dflash_jax.costs import CostTable
+    from dflash_jax.engine import switching
+
+    class RandomSwitches(switching.SwitchPolicy):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.rng = np.random.default_rng(0)
+
+        def drafted(self, *args):
+            pass
+
+        def next_segment(self):
+            return switching.DRAFT if self.rng.random() < 0.5 else switching.AUTOREGRESSIVE
+
+    monkeypatch.setattr(switching, "SwitchPolicy", RandomSwitches)
+    t, d = pair(make_mesh(tp=2, dp=2))
+    table = CostTable("cpu", "test", "float32", "tiny", 4, 64, {6: {1: 1.4, 2: 1.6, 4: 1.8}}, ar_ms={6: 1.0},
+                      static_ms={6: 1.8})
+    for ratio in (math.inf, 1.0):  # auto resolves to static, then to compact
+        tuning = Tuning(ar_fallback=True, drafted_segment_cycles=2, fallback_steps=4, auto_compact_ratio=ratio)
+        out = speculative_generate(t, d, PROMPTS, max_new_tokens=16, stop_token_ids=[], cost_table=table,
+                                   tuning=tuning)
+        assert out.token_ids == reference["spec"]
+        assert out.stats["ar_fallback_steps"] > 0 and out.stats["fallback_switches"] >= 2
+        assert out.stats["verify_mode"] == ("static" if ratio == math.inf else "compact")
+
+
 def test_reduced_draft_vocabulary_under_a_mesh(reference):
     """The drafts' head rows (placed replicated) and id map under tp × dp: the target's tokens still."""
     t, d = pair(make_mesh(tp=4, dp=2))
