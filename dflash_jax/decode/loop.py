@@ -142,7 +142,7 @@ def prefill(
     # The first token is committed like any other (it may be a stop token, or the whole budget).
     state = shard_state(commit(state, first, jnp.ones((b,), jnp.int32), record=False), spec.plan)
     if plan and plans_ahead(state, spec):
-        state = plan_next(target, drafter, state, spec, drafter.config.mask_token_id)
+        state = shard_state(plan_next(target, drafter, state, spec, drafter.config.mask_token_id), spec.plan)
     return state
 
 
@@ -199,7 +199,15 @@ def shard_state(state: DecodeState, plan: Plan | None) -> DecodeState:
     names = ("tokens", "num_new", "max_new", "anchor", "anchor_pos", "done", "acc_lens", "num_cycles") + (
         ("survival_sum",) if state.survival_sum is not None else ())
     rows = {f: constrain(getattr(state, f), plan.rows(getattr(state, f).ndim)) for f in names}
-    return dataclasses.replace(state, **rows, target_cache=_shard_cache(state.target_cache, plan, plan.target_kv),
+    sch = state.schedule
+    if sch is not None:  # its per-row fields too: else a program's output could be placed otherwise than its input
+        per_row = lambda x: None if x is None else constrain(x, plan.rows(x.ndim))  # noqa: E731
+        sch = dataclasses.replace(sch, counts=None if sch.counts is None else jax.tree.map(per_row, sch.counts),
+                                  verify_tokens=per_row(sch.verify_tokens), untrimmed=per_row(sch.untrimmed),
+                                  tier_steps=per_row(sch.tier_steps), window=per_row(sch.window),
+                                  block=per_row(sch.block), conf=per_row(sch.conf))
+    return dataclasses.replace(state, **rows, schedule=sch,
+                               target_cache=_shard_cache(state.target_cache, plan, plan.target_kv),
                                draft_cache=_shard_cache(state.draft_cache, plan, plan.drafter_kv))
 
 
@@ -602,7 +610,7 @@ def fallback(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, sp
         dcache = drafter.materialize(dcache, feats_buf[:, j: j + l], pos_buf[:, j: j + l])
     state = shard_state(dataclasses.replace(state, draft_cache=dcache), spec.plan)
     if plans_ahead(state, spec):  # the plan made before these steps drafted from an anchor since committed
-        state = plan_next(target, drafter, state, spec, mask_token_id)
+        state = shard_state(plan_next(target, drafter, state, spec, mask_token_id), spec.plan)
     return state
 
 
@@ -679,7 +687,7 @@ def refill_fn(graphdefs, params, state, ints, floats, *, spec: LoopSpec, capacit
     state = state.replace_rows(new, ints[ints.shape[0] - batch:])
     state = shard_state(dataclasses.replace(state, return_at_done=return_at), spec.plan)
     if plans_ahead(state, spec):  # the new rows change every row's windows (one admission over the batch)
-        state = plan_next(target, drafter, state, spec, drafter.config.mask_token_id)
+        state = shard_state(plan_next(target, drafter, state, spec, drafter.config.mask_token_id), spec.plan)
     return state, DecodeView.pack(state)
 
 

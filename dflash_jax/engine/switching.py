@@ -248,8 +248,6 @@ class SwitchingDecoder(Decoder):
                 self.policy.probe_cycles if seg.probe else self.policy.cycles)
             n = min(left, length - seg.ran)
             program = self.job.programs.decode if seg.mode == DRAFT else self._fallback_program()
-            if self.job.spec.plan is not None:  # under a mesh one program's outputs may be placed otherwise
-                state = jax.device_put(state, program.input_shardings[0][1])  # than the other's inputs
             state, packed = program(self.job.params, state, np.int32(n))
             after = np.asarray(_counts(state))
             ran = seg.add(before, after)

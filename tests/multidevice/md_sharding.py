@@ -86,6 +86,22 @@ def test_fallback_switches_under_a_mesh(reference, monkeypatch):
         assert out.stats["verify_mode"] == ("static" if ratio == math.inf else "compact")
 
 
+def test_compact_streams_under_a_mesh():
+    """A stream feeds each segment's state to the next call of the same program: under tp × dp its per-row
+    scheduler fields must come out placed as they went in (they came back over dp and the second segment was
+    refused). Static and compact, the whole call's tokens."""
+    from dflash_jax import speculative_stream
+
+    t, d = pair(make_mesh(tp=2, dp=2))
+    kw = dict(max_new_tokens=16, stop_token_ids=[])
+    for mode in ("static", "compact"):
+        whole = speculative_generate(t, d, PROMPTS, verify_mode=mode, **kw)
+        stream = speculative_stream(t, d, PROMPTS, segment_cycles=2, verify_mode=mode, **kw)
+        for _ in stream:
+            pass
+        assert stream.segments > 2 and stream.output.token_ids == whole.token_ids
+
+
 def test_reduced_draft_vocabulary_under_a_mesh(reference):
     """The drafts' head rows (placed replicated) and id map under tp × dp: the target's tokens still."""
     t, d = pair(make_mesh(tp=4, dp=2))
