@@ -206,8 +206,9 @@ def _compile_ahead(target: Target, drafter: Drafter | None, batches: list[list[R
         first_of_bucket.setdefault(jobs.bucket(max(len(r.ids) for r in rows)), i)
     for i in tqdm(list(first_of_bucket.values()), disable=not progress or len(first_of_bucket) < 2,
                   desc="compile", unit="shape", dynamic_ncols=True):
-        jobs.prepare(target, drafter, [r.ids for r in batches[i]], _batch_settings(settings, batches[i], i),
-                     pad_batch_to=batch_size)  # compiles the bucket's prefill and decode programs
+        job = jobs.prepare(target, drafter, [r.ids for r in batches[i]], _batch_settings(settings, batches[i], i),
+                           pad_batch_to=batch_size)  # compiles the bucket's prefill and decode programs
+        job.decoder.compile()  # and, where auto may fall back to autoregressive steps, the fallback's
     return time.perf_counter() - t0
 
 

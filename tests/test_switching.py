@@ -172,6 +172,22 @@ def test_sampled_switch_is_exact(pair, logits, monkeypatch):  # noqa: F811
         assert chi2_pvalue(np.asarray(out.token_ids), probs) > 1e-3
 
 
+def test_compiled_ahead_nothing_compiles_mid_run(tiny, random_switches):
+    """What the batch command does before its first batch (``job.decoder.compile()``): afterwards a run that
+    switches compiles nothing."""
+    from dflash_jax.engine import programs
+
+    target, prompts, ref = tiny
+    drafter = oracle_drafter(target, prompts, ref.token_ids, block_size=L, corrupt=0.3)
+    kw = dict(stop_token_ids=[7, 21], cost_table=table(len(prompts)), tuning=tuning(fallback_steps=8))
+    job = jobs.make(target, drafter, prompts, 40, **kw)
+    job.decoder.compile()
+    before = programs.compile_count()
+    out = jobs.run(job)
+    assert out.token_ids == ref.token_ids and out.stats["fallback_switches"] >= 2
+    assert programs.compile_count() == before
+
+
 def test_the_policy_falls_back_where_drafting_loses(tiny):
     """The real policy on scripted acceptance: an oracle that is always wrong (τ = 1) makes the loop fall back
     after its first segment (its probes come later than this run: tests above); an oracle always right never

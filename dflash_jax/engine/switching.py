@@ -223,6 +223,9 @@ class Decoder:
     def __call__(self, state, max_cycles):
         return self.job.programs.decode(self.job.params, state, max_cycles)
 
+    def compile(self) -> None:
+        """Compile now whatever a run may use later (a batch run compiles every program before its first batch)."""
+
 
 class SwitchingDecoder(Decoder):
     """The decode loop in segments, each drafted or autoregressive as ``policy`` says (module docstring)."""
@@ -238,7 +241,7 @@ class SwitchingDecoder(Decoder):
         left = int(np.asarray(max_cycles))
         if left <= 0:
             return self.job.programs.decode(self.job.params, state, np.int32(0))
-        before = np.asarray(_counts(state))
+        before = np.asarray(self._counts_program()(state))
         while True:
             if self.segment is None:
                 mode = self.policy.next_segment()
@@ -249,7 +252,7 @@ class SwitchingDecoder(Decoder):
             n = min(left, length - seg.ran)
             program = self.job.programs.decode if seg.mode == DRAFT else self._fallback_program()
             state, packed = program(self.job.params, state, np.int32(n))
-            after = np.asarray(_counts(state))
+            after = np.asarray(self._counts_program()(state))
             ran = seg.add(before, after)
             before = after
             left -= ran
@@ -275,6 +278,20 @@ class SwitchingDecoder(Decoder):
         tiers = seg.tiers
         step_ms = float(tiers @ np.asarray(fb.drafted_ms) / tiers.sum()) if tiers.sum() else fb.drafted_ms[-1]
         self.policy.drafted(seg.tokens, seg.cycles, left, step_ms)
+
+    def compile(self) -> None:
+        self._fallback_program()
+        self._counts_program()
+
+    def _counts_program(self):
+        """:func:`_counts` compiled for this job's state (once per shape, in the program cache)."""
+        job = self.job
+
+        def build():
+            with progs.mesh_context(job.spec):
+                return jax.jit(_counts).lower(job.programs.prefill.out_info[0]).compile()
+
+        return progs.CACHE.get(job.key + ("counts",), build)
 
     def _fallback_program(self):
         """The fallback's compiled loop, compiled on first use (its time counted as the job's compile time)."""
@@ -322,7 +339,6 @@ class _Segment:
         return ran
 
 
-@jax.jit
 def _counts(state: DecodeState) -> jax.Array:
     """[B, 4 + K]: each row's cycles, new tokens, done and budget, and the tier histogram (scheduled modes; the
     same in every row) — what a segment's statistics are read from."""
