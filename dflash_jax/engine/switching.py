@@ -1,9 +1,9 @@
 """Falling back to plain autoregressive decoding where drafting does not pay (verify mode ``"auto"``).
 
 A drafted step costs more than an autoregressive one — at large batches several times more (docs/verify-modes.md)
-— and pays only while the rows commit enough tokens per step. Where the cost table times both steps and a drafted
-step costs more than an autoregressive one, :func:`decoder` runs a job's decode loop in *segments* and, between
-them, compares the two rates with the acceptance observed so far:
+— and pays only while the rows commit enough tokens per step. Where the cost table times both steps and every
+drafted step costs more than :data:`ARM_BREAKEVEN` autoregressive ones, :func:`decoder` runs a job's decode loop in
+*segments* and, between them, compares the two rates with the acceptance observed so far:
 
     drafted:        τ̂ / (ms of the drafted steps run)     tokens per row and ms
     autoregressive: 1 / (ms of an autoregressive step)
@@ -12,12 +12,13 @@ them, compares the two rates with the acceptance observed so far:
 text), and the drafted steps' cost is the table's cost of the tiers they ran. While drafting loses, the loop runs
 the plain autoregressive program (:func:`dflash_jax.decode.loop.fallback`: the step ``generate`` runs, whose
 captured features write the drafter's context once per segment) and, from time to time, one drafted *probe*
-segment to see whether the text has become easier (after 1, 2, 4 … :data:`MAX_BACKOFF` fallback segments while
-the probes keep losing). Every token is still the target's own — the fallback's steps are the target's
-autoregressive steps — so a switch changes speed, never output.
+segment to see whether the text has become easier (:class:`SwitchPolicy` says when). Every token is still the
+target's own — the fallback's steps are the target's autoregressive steps — so a switch changes speed, never
+output.
 
-Cost: one small device-to-host read per segment (each segment is a call of a compiled loop; on a GPU every call of
-a while loop ends with a host read anyway).
+Cost: one return to the host per segment (a call of a compiled loop and one small device-to-host read): hence
+segments that grow while drafting clearly pays, and no segments at all where a drafted step costs little more
+than an autoregressive one.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,7 +40,7 @@ DRAFT, AUTOREGRESSIVE = "draft", "autoregressive"
 # Armed only where the cheapest drafted step costs more than this many autoregressive steps. Below it drafting
 # loses only on text the drafter cannot draft at all (under 1.3 tokens a step: a trained drafter's τ is 2–7), while
 # the segments' returns to the host cost a few percent of every run where steps are short (a large model at batch
-# 1 on a GPU: measured 9 % with 8-cycle segments, benchmarks/README.md).
+# 1 on a GPU: measured 9 % with 8-cycle segments, benchmarks/journal/RESULTS.md, session 33).
 ARM_BREAKEVEN = 1.3
 # Leave drafting once it is estimated this much slower than autoregressive steps (return as soon as it is not
 # slower): a margin against the table's noise, so that a batch near break-even does not switch back and forth.
