@@ -1,0 +1,95 @@
+r"""What a user gets with the defaults, at every batch: ``speculative_generate`` (verify mode ``auto``, with its
+fallback to autoregressive steps) against ``generate`` on an embedded pair, whole calls, the project's own mixed
+prompts (``data/latency_prompts.json``: HumanEval, MT-Bench and general chat, cycled to fill the batch).
+
+Per batch: one untimed call of each, then ``--rounds`` rounds that time AR and speculative back to back (the
+fastest of the rounds is kept for each: this is how the issue's table was taken, and a shared machine's noise
+only ever adds time). Records tokens/s of both, their ratio, τ, the verify mode auto ran, the steps that fell back,
+and whether the tokens equal AR's (bf16 on a GPU: a verify of several tokens may round differently from one step,
+so a few rows can differ; float32 is token-identical, tests/test_switching.py).
+
+    # GPU (bf16), both pairs
+    python benchmarks/bench_defaults.py --pair smollm2-135m --batches 1,16,64,128 --dtype bfloat16 --out $OUT/dflash.json
+    python benchmarks/bench_defaults.py --pair smollm2-135m-dspark --batches 1,16,64,128 --dtype bfloat16 \
+        --out $OUT/dspark.json
+    # CPU (float32), the 64-row figure of the benchmarks page
+    python benchmarks/bench_defaults.py --batches 64 --max-new 64 --out /tmp/cpu64.json
+
+The JSON is rewritten after each batch, so a run cut short keeps what it finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_jax import generate, load_pair, speculative_generate  # noqa: E402
+
+PROMPTS = Path(__file__).parent / "data" / "latency_prompts.json"
+
+
+def batch_case(target, drafter, prompts: list[list[int]], max_new: int, rounds: int) -> dict:
+    kw = dict(max_new_tokens=max_new)
+    generate(target, prompts, **kw)  # compiles; its time is not counted
+    speculative_generate(target, drafter, prompts, **kw)
+    best_ar = best_sp = float("inf")
+    ar = sp = None
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        ar = generate(target, prompts, **kw)
+        t1 = time.perf_counter()
+        sp = speculative_generate(target, drafter, prompts, **kw)
+        t2 = time.perf_counter()
+        best_ar, best_sp = min(best_ar, t1 - t0), min(best_sp, t2 - t1)
+    n_ar, n_sp = sum(map(len, ar.token_ids)), sum(map(len, sp.token_ids))
+    same = sum(a == b for a, b in zip(ar.token_ids, sp.token_ids)) / len(prompts)
+    return dict(ar_tokens_per_s=n_ar / best_ar, speculative_tokens_per_s=n_sp / best_sp,
+                ratio=(n_sp / best_sp) / (n_ar / best_ar), ar_s=best_ar, speculative_s=best_sp, tau=sp.tau,
+                verify_mode=sp.stats["verify_mode"], ar_fallback_steps=sp.stats.get("ar_fallback_steps"),
+                fallback_switches=sp.stats.get("fallback_switches"), cycles=sp.stats["cycles"],
+                rows_identical_to_ar=same)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pair", default="smollm2-135m")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--max-new", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dtype", default=None, help="the pair's compute dtype (default: the pair's own)")
+    ap.add_argument("--limit", type=int, default=None, help="use only the first N prompts of the set")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    target, drafter = load_pair(args.pair, **({"dtype": args.dtype} if args.dtype else {}))
+    ids = [p["ids"] for p in json.loads(PROMPTS.read_text())][: args.limit]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
+    result = dict(command=" ".join(sys.argv), date=datetime.date.today().isoformat(), commit=commit,
+                  device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
+                  host=platform.node(), pair=args.pair, max_new=args.max_new, prompts=len(ids), batches={})
+    for b in (int(x) for x in args.batches.split(",")):
+        prompts = [ids[i % len(ids)] for i in range(b)]
+        case = batch_case(target, drafter, prompts, args.max_new, args.rounds)
+        result["batches"][str(b)] = case
+        args.out.write_text(json.dumps(result, indent=1))
+        fell_back = ("fallback not armed" if case["ar_fallback_steps"] is None else
+                     f"{case['ar_fallback_steps']} of {case['cycles']} steps fallen back")
+        print(f"batch {b:4d}  AR {case['ar_tokens_per_s']:9.1f} tok/s  speculative {case['speculative_tokens_per_s']:9.1f}"
+              f"  ratio {case['ratio']:.3f}  τ {case['tau']:.2f}  {case['verify_mode']}, {fell_back}, "
+              f"{case['rows_identical_to_ar']:.0%} rows identical", flush=True)
+    print(f"→ {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
