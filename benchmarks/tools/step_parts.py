@@ -5,7 +5,7 @@ A Qwen3-8B-shaped target (``--shape 8b``) or a Qwen3-30B-A3B-shaped MoE target (
 (``common.random_target``), and a random DFlash drafter of the target's shape (``--drafter-layers``). Every row's
 caches hold ``--context`` tokens (a prefill of random ids); the parts of one cycle at batch B, block L:
 
-1. draft trunk    the drafter over [anchor, MASK × (L−1)] against its context cache (``loop._draft_hidden``)
+1. draft trunk    the drafter over [anchor, MASK × (L−1)] against its context cache (``loop.draft_hidden``)
 2. draft LM head  the drafter's logits over the B × G draft hidden states (G = L − 1) + their argmax
 3. verify         the target over the B × L block (its K/V written, the drafter's layers captured), its LM head
                   over B × L and the argmax of those logits (``accept_greedy``'s one pass over [B, L, V])
@@ -15,7 +15,7 @@ caches hold ``--context`` tokens (a prefill of random ids); the parts of one cyc
 7. AR step        the target over the anchor alone + LM head + argmax + commit (``generate``'s step)
 
 Each part runs ``--steps`` times in one ``lax.while_loop`` (a call's dispatch spread over its steps, as
-``dflash_jax.engine.calibrate`` times the cost table), positions reset after each step (``_same_positions``) and
+``dflash_jax.engine.calibrate`` times the cost table), positions reset after each step (``calibrate.same_positions``) and
 the state donated, so the same cache slots are written in place every step; ``--repeats`` calls after one
 warm-up call, median. Floors: bytes = the weights a part reads (parameter bytes of its modules; a MoE layer's
 experts as the share that B·T tokens routed uniformly touch) + the K/V it attends at that context (+ what it
@@ -150,7 +150,7 @@ def parts(job) -> dict:
     above = lambda x: jnp.any((x > BIG).reshape(x.shape[0], -1), axis=1)  # noqa: E731 — [B] flags, never set
 
     def trunk(t, d, s, x):
-        flag = above(loop._draft_hidden(t, d, s, spec, mask))  # hidden [B, G, D]
+        flag = above(loop.draft_hidden(t, d, s, spec, mask))  # hidden [B, G, D]
         # the context cache too, as in a cycle (where materialize rewrites it): nothing read from it is invariant
         cache = jax.tree.map(lambda kv: _vary(kv, flag), s.draft_cache)
         return _nudge(dataclasses.replace(s, draft_cache=cache), flag), x
@@ -194,7 +194,7 @@ def program(job, step, state, x):
         def body(c):
             s, x, i = c
             out, x = step(merge_model(graphdefs[0], params[0]), merge_model(graphdefs[1], params[1]), s, x)
-            return calibrate._same_positions(out, s), x, i + 1
+            return calibrate.same_positions(out, s), x, i + 1
 
         return jax.lax.while_loop(lambda c: c[2] < n, body, (state, x, jnp.zeros((), jnp.int32)))[:2]
 

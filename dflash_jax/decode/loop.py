@@ -234,14 +234,14 @@ def propose(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeSta
     if drafter is None or spec.block_size == 1:
         return anchor, None, None, state
     kind = drafters.kind_of(drafter)
-    h = _draft_hidden(target, drafter, state, spec, mask_token_id)
+    h = draft_hidden(target, drafter, state, spec, mask_token_id)
     state, k_draft = _draft_keys(state, spec)
     drafts, q, conf = kind.draft(target, h, state.anchor, _picker(state, spec), k_draft,
                                  cap=spec.verify_mode.draft_cap(spec.tuning))
     return jnp.concatenate([anchor, drafts], axis=1), q, conf, state
 
 
-def _draft_hidden(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, spec: LoopSpec,
+def draft_hidden(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, spec: LoopSpec,
                   mask_token_id: int) -> Float[Array, "B G D"]:
     """The drafter trunk over ``[anchor, MASK…]`` (as many inputs as the kind's
     :meth:`~dflash_jax.drafters.DrafterKind.trunk_width`): its hidden states at the G = L − 1 positions that
@@ -315,7 +315,7 @@ def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState
     else:
         def draft():  # the trunk's hidden states [B, G, D] and the PRNG keys after drawing the drafts
             drafted, k_draft = _draft_keys(state, spec)
-            return _draft_hidden(target, drafter, state, spec, mask_token_id), k_draft, drafted.rng
+            return draft_hidden(target, drafter, state, spec, mask_token_id), k_draft, drafted.rng
 
         def make_block(size: int, drafted):
             hidden, k_draft, rng = drafted

@@ -86,7 +86,7 @@ def _time_compact_steps(target, drafter, ids: list[list[int]], block: int, repea
     def step(params, state, tier):
         t, d = merge_model(graphdefs[0], params[0]), merge_model(graphdefs[1], params[1])
         window = jnp.full((b,), (jnp.asarray(tiers + (b,), jnp.int32) // b - 1)[tier], jnp.int32)  # AR: 0
-        return _same_positions(loop.compact_step(t, d, state, spec, d.config.mask_token_id, window, tier), state)
+        return same_positions(loop.compact_step(t, d, state, spec, d.config.mask_token_id, window, tier), state)
 
     fn, state = _step_program(job, step)
     row = {}
@@ -98,35 +98,34 @@ def _time_compact_steps(target, drafter, ids: list[list[int]], block: int, repea
 def _time_static_step(target, drafter, ids: list[list[int]], block: int, repeats: int,
                       tuning: Tuning | None = None) -> float:
     """ms of the static verify's step (the decode loop's cycle) of ``len(ids)`` rows."""
-    job = jobs.make(target, drafter, ids, 4 * block, block_size=block, stop_token_ids=[], verify_mode="static",
-                    tuning=tuning, decode=False)
-    graphdefs = (job.target.split().static, job.drafter.split().static)
-
-    def step(params, state, _):
-        t, d = merge_model(graphdefs[0], params[0]), merge_model(graphdefs[1], params[1])
-        return _same_positions(loop.cycle(t, d, state, job.spec, d.config.mask_token_id), state)
-
-    fn, state = _step_program(job, step)
-    return _timed(fn, job.params, state, 0, repeats)[0]
+    return _time_loop_step(target, drafter, ids, block, repeats, tuning,
+                           lambda t, d, state, spec: loop.cycle(t, d, state, spec, d.config.mask_token_id))
 
 
 def _time_fallback_step(target, drafter, ids: list[list[int]], block: int, repeats: int,
                         tuning: Tuning | None = None) -> float:
     """ms of a plain autoregressive step of ``len(ids)`` rows, capturing the drafter's features (the fallback's
     step, :func:`dflash_jax.decode.loop.autoregressive_step`)."""
+    return _time_loop_step(target, drafter, ids, block, repeats, tuning,
+                           lambda t, d, state, spec: loop.autoregressive_step(t, state, spec)[0])
+
+
+def _time_loop_step(target, drafter, ids: list[list[int]], block: int, repeats: int, tuning: Tuning | None,
+                    step_of) -> float:
+    """ms of ``step_of(target, drafter, state, spec)`` → state on a static job's prefilled state."""
     job = jobs.make(target, drafter, ids, 4 * block, block_size=block, stop_token_ids=[], verify_mode="static",
                     tuning=tuning, decode=False)
-    graphdefs = (job.target.split().static, None)
+    graphdefs = (job.target.split().static, job.drafter.split().static)
 
     def step(params, state, _):
-        t = merge_model(graphdefs[0], params[0])
-        return _same_positions(loop.autoregressive_step(t, state, job.spec)[0], state)
+        t, d = merge_model(graphdefs[0], params[0]), merge_model(graphdefs[1], params[1])
+        return same_positions(step_of(t, d, state, job.spec), state)
 
     fn, state = _step_program(job, step)
     return _timed(fn, job.params, state, 0, repeats)[0]
 
 
-def _same_positions(out, state):
+def same_positions(out, state):
     """The state after a step, back at the positions before it: every timed step then writes and attends the
     same cache slots. The state is donated, so the caches are updated in place as in the decode loop (timing
     a step on a kept state would add a copy of every cache to each entry: tens of ms a step at batch 3 on a

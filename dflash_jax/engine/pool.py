@@ -191,11 +191,8 @@ class Pool:
                 lowered = fn.lower(graphdefs, job.params, job.programs.prefill.out_info[0], *args)
                 return lowered.compile(job.spec.tuning.compiler_options_dict())
 
-        t0 = time.perf_counter()
-        before = progs.compile_count()
-        program = progs.CACHE.get(key, build)
-        if progs.compile_count() != before:
-            self.compile_s += time.perf_counter() - t0
+        program, seconds = progs.CACHE.timed_get(key, build)
+        self.compile_s += seconds
         return program
 
 

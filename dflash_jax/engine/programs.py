@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import time
 from typing import Any, Callable
 
 import jax
@@ -42,6 +43,13 @@ class ProgramCache:
             found = self.programs[key] = build()
             self.compiled += count
         return found
+
+    def timed_get(self, key: tuple, build: Callable[[], Any]) -> tuple[Any, float]:
+        """(:meth:`get`'s program, the seconds spent compiling it now: 0 where it was cached)."""
+        if key in self.programs:
+            return self.programs[key], 0.0
+        t0 = time.perf_counter()
+        return self.get(key, build), time.perf_counter() - t0
 
     def clear(self) -> None:
         """Forget every program (the next call traces afresh; the count stays)."""

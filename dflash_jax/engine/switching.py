@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +39,7 @@ DRAFT, AUTOREGRESSIVE = "draft", "autoregressive"
 # Armed only where the cheapest drafted step costs more than this many autoregressive steps. Below it drafting
 # loses only on text the drafter cannot draft at all (under 1.3 tokens a step: a trained drafter's τ is 2–7), while
 # the segments' returns to the host cost a few percent of every run where steps are short (a large model at batch
-# 1 on a GPU: measured 9 % with 8-cycle segments, benchmarks/journal/RESULTS.md, session 33).
+# 1 on a GPU: docs/verify-modes.md).
 ARM_BREAKEVEN = 1.3
 # Leave drafting once it is estimated this much slower than autoregressive steps (return as soon as it is not
 # slower): a margin against the table's noise, so that a batch near break-even does not switch back and forth.
@@ -311,11 +310,8 @@ class SwitchingDecoder(Decoder):
                 lowered = fn.lower(graphdefs, job.params, state_info, jax.ShapeDtypeStruct((), jnp.int32))
                 return progs.compile_steps(lowered, spec, state_info)
 
-        t0 = time.perf_counter()
-        before = progs.compile_count()
-        program = progs.CACHE.get(key, build)
-        if progs.compile_count() != before:
-            job.compile_s += time.perf_counter() - t0
+        program, seconds = progs.CACHE.timed_get(key, build)
+        job.compile_s += seconds
         return program
 
 
