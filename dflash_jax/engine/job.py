@@ -236,7 +236,7 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], setti
     programs = progs.programs(key, graphdefs, params, pre_args, spec, dict(capacity=host.capacity, **shapes),
                               mask_id, decode)
     return Job(target, drafter, ids, stops, params, pre_args, spec, programs, time.perf_counter() - t0, key, host,
-               step_cost, settings, fallback if decode else None)
+               step_cost, settings, fallback if decode else None, pooled=pool is not None)
 
 
 def make(target: Target, drafter: Drafter | None, prompts, max_new_tokens, *, pad_batch_to: int | None = None,

@@ -80,7 +80,6 @@ def run(target: Target, drafter: Drafter | None, ids: list[list[int]], settings:
     rest = n - len(first)
     job = jobs.prepare(target, drafter, [ids[i] for i in first], settings.with_rows(rows.take(first)),
                        pad_batch_to=b, pool=pool, return_at_done=min(r, rest) if rest else None)
-    job.pooled = True
     pool_run = Pool(job, b, r, rows.sampling, max_new, settings.seed)
     pool_run.compile_refills(ids, np.arange(len(first), n))  # none compiles mid-run, leaving the device idle
     t0 = time.perf_counter()
