@@ -282,6 +282,9 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--flat-logits", action="store_true",
                     help="keep the random target as drawn (bf16 rounding then leads rows away from AR's text)")
+    ap.add_argument("--tier-draft-span", default="2",
+                    help="Tuning.tier_draft_span: a compact tier of n tokens per row drafts min(L, span·n) positions "
+                         "(none: the whole block at every tier)")
     ap.add_argument("--cost-table", type=Path,
                     help="a costs file, or an earlier run's JSON (its table at each batch), instead of timing them")
     ap.add_argument("--out", type=Path, required=True)
@@ -290,7 +293,7 @@ def main() -> int:
     args.modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     name, full, small = SHAPES[args.shape]
     args.shape_name = f"small-{name}" if args.small else name
-    args.tuning = Tuning()
+    args.tuning = Tuning(tier_draft_span=None if args.tier_draft_span == "none" else int(args.tier_draft_span))
     if args.small and jax.default_backend() == "cpu":
         args.tuning = args.tuning.with_compiler_options(CPU_FAST_COMPILE)
     cfg = small if args.small else full

@@ -17,6 +17,9 @@ them), written after each batch (and the AR answers, for replay): an interrupted
     # on the GPU machine (tools/remote_gpu/README.md, session 6): all three sets, full width, ~85 s a drafter
     python3 benchmarks/eval_tau.py --target $M --drafter DSpark=dflash_jax/assets/smollm2-135m-dspark \
         --method decode --batch-size 180 --prompt-dir runs/device --out $OUT/tau.json
+    # verify widths below the trained one (the trunk then runs over fewer positions: compact's narrow tiers)
+    python3 benchmarks/eval_tau.py --target $M --drafter DFlash=dflash_jax/assets/smollm2-135m-dflash \
+        --block-sizes 4,8,16 --method decode --batch-size 180 --prompt-dir runs/device --out $OUT/tau_width.json
     # the DFlash drafter over its whole vocabulary and over the 8,192 / 16,384 most frequent tokens
     python3 benchmarks/eval_tau.py --target $M --drafter DFlash=dflash_jax/assets/smollm2-135m-dflash \
         --draft-vocab 0,8192,16384 --method decode --batch-size 180 --prompt-dir runs/device --out $OUT/tau_vocab.json
@@ -88,7 +91,7 @@ def read_prompt_dir(path: Path) -> dict[str, list[str]]:
 
 
 def decode_sets(target, drafter, label: str, runs: dict, set_ids: dict[str, list[list[int]]], args, results: dict,
-                out: Path) -> None:
+                out: Path, block_size: int | None = None) -> None:
     """Static speculative decoding of every prompt not done yet, the sets' prompts mixed in batches of similar
     lengths; each set's entry grows (and the file is saved) after every batch."""
     done = {name: set(runs[name].setdefault("done_ids", [])) for name in set_ids}
@@ -99,7 +102,7 @@ def decode_sets(target, drafter, label: str, runs: dict, set_ids: dict[str, list
     for start in range(0, len(pending), size):
         batch = pending[start: start + size]
         res = speculative_generate(target, drafter, [set_ids[name][i] for name, i in batch],
-                                   max_new_tokens=args.max_new_tokens,
+                                   max_new_tokens=args.max_new_tokens, block_size=block_size,
                                    verify_mode="static")  # the drafter's τ, not a scheduler's windows
         for (name, i), lengths in zip(batch, res.acceptance_lengths):
             entry = runs[name]
@@ -129,6 +132,9 @@ def main() -> int:
     ap.add_argument("--draft-vocab", default="0",
                     help="comma-separated draft vocabulary sizes to score each DFlash drafter at (the embedded "
                          "ranking's N most frequent tokens; 0: the whole vocabulary), labelled LABEL/vN")
+    ap.add_argument("--block-sizes", default="0",
+                    help="comma-separated verify widths to decode at (--method decode; 0: the drafter's own), "
+                         "labelled LABEL/bN")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out = Path(args.out)
@@ -142,16 +148,20 @@ def main() -> int:
     prompts = read_prompt_dir(args.prompt_dir) if args.prompt_dir else evaluation_prompts()
     set_ids = {name: [target.tokenizer.encode(p) for p in prompts[name]] for name in args.sets.split(",")}
     sizes = [int(n) for n in args.draft_vocab.split(",")]
-    for label, spec, size in ((*d.split("=", 1), n) for d in args.drafter for n in sizes):
+    widths = [int(n) for n in args.block_sizes.split(",")]
+    if widths != [0] and args.method != "decode":
+        ap.error("--block-sizes needs --method decode")
+    for label, spec, size, width in ((*d.split("=", 1), n, w) for d in args.drafter for n in sizes for w in widths):
         drafter = load(spec, target, args.dtype)
         if size:
             ids = draft_vocab.top_ids(draft_vocab.resolve_ranking("embedded:smollm2-135m"), size,
                                       target.config.vocab_size)
             drafter, label = restrict_draft_vocab(drafter, target, ids), f"{label}/v{size}"
-        runs = results.setdefault(label, {"drafter": spec})
+        label = f"{label}/b{width}" if width else label
+        runs = results.setdefault(label, {"drafter": spec, **({"block_size": width} if width else {})})
         for name, ids in set_ids.items():
             entry = runs.setdefault(name, {"prompts": len(ids), "done": 0, "cycles": 0, "tau": 0.0,
-                                           "acceptance_histogram": [0] * (drafter.config.verify_width + 1)})
+                                           "acceptance_histogram": [0] * ((width or drafter.config.verify_width) + 1)})
             if args.method == "replay" and entry["done"] < len(ids):
                 answers = ar_answers(target, results, out, name, ids, args)
                 rows = pack_rows(ids, answers, max(len(p) + len(a) for p, a in zip(ids, answers)))
@@ -162,7 +172,7 @@ def main() -> int:
                 entry["done"] = len(ids)
                 save(results, out)
         if args.method == "decode":
-            decode_sets(target, drafter, label, runs, set_ids, args, results, out)
+            decode_sets(target, drafter, label, runs, set_ids, args, results, out, width or None)
         for name in set_ids:
             print(f"{label} {name}: tau {runs[name]['tau']:.3f} over {runs[name]['prompts']} prompts", flush=True)
     return 0

@@ -37,14 +37,17 @@ MODES = ("static", "compact", "cap-accept")
 # Admission
 # --------------------------------------------------------------------------------------------------
 
-def brute_force_best(surv: np.ndarray, active: np.ndarray, tiers: tuple[int, ...], step_cost: np.ndarray) -> float:
-    """The best expected tokens per unit of cost over every window assignment (exponential in the batch)."""
+def brute_force_best(surv: np.ndarray, active: np.ndarray, tiers: tuple[int, ...], step_cost: np.ndarray,
+                     caps: tuple[int, ...] | None = None) -> float:
+    """The best expected tokens per unit of cost over every window assignment (exponential in the batch);
+    ``caps``: the longest window each tier holds."""
     rows = [r for r in range(surv.shape[0]) if active[r]]
     best = -np.inf
     for windows in itertools.product(range(surv.shape[1] + 1), repeat=len(rows)):
         gain = len(rows) + sum(float(surv[r, :w].sum()) for r, w in zip(rows, windows))
         tier = min(int(np.searchsorted(tiers, len(rows) + sum(windows))), len(tiers) - 1)
-        best = max(best, gain / float(step_cost[tier]))
+        if caps is None or max(windows, default=0) <= caps[tier]:
+            best = max(best, gain / float(step_cost[tier]))
     return best
 
 
@@ -73,6 +76,29 @@ def test_admission_is_the_best_window_assignment(b, g):
         assert (windows[~active] == 0).all() and (0 <= windows).all() and (windows <= g).all()
         assert int(tier) == min(int(np.searchsorted(tiers, active.sum() + windows.sum())), len(tiers) - 1)
         want = brute_force_best(surv, active, tiers, step_cost)
+        assert rate_of(windows, surv, active, tiers, step_cost) == pytest.approx(want, rel=1e-5), (case, windows)
+
+
+@pytest.mark.parametrize("b,g,span", [(2, 3, 1), (3, 3, 2), (3, 4, 1)])
+def test_capped_admission_is_the_best_window_assignment(b, g, span):
+    """Tiers whose trunk drafts fewer positions than the block (schedule.trunk_widths) hold windows up to their
+    width less one: the admission is the best assignment under those caps."""
+    tiers = schedule.tiers_for(b, g + 1)
+    widths = schedule.trunk_widths(tiers, b, g + 1, span)
+    caps = tuple(w - 1 for w in widths)
+    assert widths[-1] == g + 1 and min(caps) < g
+    admit = fast_jit(schedule.admit, tiers=tiers, caps=caps)
+    rng = np.random.default_rng(b * 10 + g + span)
+    for case in range(20):
+        surv = np.cumprod(rng.uniform(0.05, 1.0, (b, g)) ** rng.uniform(0.2, 3), axis=1).astype(np.float32)
+        active = rng.random(b) < 0.8
+        active[rng.integers(b)] = True
+        step_cost = np.cumsum(rng.uniform(0.0, 1.0, len(tiers)) * rng.uniform(0, 2)) + 1.0
+        windows, tier = admit(jnp.asarray(surv), jnp.asarray(active), jnp.asarray(step_cost, jnp.float32))
+        windows = np.asarray(windows)
+        assert int(tier) == min(int(np.searchsorted(tiers, active.sum() + windows.sum())), len(tiers) - 1)
+        assert (windows[~active] == 0).all() and windows.max() <= caps[int(tier)], (case, windows, int(tier))
+        want = brute_force_best(surv, active, tiers, step_cost, caps)
         assert rate_of(windows, surv, active, tiers, step_cost) == pytest.approx(want, rel=1e-5), (case, windows)
 
 
@@ -583,6 +609,23 @@ def test_sampled_compact_matches_target_distribution(pair, logits):
     samples, out = draw(lambda *a, **k: speculative_generate(target, drafter, *a, **k), with_output=True,
                         temperature=1.0, seed=5, verify_mode="compact", cost_table=with_ar)
     assert chi2_pvalue(samples, probs) > 1e-3 and out.stats["ar_steps"] > 0
+    # A tier that runs the drafter's trunk over fewer positions than the block (Tuning.tier_draft_span = 1: the
+    # 2-tokens-per-row tier drafts over [anchor, MASK]) draws from p all the same.
+    samples, out = draw(lambda *a, **k: speculative_generate(target, drafter, *a, **k), with_output=True,
+                        temperature=1.0, seed=7, verify_mode="compact", cost_table=table,
+                        tuning=Tuning(tier_draft_span=1))
+    assert chi2_pvalue(samples, probs) > 1e-3 and out.stats["tier_steps"].get(2 * len(samples), 0) > 0
+
+
+def test_narrow_trunk_tiers_stay_lossless(target, reference):
+    """Compact tiers whose trunk drafts fewer positions than the block (a random drafter: its drafts depend on the
+    trunk's width): the target's tokens, with the narrow tiers run and no window past a tier's width."""
+    drafter = random_drafter(target, block_size=8, num_layers=1, seed=9)
+    out = speculative_generate(target, drafter, PROMPTS, MAX_NEW, stop_token_ids=[], verify_mode="compact",
+                               cost_table=MILD, tuning=Tuning(tier_draft_span=1))
+    assert out.token_ids == reference.token_ids
+    ran = {n // len(PROMPTS): c for n, c in out.stats["tier_steps"].items()}
+    assert set(ran) - {8}, ran  # some step ran a narrower tier than the whole block
 
 
 @pytest.mark.auto_verify

@@ -242,15 +242,16 @@ def propose(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeSta
 
 
 def draft_hidden(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, spec: LoopSpec,
-                  mask_token_id: int) -> Float[Array, "B G D"]:
+                 mask_token_id: int, width: int | None = None) -> Float[Array, "B G D"]:
     """The drafter trunk over ``[anchor, MASK…]`` (as many inputs as the kind's
-    :meth:`~dflash_jax.drafters.DrafterKind.trunk_width`): its hidden states at the G = L − 1 positions that
-    predict the drafts."""
-    n_in = drafters.kind_of(drafter).trunk_width(spec.block_size)
+    :meth:`~dflash_jax.drafters.DrafterKind.trunk_width` for a block of ``width`` tokens, default L): its hidden
+    states at the G = width − 1 positions that predict the drafts."""
+    width = width or spec.block_size
+    n_in = drafters.kind_of(drafter).trunk_width(width)
     masks = jnp.full((state.anchor.shape[0], n_in - 1), mask_token_id, jnp.int32)
     h = drafter(target.embed(jnp.concatenate([state.anchor[:, None], masks], axis=1)),
                 block_positions(state, n_in), state.draft_cache, state.anchor_pos, kernels=spec.kernels)
-    return h[:, n_in - (spec.block_size - 1):]
+    return h[:, n_in - (width - 1):]
 
 
 def _draft_keys(state: DecodeState, spec: LoopSpec) -> tuple[DecodeState, jax.Array | None]:
@@ -305,17 +306,22 @@ def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState
     skipped when the scheduler picked a plain autoregressive step (tier index K): a parallel drafter drafts
     inside each tier's branch (traced once per tier), so a step runs one conditional, not a ``lax.cond``
     around the drafting before the tier switch as well (measured a few percent faster on a GPU at large
-    batches); a sequential one keeps that cond. Drafts past a window are 0 (never verified)."""
+    batches); a sequential one keeps that cond. Drafts past a window are 0 (never verified).
+
+    Where the verify mode drafts only what a tier can verify (:meth:`~dflash_jax.decode.verify_modes.VerifyMode.
+    trunk_widths`: compact, ``Tuning.tier_draft_span``), each tier's branch runs the trunk over that tier's width
+    (its windows were capped to it by the admission)."""
     kind = drafters.kind_of(drafter)
+    widths = _trunk_widths(spec, drafter, state.anchor.shape[0])
     if kind.sequential:
         def draft():
             block, q, _, drafted = propose(target, drafter, state, spec, mask_token_id)
             return block, q, drafted.rng
         make_block = lambda size, drafted: drafted  # noqa: E731
     else:
-        def draft():  # the trunk's hidden states [B, G, D] and the PRNG keys after drawing the drafts
+        def draft(width: int | None = None):  # the trunk's hidden states [B, width-1, D], the keys after drawing
             drafted, k_draft = _draft_keys(state, spec)
-            return draft_hidden(target, drafter, state, spec, mask_token_id), k_draft, drafted.rng
+            return draft_hidden(target, drafter, state, spec, mask_token_id, width), k_draft, drafted.rng
 
         def make_block(size: int, drafted):
             hidden, k_draft, rng = drafted
@@ -329,8 +335,15 @@ def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState
             else:
                 ids, q = pick(layout.unpack(logits), k_draft)
                 drafts, q = kind.to_target_ids(ids), kind.to_target_probs(q)
+            short = spec.block_size - 1 - g  # a narrower trunk's block: drafts past its width are 0, q too
+            drafts = jnp.pad(drafts, ((0, 0), (0, short)))
+            q = None if q is None else jnp.pad(q, ((0, 0), (0, short), (0, 0)))
             return jnp.concatenate([state.anchor[:, None], drafts], axis=1), q, rng
 
+    if widths is not None and not kind.sequential:  # each tier's branch drafts over its own width
+        width_of = dict(zip(spec.tiers, widths))
+        return _packed_step(target, drafter, state, spec, window, tier,
+                            lambda size, _: make_block(size, draft(width_of[size])), None, widths)
     if not spec.ar_step:
         return _packed_step(target, drafter, state, spec, window, tier, make_block, draft())
     if not kind.sequential:
@@ -341,15 +354,16 @@ def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState
     return _packed_step(target, drafter, state, spec, window, tier, make_block, drafted)
 
 
-def _packed_step(target, drafter, state: DecodeState, spec: LoopSpec, window, tier, make_block, drafted
-                 ) -> DecodeState:
+def _packed_step(target, drafter, state: DecodeState, spec: LoopSpec, window, tier, make_block, drafted,
+                 widths: tuple[int, ...] | None = None) -> DecodeState:
     """The compact step's packed verify, in one ``lax.switch`` over the compiled tiers (chosen per step on the
     device; on a GPU a host-side conditional whose index is ready as the step starts where the tiers are planned
     ahead (:func:`plans_ahead`), else a conditional node of the step's CUDA graph) and, with
     ``spec.ar_step``, index K: a plain autoregressive step (the anchors alone, window 0, no drafting: what the
     scheduler picks when no drafting pays; the acceptance counts then fade, having observed nothing, so
     drafting is tried again after a while). ``make_block(size, drafted)`` → (block [B, L], q, PRNG keys after
-    drafting) runs first inside a tier's branch (``drafted``: what was drafted before the switch).
+    drafting) runs first inside a tier's branch (``drafted``: what was drafted before the switch). ``widths``:
+    the longest window + 1 a row can have at each tier (default L).
 
     The branches only read the caches: the target's new K/V come out of the switch (:class:`PendingKV`) and
     are written after it, with the drafter's context and the commit. XLA gives a conditional's branch its
@@ -361,13 +375,13 @@ def _packed_step(target, drafter, state: DecodeState, spec: LoopSpec, window, ti
     positions = block_positions(state, l)
     forward = functools.partial(_packed_forward, target, state, spec, lens)
 
-    def tier_branch(size: int):
+    def tier_branch(size: int, width: int):
         def branch(drafted):
             block, q, rng = make_block(size, drafted)
-            return block, q, rng, *forward(block, size, min(size, l))
+            return block, q, rng, *forward(block, size, min(size, width))
         return branch
 
-    branches = [tier_branch(size) for size in spec.tiers]
+    branches = [tier_branch(size, width) for size, width in zip(spec.tiers, widths or (l,) * len(spec.tiers))]
     if spec.ar_step:
         q_like = jax.eval_shape(lambda: make_block(spec.tiers[0], drafted)[1])
 
@@ -460,7 +474,7 @@ class Step:
         return propose(self.target, self.drafter, state, self.spec, self.mask_token_id)
 
     def schedule(self, state: DecodeState, rates):
-        return _schedule(state, rates, self.spec)
+        return _schedule(state, rates, self.spec, self.drafter)
 
     def count_tier(self, state: DecodeState, tier):
         return _count_tier(state, tier, self.spec)
@@ -494,18 +508,26 @@ def cycle(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeState
     return shard_state(mode.cycle(Step(target, drafter, spec, mask_token_id), state), spec.plan)
 
 
-def _schedule(state: DecodeState, rates: Float[Array, "B G"], spec: LoopSpec):
+def _schedule(state: DecodeState, rates: Float[Array, "B G"], spec: LoopSpec, drafter: DFlashDrafter):
     """(state, windows, tier) from per-draft acceptance rates; the step counted in the tier histogram."""
-    window, tier = _admit(state, rates, spec)
+    window, tier = _admit(state, rates, spec, drafter)
     return _count_tier(state, tier, spec), window, tier
 
 
-def _admit(state: DecodeState, rates: Float[Array, "B G"], spec: LoopSpec):
-    """(windows [B], tier index) of a step from per-draft acceptance rates (:func:`schedule.admit`)."""
+def _admit(state: DecodeState, rates: Float[Array, "B G"], spec: LoopSpec, drafter: DFlashDrafter):
+    """(windows [B], tier index) of a step from per-draft acceptance rates (:func:`schedule.admit`); where a
+    tier's trunk is narrower than the block, its windows are capped to it."""
     sch, k = state.schedule, len(spec.tiers)
+    widths = _trunk_widths(spec, drafter, state.anchor.shape[0])
     return schedule.admit(schedule.survival(rates), ~state.done, sch.step_cost[:k], tiers=spec.tiers,
                           ar_cost=sch.step_cost[k] if spec.ar_step else None, groups=spec.packed_groups,
-                          compare_all_max=spec.tuning.rank_compare_all_max)
+                          compare_all_max=spec.tuning.rank_compare_all_max,
+                          caps=None if widths is None else tuple(w - 1 for w in widths))
+
+
+def _trunk_widths(spec: LoopSpec, drafter: DFlashDrafter, batch: int) -> tuple[int, ...] | None:
+    """The drafter trunk's width at each tier where the verify mode drafts only what a tier can verify."""
+    return spec.verify_mode.trunk_widths(spec, drafters.kind_of(drafter), batch)
 
 
 def _count_tier(state: DecodeState, tier: Int[Array, ""], spec: LoopSpec) -> DecodeState:
@@ -533,14 +555,14 @@ def plan_next(target: TargetModel, drafter: DFlashDrafter, state: DecodeState, s
     """The next step's windows and tier (and, with a confidence head, its drafts) into ``state.schedule``
     (:func:`plans_ahead`)."""
     if state.schedule.counts is not None:
-        window, tier = _admit(state, state.schedule.counts.conditional_rates(), spec)
+        window, tier = _admit(state, state.schedule.counts.conditional_rates(), spec, drafter)
         return dataclasses.replace(state, schedule=dataclasses.replace(state.schedule, window=window, tier=tier))
     # The barrier keeps the drafting as it was at the start of a step: otherwise XLA merges each drafter
     # layer's K/V projection of the drafts with the one of the context just committed (same weights), which
     # splits the drafter's fused projections into more GEMMs (a GPU compile at 64 rows: 35 instead of 30 in
     # the loop's body).
     block, _, conf, state = propose(target, drafter, jax.lax.optimization_barrier(state), spec, mask_token_id)
-    window, tier = _admit(state, conf, spec)
+    window, tier = _admit(state, conf, spec, drafter)
     return dataclasses.replace(state, schedule=dataclasses.replace(state.schedule, window=window, tier=tier,
                                                                    block=block, conf=conf))
 

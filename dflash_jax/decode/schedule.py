@@ -56,6 +56,16 @@ def tiers_for(batch: int, block_size: int, per_row: tuple[int, ...] | None = Non
     return tuple(batch * n for n in per_row)
 
 
+def trunk_widths(tiers: tuple[int, ...], batch: int, block_size: int, span: int | None) -> tuple[int, ...] | None:
+    """The drafter trunk's width (inputs ``[anchor, MASK…]``, = the longest window + 1) at each tier of ``batch``
+    rows: ``min(L, span · n)`` for a tier of n tokens per row, at least 2 (``Tuning.tier_draft_span``). None where
+    every tier would draft the whole block (or ``span`` is None)."""
+    if span is None:
+        return None
+    widths = tuple(min(block_size, max(2, span * (t // batch))) for t in tiers)
+    return None if all(w == block_size for w in widths) else widths
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AcceptanceCounts:
@@ -100,7 +110,8 @@ def tier_index(tokens: Int[Array, "*n"], tiers: tuple[int, ...]) -> Int[Array, "
 
 def admit(surv: Float[Array, "B G"], active: Bool[Array, "B"], step_cost: Float[Array, "K"], *,
           tiers: tuple[int, ...], ar_cost: Float[Array, ""] | None = None, groups: int = 1,
-          compare_all_max: int = 2048) -> tuple[Int[Array, "B"], Int[Array, ""]]:
+          compare_all_max: int = 2048, caps: tuple[int, ...] | None = None
+          ) -> tuple[Int[Array, "B"], Int[Array, ""]]:
     """Windows (drafts to verify per row; 0 for inactive rows) and the tier index of the step. ``ar_cost``:
     the cost of a plain autoregressive step (no drafting, one token per active row); when it buys more
     tokens per second than any window assignment, the windows are 0 and the tier index is K.
@@ -111,11 +122,16 @@ def admit(surv: Float[Array, "B G"], active: Bool[Array, "B"], step_cost: Float[
     group chose the autoregressive step (a group that chose it then verifies its anchors only).
 
     ``compare_all_max``: :func:`descending_rank` compares all pairs up to this many drafts (``Tuning.
-    rank_compare_all_max``), and sorts above it."""
+    rank_compare_all_max``), and sorts above it.
+
+    ``caps`` (one per tier): a row's window at that tier is at most this many drafts (the drafter drafted no
+    more there, :func:`trunk_widths`); the best assignment is then sought at each tier among the drafts it can
+    hold."""
     if groups > 1:
         k = len(tiers)
         windows, tier = jax.vmap(lambda s, a: admit(s, a, step_cost, tiers=tuple(t // groups for t in tiers),
-                                                    ar_cost=ar_cost, compare_all_max=compare_all_max))(
+                                                    ar_cost=ar_cost, compare_all_max=compare_all_max,
+                                                    caps=caps))(
             surv.reshape(groups, -1, surv.shape[1]), active.reshape(groups, -1))
         drafted = (tier < k) & active.reshape(groups, -1).any(axis=1)
         tier = jnp.where(drafted.any(), jnp.max(jnp.where(drafted, tier, 0)), k if ar_cost is not None else 0)
@@ -129,21 +145,27 @@ def admit(surv: Float[Array, "B G"], active: Bool[Array, "B"], step_cost: Float[
     b, g = surv.shape
     n = active.sum().astype(jnp.int32)
     flat = jnp.where(active[:, None], surv, -1.0).reshape(-1)  # [B·G]; inactive rows rank last, never admitted
-    rank = descending_rank(flat, compare_all_max)
-    positive = jnp.maximum(flat, 0.0)
+    if caps is None:  # one ranking serves every tier: [1, B·G]
+        held, most = flat[None, :], jnp.full((len(tiers),), g, jnp.int32)
+    else:  # per tier, the drafts past its cap rank last too: [K, B·G]
+        most = jnp.minimum(jnp.asarray(caps, jnp.int32), g)
+        held = jnp.where(jnp.tile(jnp.arange(g), b)[None, :] < most[:, None], flat[None, :], -1.0)
+    rank = jax.vmap(lambda x: descending_rank(x, compare_all_max))(held)
+    positive = jnp.maximum(held, 0.0)
     sizes = jnp.asarray(tiers, jnp.int32)
     # Tier t runs steps of n + k tokens for k in [lo_t, hi_t] (the largest tier: everything past the others).
     lo = jnp.maximum(jnp.concatenate([jnp.zeros((1,), jnp.int32), sizes[:-1] + 1 - n]), 0)
-    hi = jnp.minimum(sizes - n, n * g).at[-1].set(n * g)
-    gain = n + jnp.sum(jnp.where(rank[None, :] < hi[:, None], positive[None, :], 0.0), axis=1)  # [K]
+    hi = jnp.minimum(sizes - n, n * most).at[-1].set(n * most[-1])
+    gain = n + jnp.sum(jnp.where(rank < hi[:, None], positive, 0.0), axis=1)  # [K]
     rate = jnp.where(lo <= hi, gain / step_cost, -jnp.inf)
     tier = jnp.argmax(rate).astype(jnp.int32)
+    row = jnp.minimum(tier, held.shape[0] - 1)  # the chosen tier's ranking
     # The fewest drafts with that gain: drafts of survival 0 add nothing (they rank after every positive one).
-    chosen = jnp.clip(jnp.sum(flat > 0, dtype=jnp.int32), lo[tier], hi[tier])
+    chosen = jnp.clip(jnp.sum(held[row] > 0, dtype=jnp.int32), lo[tier], hi[tier])
     if ar_cost is not None:
         skip = n / ar_cost > rate[tier]
         chosen, tier = jnp.where(skip, 0, chosen), jnp.where(skip, len(tiers), tier)
-    windows = (rank < chosen).reshape(b, g).sum(1).astype(jnp.int32)
+    windows = (rank[row] < chosen).reshape(b, g).sum(1).astype(jnp.int32)
     return windows, tier
 
 

@@ -210,6 +210,11 @@ class VerifyMode(VerifyPolicy):
         """Draft positions a sequential drafter drafts in this mode's steps (None: all)."""
         return None
 
+    def trunk_widths(self, spec, kind, batch: int) -> tuple[int, ...] | None:
+        """The drafter trunk's width at each compiled tier, where this mode's steps draft only what a tier can
+        verify (``kind``: the drafter's :class:`~dflash_jax.drafters.DrafterKind`; None: the whole block)."""
+        return None
+
     def stats(self, spec, view, n: int, acc_lens: list[list[int]], fallback_cycles: int = 0) -> dict:
         """What verifying cost, from the host view of ``n`` real rows: ``verify_mode``, ``verify_tokens`` (tokens
         through the target's verify, summed over rows and cycles), ``mean_window`` (the tokens per row and cycle
@@ -265,6 +270,14 @@ class Scheduled(VerifyMode):
 
     def verify_windows(self, ops: StepOps, state, block, q, window, tier):
         raise NotImplementedError
+
+    def trunk_widths(self, spec, kind, batch: int) -> tuple[int, ...] | None:
+        # Only where the windows are chosen before drafting (the running counts) and every position's drafts come
+        # from one pass (a parallel drafter): a compact tier of n tokens per row then drafts min(L, span · n)
+        # positions. Cap-accept caps its windows alike (it drafts whole blocks): both modes schedule the same.
+        if not spec.scheduled or kind.sequential or kind.has_confidence:
+            return None
+        return schedule.trunk_widths(spec.tiers, batch, spec.block_size, spec.tuning.tier_draft_span)
 
 
 @register
@@ -332,7 +345,8 @@ class Compact(Scheduled):
 @dataclasses.dataclass(frozen=True)
 class CapAccept(Scheduled):
     """The whole block is verified, but each row commits at most its window (what compact commits with the
-    same table): measures what trimming gives up (``stats["utilization"]``)."""
+    same table, where the drafts do not depend on the trunk's width: compact's narrower tiers draft over fewer
+    positions, ``Tuning.tier_draft_span``): measures what trimming gives up (``stats["utilization"]``)."""
 
     name: ClassVar[str] = "cap-accept"
 
