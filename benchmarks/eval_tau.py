@@ -128,6 +128,7 @@ def main() -> int:
     ap.add_argument("--prompt-dir", type=Path,
                     help="read the sets from <dir>/<set>.jsonl ({'prompt': …} lines, "
                          "tools/remote_gpu/make_run_config.py writes them) instead of the installed evaluation packages")
+    ap.add_argument("--limit", type=int, default=0, help="the first N prompts of each set (0: all)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--draft-vocab", default="0",
                     help="comma-separated draft vocabulary sizes to score each DFlash drafter at (the embedded "
@@ -146,7 +147,8 @@ def main() -> int:
                        "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "method": args.method}
     target = load_target(args.target, dtype=args.dtype)
     prompts = read_prompt_dir(args.prompt_dir) if args.prompt_dir else evaluation_prompts()
-    set_ids = {name: [target.tokenizer.encode(p) for p in prompts[name]] for name in args.sets.split(",")}
+    set_ids = {name: [target.tokenizer.encode(p) for p in prompts[name][: args.limit or None]]
+               for name in args.sets.split(",")}
     sizes = [int(n) for n in args.draft_vocab.split(",")]
     widths = [int(n) for n in args.block_sizes.split(",")]
     if widths != [0] and args.method != "decode":

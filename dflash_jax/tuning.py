@@ -109,9 +109,10 @@ class Tuning:
     tiers_per_row: tuple[int, ...] | None = None
     # Compact steps of a parallel drafter whose windows are chosen before drafting: a tier of n tokens per row runs
     # the drafter's trunk over min(L, tier_draft_span · n) positions and caps each row's window at one less
-    # (None: the whole block at every tier). The trunk's non-causal pass over fewer positions drafts differently
-    # (any drafts are lossless), and at large batches it is a quarter of a step (docs/verify-modes.md).
-    tier_draft_span: int | None = 2
+    # (None: the whole block at every tier). At large batches the trunk is a quarter of a step, but its
+    # non-causal pass over fewer positions drafts differently (lossless, yet a drafter trained on whole blocks
+    # accepts far less there: docs/verify-modes.md), hence off by default.
+    tier_draft_span: int | None = None
     # The scheduler ranks candidate windows by comparing all pairs up to this many rows × drafts.
     rank_compare_all_max: int = 2048
     # Prompts longer than this are prefilled in chunks of this many positions.
