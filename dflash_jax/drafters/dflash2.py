@@ -53,8 +53,8 @@ def _to_hf(c: DrafterConfig, out: dict) -> None:
         dc["output_multiplier"] = c.output_multiplier
     if c.final_logit_softcapping:
         dc["final_logit_softcapping"] = c.final_logit_softcapping
-    if "sliding_attention" in c.layer_types:  # the published checkpoint: non-causal sliding-window layers
-        out["is_causal"] = c.causal_sliding
+    out["is_causal"] = c.causal_sliding  # the published checkpoint: non-causal sliding-window layers
+    if "sliding_attention" in c.layer_types:
         out["use_sliding_window"] = True
 
 
