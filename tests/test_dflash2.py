@@ -25,6 +25,7 @@ from dflash_jax.costs import CostTable
 from dflash_jax.drafters.dflash2 import selector_walk
 from dflash_jax.loading import Drafter
 from dflash_jax.models.drafter import DFlash2Drafter
+from dflash_jax.tuning import Tuning
 
 D, H, NH, NKV, FF, VOCAB = 32, 8, 4, 2, 64, 64  # the tiny target's shape (conftest.tiny_config)
 TAPS, GROUP, TOPK, RANK, BLOCK = 3, 8, 8, 16, 8
@@ -325,8 +326,10 @@ def reference(target):
     return generate(target, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=[])
 
 
-@pytest.mark.parametrize("mode", ["static", "compact", "cap-accept"])
-def test_dflash2_is_lossless_in_every_verify_mode(target, reference, mode):
+@pytest.mark.parametrize("mode,cap", [("static", None), ("compact", None), ("cap-accept", None), ("compact", 3)])
+def test_dflash2_is_lossless_in_every_verify_mode(target, reference, mode, cap):
+    """Greedy, every verify mode (compact and cap-accept choose windows from the selector's confidences); with
+    ``Tuning.sequential_draft_cap`` compact steps walk only the first positions and no window passes them."""
     rng = np.random.default_rng(1)
     table = np.zeros((len(PROMPTS), 512), np.int64)
     for r, (p, c) in enumerate(zip(PROMPTS, reference.token_ids)):
@@ -337,11 +340,13 @@ def test_dflash2_is_lossless_in_every_verify_mode(target, reference, mode):
                                              selector_rank=8, conv_group_size=8).config)
     oracle = Drafter(OracleDFlash2(cfg, table), "oracle dflash2", True)
     out = speculative_generate(target, oracle, PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=[],
-                               verify_mode=mode, cost_table=TABLE)
+                               verify_mode=mode, cost_table=TABLE, tuning=Tuning(sequential_draft_cap=cap))
     assert out.token_ids == reference.token_ids
     assert out.stats["verify_mode"] == mode
     lengths = {a for row in out.acceptance_lengths for a in row}
-    assert 1 in lengths and max(lengths) >= 5
+    assert 1 in lengths and max(lengths) >= (cap + 1 if cap else 5)
+    if cap:
+        assert max(lengths) <= cap + 1 and out.stats["mean_window"] <= cap + 1  # the anchor and ≤ cap drafts
     s = out.stats  # the selector's confidences: predicted survival next to the realised one
     assert len(s["predicted_survival"]) == len(s["realized_survival"]) == 7
 
