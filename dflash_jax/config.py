@@ -331,9 +331,11 @@ def _detect_drafter_schema(cfg: Mapping[str, Any], value: Callable, where: str) 
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
     """A z-lab DFlash drafter: Qwen3-style layers over injected target features (SPEC §2, §4); or a DSpark
-    drafter (SPEC §7): the same trunk plus a sequential (Markov) head and a confidence head.
+    drafter (SPEC §7): the same trunk plus a sequential (Markov) head and a confidence head; or a DFlash2
+    drafter: the trunk with convolutions around its sublayers, then a candidate selector (docs/drafters.md).
 
-    ``block_size`` counts the drafter's block inputs: DFlash's L inputs give L-1 drafts (verify width L);
+    ``block_size`` counts the drafter's block inputs: DFlash's (and DFlash2's) L inputs give L-1 drafts (verify
+    width L);
     DSpark's anchor predicts too, so its γ inputs give γ drafts (verify width γ+1). :attr:`verify_width`
     is what one cycle verifies either way.
     """
@@ -355,6 +357,13 @@ class DrafterConfig:
     draft_vocab_size: int | None = None  # drafts over a reduced vocabulary (ids mapped by the drafter's d2t)
     confidence_head: bool = True  # some released DSpark checkpoints carry none
     confidence_temperatures: tuple[float, ...] | None = None  # STS: one T_k per draft position
+    # DFlash2 only (defaults: the published checkpoint's): a grouped dynamic convolution of ``conv_kernel_size``
+    # taps around each sublayer, one delta per ``conv_group_size`` channels; a candidate selector over the
+    # ``selector_top_k`` best tokens of each position, pairwise scores of rank ``selector_rank``.
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_top_k: int = 16
+    selector_rank: int = 256
 
     @property
     def num_features(self) -> int:

@@ -83,9 +83,9 @@ class Target(_Handle):
 
 @dataclasses.dataclass
 class Drafter(_Handle):
-    """A loaded DFlash or DSpark drafter. ``trained=False`` marks random weights (acceptance ≈ 1)."""
+    """A loaded DFlash, DSpark or DFlash2 drafter. ``trained=False`` marks random weights (acceptance ≈ 1)."""
 
-    model: DFlashDrafter  # or its subclass DSparkDrafter
+    model: DFlashDrafter  # or a subclass: DSparkDrafter, DFlash2Drafter
     name: str = "drafter"
     trained: bool = True
     mesh: Mesh | None = None
@@ -209,7 +209,8 @@ def load_target(source: str | Path, dtype: Any = "float32", *, chat_template_kwa
 def load_drafter(source: str | Path, target: Target | TargetModel | None = None, dtype: Any = None,
                  mesh: Mesh | None = None) -> Drafter:
     """A drafter directory (``config.json`` + ``model.safetensors``), checked against ``target``: z-lab DFlash,
-    or DSpark when the config says so (``dflash_config.projector_type: "dspark"``).
+    or DSpark / DFlash2 when the config says so (``dflash_config.projector_type: "dspark"``;
+    ``architectures: ["DFlash2DraftModel"]``).
 
     Placed on ``mesh``, or on the target's mesh when the target has one."""
     path = resolve_checkpoint(source)
@@ -285,12 +286,14 @@ def _draft_to_target(cfg: DrafterConfig, tensors: dict, path: Path) -> np.ndarra
 def random_drafter(target: Target | TargetModel, *, num_layers: int = 2, block_size: int = 16,
                    mask_token_id: int | None = None, num_features: int = 5,
                    target_layer_ids: tuple[int, ...] | None = None, seed: int = 0, dtype: Any = None,
-                   kind: str = "dflash", markov_rank: int = 256, confidence_head: bool = True) -> Drafter:
+                   kind: str = "dflash", markov_rank: int = 256, confidence_head: bool = True,
+                   **kind_fields) -> Drafter:
     """An untrained drafter of the right shape for ``target`` (training starts here; tests use it as is).
 
     Feature layers: ``target_layer_ids`` or z-lab's default spread of ``num_features`` layers. ``kind``:
-    a registered drafter kind, ``"dflash"`` or ``"dspark"`` (whose ``block_size`` counts its drafts, see
-    :class:`DrafterConfig`).
+    a registered drafter kind, ``"dflash"``, ``"dspark"`` (whose ``block_size`` counts its drafts, see
+    :class:`DrafterConfig`) or ``"dflash2"``; ``kind_fields``: other :class:`DrafterConfig` fields of the kind
+    (e.g. DFlash2's ``selector_top_k``, ``selector_rank``, ``conv_kernel_size``, ``conv_group_size``).
     """
     tc = as_target(target).config
     n = min(num_features, tc.num_layers)
@@ -301,7 +304,7 @@ def random_drafter(target: Target | TargetModel, *, num_layers: int = 2, block_s
         mask_token_id=tc.vocab_size - 1 if mask_token_id is None else mask_token_id,
         target_layer_ids=ids, num_target_layers=tc.num_layers,
         layer_types=("full_attention",) * num_layers, kind=kind, markov_rank=markov_rank,
-        confidence_head=confidence_head,
+        confidence_head=confidence_head, **kind_fields,
     ).validate()
     cfg.check_target(tc)
     dtype = as_target(target).model.dtype if dtype is None else parse_dtype(dtype)

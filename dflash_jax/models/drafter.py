@@ -1,4 +1,4 @@
-"""The DFlash drafter (z-lab format) and the DSpark drafter in Flax NNX.
+"""The DFlash drafter (z-lab format), the DSpark drafter and the DFlash2 drafter in Flax NNX.
 
 One drafter forward proposes a whole block: queries come from ``[anchor, MASK, …]`` embedded with the
 *target's* embeddings; keys/values come from the injected context (projected target features of committed
@@ -18,7 +18,7 @@ from jaxtyping import Array, Float, Int
 
 from dflash_jax.config import ConfigError, DrafterConfig
 from dflash_jax.kernels.attention import draft_attention, read_after
-from dflash_jax.models.layers import MLP, Dense, Embed, RMSNorm, Rope, apply_rope, matmul
+from dflash_jax.models.layers import MLP, Dense, Embed, RMSNorm, Rope, apply_rope, matmul, normal_init
 from dflash_jax.models.target import KVCache, write_rows
 from dflash_jax.tuning import Kernels
 
@@ -79,6 +79,7 @@ class DFlashDrafter(nnx.Module):
 
     # Checkpoint tensors that are no parameter of the module (the loader reads them itself, e.g. ``d2t``).
     checkpoint_extras: tuple[str, ...] = ()
+    layer_class: type[DraftLayer] = DraftLayer  # the decoder layer (a kind may add to it: DFlash2's convolutions)
 
     def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
@@ -86,7 +87,7 @@ class DFlashDrafter(nnx.Module):
         self.config = cfg
         self.fc = Dense(cfg.num_features * c.hidden_size, c.hidden_size, bias=False, dtype=dtype, rngs=rngs)
         self.hidden_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=dtype)
-        self.layers = nnx.List([DraftLayer(cfg, i, dtype=dtype, rngs=rngs) for i in range(c.num_layers)])
+        self.layers = nnx.List([self.layer_class(cfg, i, dtype=dtype, rngs=rngs) for i in range(c.num_layers)])
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=dtype)
         self.rope = Rope(c)
         # A reduced draft vocabulary (:func:`dflash_jax.loading.restrict_draft_vocab`; a DSpark checkpoint's
@@ -138,12 +139,17 @@ class DFlashDrafter(nnx.Module):
     def draft_logits(self, hidden: Float[Array, "*b D"], target) -> Float[Array, "*b Vd"]:
         """Target lm_head on draft hidden states, with z-lab's optional multiplier / soft-capping, over the
         draft vocabulary (Vd = V without one; ids back to the target's with :meth:`to_target_ids`)."""
+        return self.scale_logits(self.head_logits(hidden, target))
+
+    def head_logits(self, hidden: Float[Array, "*b D"], target) -> Float[Array, "*b Vd"]:
+        """The target's lm_head on draft hidden states over the draft vocabulary, before :meth:`scale_logits`."""
         if self.draft_head is not None:
-            logits = jnp.einsum("...d,vd->...v", hidden, self.draft_head[...], preferred_element_type=jnp.float32)
-        else:
-            logits = target.logits(hidden)
-            if self.d2t is not None:
-                logits = jnp.take(logits, self.d2t[...], axis=-1)
+            return jnp.einsum("...d,vd->...v", hidden, self.draft_head[...], preferred_element_type=jnp.float32)
+        logits = target.logits(hidden)
+        return logits if self.d2t is None else jnp.take(logits, self.d2t[...], axis=-1)
+
+    def scale_logits(self, logits: Float[Array, "*b n"]) -> Float[Array, "*b n"]:
+        """z-lab's ``output_multiplier``, then ``final_logit_softcapping`` if set."""
         logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         return jnp.tanh(logits / cap) * cap if cap else logits
@@ -230,6 +236,120 @@ class DSparkDrafter(DFlashDrafter):
     def temperatures(self, g: int) -> Float[Array, "G"]:
         temps = self.config.confidence_temperatures
         return jnp.asarray(temps[:g] if temps else (1.0,) * g, jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# DFlash2: the DFlash trunk with a grouped dynamic convolution around each sublayer, and a candidate selector
+# --------------------------------------------------------------------------------------------------
+
+class GroupedConv(nnx.Module):
+    """A grouped dynamic depthwise convolution along the block, causal and confined to it: for block position i
+    (``i mod L``, L the block length) and channel c of group g(c) = c // group_size,
+    ``out[i, c] = Σ_{t < W, t ≤ i mod L} (base_kernel[s, t, c] + δ_s[i, t, g(c)]) · x[i − t, c]``.
+    Side s = 0 convolves a sublayer's input, s = 1 its output; the deltas of both sides come from one projection
+    of the sublayer's input, ``kernel_projection`` (D → 2·W·G, no bias, read as [2, W, G]).
+
+    ``base_kernel`` starts as the identity (tap 0 = 1): the convolution then only adds the deltas."""
+
+    def __init__(self, d: int, taps: int, group_size: int, *, dtype, rngs: nnx.Rngs):
+        self.taps, self.group_size, self.groups = taps, group_size, d // group_size
+        self.base_kernel = nnx.Param(jnp.zeros((2, taps, d), dtype).at[:, 0].set(1))
+        self.kernel_projection = Dense(d, 2 * taps * self.groups, bias=False, dtype=dtype, rngs=rngs)
+
+    def deltas(self, x: Float[Array, "B T D"], kernels: Kernels = Kernels()) -> Float[Array, "B T 2 W G"]:
+        b, t, _ = x.shape
+        delta = self.kernel_projection(x, kernels).astype(jnp.float32)
+        return delta.reshape(b, t, 2, self.taps, self.groups)
+
+    def __call__(self, x: Float[Array, "B T D"], delta: Float[Array, "B T W G"], side: int, block: int
+                 ) -> Float[Array, "B T D"]:
+        b, t, d = x.shape
+        xs = x.astype(jnp.float32).reshape(b, t, self.groups, self.group_size)
+        base = self.base_kernel[...][side].astype(jnp.float32).reshape(self.taps, self.groups, self.group_size)
+        coef = base[None, None] + delta[..., None]  # [B, T, W, G, group_size]
+        within = jnp.arange(t) % block  # position inside its block: taps never reach the block before
+        out = coef[:, :, 0] * xs
+        for tap in range(1, min(self.taps, t)):
+            shifted = jnp.pad(xs[:, : t - tap], ((0, 0), (tap, 0), (0, 0), (0, 0)))  # x[i - tap]
+            out = out + jnp.where((within >= tap)[None, :, None, None], coef[:, :, tap] * shifted, 0.0)
+        return out.reshape(b, t, d).astype(x.dtype)
+
+
+class DFlash2Layer(DraftLayer):
+    """A DFlash layer whose attention and MLP sublayers are each wrapped in a :class:`GroupedConv`: the normed
+    input convolved (side 0) into the sublayer, its output convolved (side 1) into the residual, both sides'
+    deltas from the normed input. The block's own K/V come from the convolved input; the context's are not
+    convolved (:meth:`DFlashDrafter.context_kv` is unchanged)."""
+
+    def __init__(self, dc: DrafterConfig, idx: int, *, dtype, rngs: nnx.Rngs):
+        super().__init__(dc, idx, dtype=dtype, rngs=rngs)
+        d = dc.layers.hidden_size
+        self.attention_conv = GroupedConv(d, dc.conv_kernel_size, dc.conv_group_size, dtype=dtype, rngs=rngs)
+        self.mlp_conv = GroupedConv(d, dc.conv_kernel_size, dc.conv_group_size, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, positions, cos, sin, ctx_k, ctx_v, ctx_len, *, kernels: Kernels, block: int | None = None):
+        block = block or x.shape[1]  # the decode loop's trunk call is one block per row
+        h = self.input_layernorm(x)
+        delta = self.attention_conv.deltas(h, kernels)
+        h = self.self_attn(self.attention_conv(h, delta[:, :, 0], 0, block), positions, cos, sin, ctx_k, ctx_v,
+                           ctx_len, kernels=kernels)
+        x = x + self.attention_conv(h, delta[:, :, 1], 1, block)
+        h = self.post_attention_layernorm(x)
+        delta = self.mlp_conv.deltas(h, kernels)
+        h = self.mlp(self.mlp_conv(h, delta[:, :, 0], 0, block), kernels)
+        return x + self.mlp_conv(h, delta[:, :, 1], 1, block)
+
+
+class CandidateSelector(nnx.Module):
+    """Scores the K × K edges between the candidates of adjacent block positions:
+    ``edge[k, p, c] = unary[k, c] + Σ_r P[a_p, r] · (W_h · h_k)[r] · S[b_c, r]`` — ``b_c`` the c-th candidate of
+    position k, ``a_p`` the p-th candidate of position k − 1 (for k = 0: the anchor, every row alike);
+    ``P`` = ``predecessor_codebook``, ``S`` = ``successor_codebook`` (both [V, R], target ids),
+    ``W_h`` = ``hidden_projection`` (D → R, no bias), ``h_k`` the trunk's final-normed hidden state."""
+
+    def __init__(self, vocab: int, d: int, rank: int, *, dtype, rngs: nnx.Rngs):
+        self.predecessor_codebook = nnx.Param(normal_init(rngs, (vocab, rank), rank ** -0.25, dtype))
+        self.successor_codebook = nnx.Param(normal_init(rngs, (vocab, rank), rank ** -0.25, dtype))
+        self.hidden_projection = Dense(d, rank, bias=False, dtype=dtype, rngs=rngs)
+
+    def edge_scores(self, ids: Int[Array, "B G K"], unary: Float[Array, "B G K"], hidden: Float[Array, "B G D"],
+                    anchor: Int[Array, "B"], kernels: Kernels = Kernels()) -> Float[Array, "B G K K"]:
+        """``[b, k, p, c]``: the score of candidate c at position k after candidate p at position k − 1."""
+        b, _, k = ids.shape
+        prev = jnp.concatenate([jnp.broadcast_to(anchor[:, None, None], (b, 1, k)), ids[:, :-1]], axis=1)
+        pred = jnp.take(self.predecessor_codebook[...], prev, axis=0).astype(jnp.float32)  # [B, G, K, R]
+        succ = jnp.take(self.successor_codebook[...], ids, axis=0).astype(jnp.float32)  # [B, G, K, R]
+        h = self.hidden_projection(hidden, kernels).astype(jnp.float32)  # [B, G, R]
+        return unary.astype(jnp.float32)[:, :, None, :] + jnp.einsum("bgpr,bgr,bgcr->bgpc", pred, h, succ)
+
+
+class DFlash2Drafter(DFlashDrafter):
+    """A DFlash2 drafter: the DFlash trunk over ``[anchor, MASK × (L−1)]`` with :class:`DFlash2Layer` layers
+    (``input_embedding_scale`` scales its input embeddings, as for DFlash); positions 1 … L−1 each propose their
+    top-K tokens of the target's LM head (:meth:`candidates`) and the :class:`CandidateSelector` scores the
+    edges between adjacent positions' candidates. The walk over those edges is the kind's drafting
+    (:class:`dflash_jax.drafters.dflash2.DFlash2`)."""
+
+    layer_class = DFlash2Layer
+
+    def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        super().__init__(cfg, dtype=dtype, rngs=rngs)
+        c = cfg.layers
+        self.candidate_selector = CandidateSelector(c.vocab_size, c.hidden_size, cfg.selector_rank, dtype=dtype,
+                                                    rngs=rngs)
+
+    def candidates(self, hidden: Float[Array, "*b D"], target) -> tuple[Int[Array, "*b K"], Float[Array, "*b K"]]:
+        """The K best tokens of each position (target ids, best first) and their unary scores: the top-K of the
+        LM head's logits, then ``output_multiplier`` and soft-capping on the K values."""
+        values, ids = jax.lax.top_k(self.head_logits(hidden, target), self.config.selector_top_k)
+        return self.to_target_ids(ids.astype(jnp.int32)), self.scale_logits(values)
+
+    def keep_draft_columns(self, ids: Int[Array, "Vd"]) -> None:
+        """Nothing is over the draft vocabulary (the codebooks are over target ids); it must hold K tokens."""
+        if ids.shape[0] < self.config.selector_top_k:
+            raise ConfigError(f"a DFlash2 draft vocabulary needs at least selector_top_k = "
+                              f"{self.config.selector_top_k} tokens, got {ids.shape[0]}")
 
 
 # The module class of each drafter kind (``DrafterConfig.kind``), filled as :mod:`dflash_jax.drafters` registers

@@ -120,6 +120,16 @@ def test_continuous_batching_under_a_mesh(reference):
     assert generate(t, PROMPTS, **kw).token_ids == reference["ar"]
 
 
+@pytest.mark.parametrize("mode", ["static", "compact"])
+def test_dflash2_under_a_mesh(reference, mode):
+    """A DFlash2 drafter (convolutions and selector replicated; the top-K over the LM head's split vocabulary)
+    under tp × dp: the target's tokens, verifying whole blocks or the windows its confidences choose."""
+    t, _ = pair(make_mesh(tp=4, dp=2))
+    d = random_drafter(t, kind="dflash2", block_size=4, num_layers=1, seed=2, selector_top_k=8, selector_rank=16)
+    out = speculative_generate(t, d, PROMPTS, max_new_tokens=16, stop_token_ids=[], verify_mode=mode)
+    assert out.token_ids == reference["ar"] and out.stats["verify_mode"] == mode
+
+
 def count_collectives(hlo: str) -> dict[str, int]:
     return {k: len(re.findall(rf"= \S+ {k}(?:-start)?\(", hlo))
             for k in ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")}

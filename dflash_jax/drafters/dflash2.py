@@ -1,0 +1,127 @@
+"""DFlash2 (z-lab ``DFlash2DraftModel``): the DFlash trunk with grouped dynamic convolutions around its
+sublayers, then a candidate selector — each draft position proposes its top-K tokens and a walk over the
+pairwise edge scores between adjacent positions picks one per position, left to right. The module is
+:class:`dflash_jax.models.drafter.DFlash2Drafter`; docs/drafters.md pins the format and the equations."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from dflash_jax.config import ConfigError, DrafterConfig, DrafterSchema, ModelConfig
+from dflash_jax.drafters.base import DrafterKind, Pick, register
+from dflash_jax.models.drafter import DFlash2Drafter
+
+# dflash_config keys the public implementations require (each sizes a module or the walk).
+REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_top_k", "selector_rank")
+
+
+def _detect(cfg, value) -> bool:
+    """A DFlash2 architecture, ``projector_type: "dflash2"``, or a config carrying the selector's keys."""
+    archs = " ".join(cfg.get("architectures") or []).lower()
+    projector = str(value("projector_type", "") or "").lower()
+    return "dflash2" in archs or projector == "dflash2" or value("selector_top_k") is not None
+
+
+def _fields(value, layers: ModelConfig) -> dict:
+    missing = [k for k in REQUIRED if value(k) is None]
+    if missing:
+        raise ConfigError(f"a DFlash2 drafter config needs dflash_config.{', dflash_config.'.join(missing)}")
+    return {k: int(value(k)) for k in REQUIRED}
+
+
+def _check(c: DrafterConfig) -> None:
+    d, vocab = c.layers.hidden_size, c.draft_vocab
+    if c.conv_kernel_size < 1:
+        raise ConfigError(f"DFlash2 conv_kernel_size must be >= 1, got {c.conv_kernel_size}")
+    if c.conv_group_size < 1 or d % c.conv_group_size:
+        raise ConfigError(f"DFlash2 conv_group_size {c.conv_group_size} must divide hidden_size {d}")
+    if not 1 <= c.selector_top_k <= vocab:
+        raise ConfigError(f"DFlash2 selector_top_k {c.selector_top_k} must be in [1, vocabulary size {vocab}]")
+    if c.selector_rank < 1:
+        raise ConfigError(f"DFlash2 selector_rank must be >= 1, got {c.selector_rank}")
+
+
+def _to_hf(c: DrafterConfig, out: dict) -> None:
+    """The published layout: the DFlash2 keys and ``block_size`` in ``dflash_config``; the scales where set."""
+    dc = out["dflash_config"]
+    dc.update(block_size=c.block_size, **{k: getattr(c, k) for k in REQUIRED})
+    if c.input_embedding_scale != 1.0:
+        dc["input_embedding_scale"] = c.input_embedding_scale
+    if c.output_multiplier != 1.0:
+        dc["output_multiplier"] = c.output_multiplier
+    if c.final_logit_softcapping:
+        dc["final_logit_softcapping"] = c.final_logit_softcapping
+    out["is_causal"] = c.causal_sliding  # the published checkpoint: non-causal sliding-window layers
+    if "sliding_attention" in c.layer_types:
+        out["use_sliding_window"] = True
+
+
+def selector_walk(scores: Float[Array, "B G K K"], pick: Pick, key: jax.Array | None
+                  ) -> tuple[Int[Array, "B G"], Float[Array, "B G K"] | None, Float[Array, "B G"]]:
+    """The walk over the edge scores ``[b, k, p, c]``: at position k the row of the candidate chosen at k − 1
+    (row 0 at k = 0, where every row is the anchor's) is picked from — its argmax (lowest index on ties)
+    without keys, else a draw from the filtered ``softmax(row / T)``. Returns the chosen candidate indices,
+    the distribution each was drawn from (over the K candidates; None without keys) and the confidence of each
+    choice, ``softmax(row)`` at it (the selector's own probability, at temperature 1)."""
+    b, g, k = scores.shape[:3]
+    if key is not None:
+        keys = jax.vmap(lambda x: jax.random.split(x, g))(key).swapaxes(0, 1)  # [G, B]
+    else:
+        keys = jnp.zeros((g, b), jnp.int32)  # unused
+
+    def step(prev, xs):
+        edges, kk = xs  # [B, K, K], [B]
+        row = jnp.take_along_axis(edges, prev[:, None, None], axis=1)[:, 0]  # [B, K]
+        idx, q = pick(row, kk if key is not None else None)
+        conf = jnp.take_along_axis(jax.nn.softmax(row, axis=-1), idx[:, None], axis=-1)[:, 0]
+        return idx, (idx, q, conf)
+
+    # Unrolled like DSpark's scan: G small steps of [B, K] work each.
+    _, (idx, q, conf) = jax.lax.scan(step, jnp.zeros((b,), jnp.int32), (scores.swapaxes(0, 1), keys), unroll=True)
+    return idx.swapaxes(0, 1), (q.swapaxes(0, 1) if key is not None else None), conf.swapaxes(0, 1)
+
+
+@register
+class DFlash2(DrafterKind):
+    """``[anchor, MASK × (L-1)]`` in (as DFlash: verify width L), positions 1 … L-1 give K candidates each, the
+    selector's walk picks the drafts. When drafts are sampled, ``q_k`` is the distribution the walk drew draft k
+    from — over the K candidates, given the candidate chosen before it, zero elsewhere in the target vocabulary —
+    which keeps the ratio test of :func:`dflash_jax.decode.sampling.accept_sampled` exact. Confidences: the
+    selector's probability of each choice (:func:`selector_walk`), an uncalibrated survival estimate."""
+
+    name = "dflash2"
+    schema = DrafterSchema(kind="dflash2", architecture="DFlash2DraftModel", detect=_detect, fields=_fields,
+                           check=_check, to_hf=_to_hf)
+    module_class = DFlash2Drafter
+
+    @property
+    def sequential(self) -> bool:
+        """The walk goes left to right (each pick given the one before), so a compact step drafts the whole
+        block before its tier switch; the trunk's layout and verify width stay DFlash's (``schema.sequential``
+        is False: the anchor predicts nothing)."""
+        return True
+
+    @property
+    def has_confidence(self) -> bool:
+        return True
+
+    def draft(self, target, hidden, anchor, pick, key, cap=None):
+        drafter = self.module
+        g_all = hidden.shape[1]
+        if cap:  # the LM head's top-K and the walk are the drafting's cost
+            hidden = hidden[:, :cap]
+        ids, unary = drafter.candidates(hidden, target)  # [B, G, K] target ids, best first
+        scores = drafter.candidate_selector.edge_scores(ids, unary, hidden, anchor)
+        idx, q_k, conf = selector_walk(scores, pick, key)
+        drafts = jnp.take_along_axis(ids, idx[..., None], axis=-1)[..., 0]
+        q = None
+        if q_k is not None:  # onto the target vocabulary: zero outside the K candidates
+            b, g, _ = ids.shape
+            q = jnp.zeros((b, g, drafter.config.layers.vocab_size), jnp.float32)
+            q = q.at[jnp.arange(b)[:, None, None], jnp.arange(g)[None, :, None], ids].set(q_k)
+        if g_all > drafts.shape[1]:  # past the cap: drafts 0 with confidence 0, which no window reaches
+            pad = lambda x: jnp.pad(x, [(0, 0), (0, g_all - x.shape[1])] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
+            drafts, conf, q = pad(drafts), pad(conf), (pad(q) if q is not None else None)
+        return drafts, q, conf
