@@ -472,7 +472,8 @@ SMOLLM2_MASK_TOKEN_ID = 16
 
 
 def load_pair(name_or_path: str = EMBEDDED_PAIR, dtype: Any = None, mesh: Mesh | None = None,
-              draft_vocab: int | None = None) -> tuple[Target, Drafter]:
+              draft_vocab: int | None = None, quantization: "str | quant.Scheme | None" = None,
+              drafter_quantization: "str | quant.Scheme | None" = None) -> tuple[Target, Drafter]:
     """A ready (target, drafter) pair: a name from ``configs/`` (e.g. ``"smollm2-135m"``, ``"qwen3-8b"``) or
     the path of a pair YAML (schema in :mod:`dflash_jax.pairs`). ``dtype`` overrides the config's.
 
@@ -481,6 +482,10 @@ def load_pair(name_or_path: str = EMBEDDED_PAIR, dtype: Any = None, mesh: Mesh |
 
     ``draft_vocab``: the drafts' vocabulary (:func:`restrict_draft_vocab`) — None: what the config sets for
     this backend; 0: the whole vocabulary; N: the N most frequent tokens of the config's ranking.
+
+    ``quantization`` / ``drafter_quantization`` (:func:`load_target`): None takes the config's (whose default
+    is the weights as stored); ``"none"``, ``"int8"`` or ``"fp8"`` override it. Drafters stay unquantized
+    unless asked.
     """
     from dflash_jax import costs
     from dflash_jax.pairs import load_pair_config, parse_pair
@@ -489,8 +494,11 @@ def load_pair(name_or_path: str = EMBEDDED_PAIR, dtype: Any = None, mesh: Mesh |
         cfg = parse_pair(EMBEDDED_PAIR_SETTINGS, "the embedded pair's built-in settings")
     else:
         cfg = load_pair_config(name_or_path)
-    target = load_target(cfg.target, dtype or cfg.dtype, chat_template_kwargs=cfg.chat_template_kwargs, mesh=mesh)
-    drafter = _pair_drafter(cfg, target)
+    quantization = cfg.quantization if quantization is None else quantization
+    drafter_quantization = cfg.drafter_quantization if drafter_quantization is None else drafter_quantization
+    target = load_target(cfg.target, dtype or cfg.dtype, chat_template_kwargs=cfg.chat_template_kwargs, mesh=mesh,
+                         quantization=quantization)
+    drafter = _pair_drafter(cfg, target, quant.parse(drafter_quantization))
     drafter.cost_tables = costs.load_tables(costs.tables_path(cfg.path)) or None  # built-in settings: none
     return target, _pair_draft_vocab(cfg, target, drafter, draft_vocab)
 
@@ -528,16 +536,17 @@ def shipped_drafter_dir(drafter_src: str | None) -> Path | None:
     return None
 
 
-def _pair_drafter(cfg, target: Target) -> Drafter:
+def _pair_drafter(cfg, target: Target, scheme: "quant.Scheme | None" = None) -> Drafter:
     drafter_src = cfg.drafter
     if drafter_src is None:
         raise ConfigError(f"pair {cfg.name!r} has no drafter")
     shipped = shipped_drafter_dir(drafter_src)
     if shipped is not None:
         if (shipped / "config.json").is_file():
-            return load_drafter(shipped, target)
+            return load_drafter(shipped, target, quantization=scheme)
         if drafter_src != "embedded":
             raise ConfigError(f"pair {cfg.name!r}: no drafter {shipped.name!r} is shipped in {_ASSETS}")
         log.warning("no trained drafter is shipped for %s: using a RANDOM (untrained) drafter", EMBEDDED_PAIR)
-        return random_drafter(target, mask_token_id=SMOLLM2_MASK_TOKEN_ID, num_layers=2)
-    return load_drafter(drafter_src, target)
+        drafter = random_drafter(target, mask_token_id=SMOLLM2_MASK_TOKEN_ID, num_layers=2)
+        return quantize(drafter, scheme) if scheme is not None else drafter
+    return load_drafter(drafter_src, target, quantization=scheme)

@@ -69,9 +69,11 @@ NAMES = {"int8": INT8, "fp8": FP8}
 
 
 def parse(quantization) -> Scheme | None:
-    """``None`` (weights as the checkpoint stores them), ``"int8"``, ``"fp8"`` or a :class:`Scheme`."""
+    """``None`` or ``"none"`` (weights as the checkpoint stores them), ``"int8"``, ``"fp8"`` or a :class:`Scheme`."""
     if quantization is None or isinstance(quantization, Scheme):
         return quantization
+    if isinstance(quantization, str) and quantization.lower() == "none":
+        return None
     if isinstance(quantization, str) and quantization.lower() in NAMES:
         return NAMES[quantization.lower()]
     raise ConfigError(f"quantization must be None, 'int8' or 'fp8' (or a dflash_jax.quant.Scheme), "
