@@ -58,7 +58,10 @@ def reference(x: Float[Array, "*b D"], q: jax.Array, scale: Float[Array, "nbi nb
         y = jnp.einsum("...d,de->...e", x, w, preferred_element_type=jnp.float32) * s[0]
         return y.astype(out_dtype)
     pad = nbi * bi - d
-    xb = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]).reshape(*x.shape[:-1], nbi, bi)
+    rows = x.reshape(-1, d)
+    # The block index leads (a batch dimension first: XLA's CPU dot takes bfloat16 operands with a float32
+    # result only so).
+    xb = jnp.pad(rows, ((0, 0), (0, pad))).reshape(-1, nbi, bi).transpose(1, 0, 2)  # [nbi, N, bi]
     wb = jnp.pad(w, ((0, pad), (0, 0))).reshape(nbi, bi, e)
-    partial = jnp.einsum("...kd,kde->...ke", xb, wb, preferred_element_type=jnp.float32)
-    return jnp.einsum("...ke,ke->...e", partial, s).astype(out_dtype)
+    partial = jnp.einsum("knd,kde->kne", xb, wb, preferred_element_type=jnp.float32)
+    return jnp.einsum("kne,ke->ne", partial, s).astype(out_dtype).reshape(*x.shape[:-1], e)
