@@ -335,3 +335,35 @@ def test_speculative_equals_autoregressive_on_a_block_fp8_target():
     ref = generate(target, LOSSLESS_PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=[])
     out = speculative_generate(target, drafter, LOSSLESS_PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=[])
     assert out.token_ids == ref.token_ids
+
+
+def test_qwen3_moe_fp8_checkpoint_matches_transformers(tmp_path):
+    """Qwen3-MoE in fine-grained FP8 (per-expert weights, each with its scales): attention and the dense MLP layer
+    read as stored, the routed experts dequantized to the compute dtype, the router unquantized as the checkpoint
+    keeps it; logits as transformers' on the dequantized weights."""
+    torch.manual_seed(2)
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, moe_intermediate_size=40,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], max_position_embeddings=256,
+        initializer_range=0.15, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    hf.save_pretrained(tmp_path / "float", safe_serialization=True)
+    stored = read_safetensors([tmp_path / "float" / "model.safetensors"])
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in stored and "model.layers.0.mlp.gate.weight" in stored
+    tensors, dequantized = {}, {}
+    for name, w in stored.items():
+        if is_linear(name):
+            tensors[name], tensors[name + "_scale_inv"] = hf_fp8(w)
+            dequantized[name] = hf_fp8_dequantized(tensors[name], tensors[name + "_scale_inv"])
+        else:
+            tensors[name] = dequantized[name] = w
+    write_fp8(tmp_path / "fp8", hf, tensors)
+    save_file(dequantized, str(tmp_path / "float" / "model.safetensors"), metadata={"format": "pt"})
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "float", attn_implementation="eager")
+    target = load_target(tmp_path / "fp8", "float32")
+    layer0, layer1 = target.model.layers
+    assert layer0.self_attn.o_proj.quant == layer1.mlp.up_proj.quant == Scheme("fp8", (16, 32))
+    assert layer0.mlp.gate.quant is None and layer0.mlp.experts.gate_proj[...].dtype == jnp.float32
+    ids = np.asarray([p[:7] for p in PROMPTS])
+    assert rel_err(prefill_logits(target, ids), hf_logits(reference.float().eval(), ids)) < REL_TOL
