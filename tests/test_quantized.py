@@ -367,3 +367,28 @@ def test_qwen3_moe_fp8_checkpoint_matches_transformers(tmp_path):
     assert layer0.mlp.gate.quant is None and layer0.mlp.experts.gate_proj[...].dtype == jnp.float32
     ids = np.asarray([p[:7] for p in PROMPTS])
     assert rel_err(prefill_logits(target, ids), hf_logits(reference.float().eval(), ids)) < REL_TOL
+
+
+def test_sampled_decoding_on_an_int8_target_matches_its_distribution():
+    """Sampled speculative decoding is exact for the quantized target: χ² against the distribution its own logits
+    give (tests/test_sampling.py's enumeration)."""
+    import itertools
+
+    from flax import nnx
+
+    from test_sampling import PROMPT, V, chi2_pvalue, draw, exact_distribution
+
+    small = quantize(tiny_target("qwen3", seed=11, vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=2,
+                                 num_heads=2, num_kv_heads=1, head_dim=8), "int8")
+    drafter = random_drafter(small, block_size=4, num_layers=1, seed=5, mask_token_id=V - 1)
+    seqs = jnp.asarray([PROMPT + [a, b] for a, b in itertools.product(range(V), range(V))], jnp.int32)
+    n, t = seqs.shape
+
+    @nnx.jit
+    def forward(model, seqs):
+        h, _, _ = model(seqs, jnp.broadcast_to(jnp.arange(t), (n, t)), None, prefill=True)
+        return model.logits(h[:, -3:])
+
+    probs = exact_distribution(forward(small.model, seqs), 1.0, 0, 1.0)
+    samples = draw(lambda *a, **k: speculative_generate(small, drafter, *a, **k), temperature=1.0, seed=4)
+    assert chi2_pvalue(samples, probs) > 1e-3
