@@ -330,6 +330,10 @@ def test_speculative_equals_autoregressive_on_a_block_fp8_target():
     target = quantize(tiny_target("llama", seed=4), Scheme("fp8", (16, 16)))
     assert target.model.lm_head.quant == Scheme("fp8", (16, 16)) and target.model.layers[0].mlp.down_proj.scale[
         ...].shape == (4, 2)
+    head = target.model.lm_head
+    ids = jnp.asarray([3, 40, 17], jnp.int32)  # the rows a reduced draft vocabulary reads: dequantized
+    full = dequantize(np.asarray(head.kernel[...]), np.asarray(head.scale[...]), (16, 16))
+    np.testing.assert_allclose(np.asarray(target.model.head_rows(ids)), full.T[np.asarray(ids)], rtol=1e-6)
     drafter = quantize(random_drafter(target, block_size=4, num_layers=1, seed=2), "int8")
     assert drafter.model.fc.quant == Scheme("int8") and drafter.model.dtype == jnp.float32
     ref = generate(target, LOSSLESS_PROMPTS, max_new_tokens=MAX_NEW, stop_token_ids=[])

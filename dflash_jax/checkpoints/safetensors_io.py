@@ -150,9 +150,12 @@ def load_into(
 
 
 def state_to_hf(model: nnx.Module, *, prefix: str, dtype=np.float32) -> dict[str, np.ndarray]:
-    """Module parameters → HF-named numpy tensors (``[out, in]`` linear weights)."""
+    """Module parameters → HF-named numpy tensors (``[out, in]`` linear weights). Quantized layers are refused
+    (their values alone are not the weights)."""
     out = {}
     for path, var in param_leaves(model):
+        if isinstance(var, QuantParam):
+            raise CheckpointError(f"{'.'.join(map(str, path))} is quantized: export the model before quantizing it")
         name, transpose = hf_name(path, prefix)
         arr = np.asarray(jax.device_get(var[...])).astype(dtype)
         out[name] = np.ascontiguousarray(_to_module(arr) if transpose else arr)

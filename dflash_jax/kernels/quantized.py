@@ -1,9 +1,10 @@
 """``x @ W`` for a quantized kernel ``W`` (int8 or fp8 values with float32 block scales, layout in
 :mod:`dflash_jax.quant.scheme`): the jnp reference and the dispatch to kernels (op ``"quantized_matmul"``).
 
-The reference never forms the dequantized kernel: the values are converted to the activations' dtype (exact:
-int8 and e4m3 values are bfloat16 and float32 numbers) inside the product, which XLA fuses into the dot where
-the backend can (a GPU's Triton GEMM reads the 1-byte values), and the scales are applied to the products:
+The reference never scales the kernel: the values are converted to the activations' dtype (exact: int8 and e4m3
+values are bfloat16 and float32 numbers) as an operand of the product — a conversion XLA may fuse into the dot
+or may write out, backend by backend (a kernel registered here is where that is decided) — and the scales are
+applied to the products:
 
 * one block over the input rows (per output channel, or blocks of output columns): ``(x @ q) · scale`` —
   one dot, then a scale per output column;
