@@ -9,7 +9,7 @@ Public API::
 from dflash_jax.config import ConfigError, DrafterConfig, ModelConfig
 from dflash_jax.checkpoints.safetensors_io import CheckpointError
 from dflash_jax.generation import GenerationOutput, compile_count, generate, speculative_generate
-from dflash_jax.loading import (Drafter, Target, load_drafter, load_pair, load_target, random_drafter,
+from dflash_jax.loading import (Drafter, Target, load_drafter, load_pair, load_target, quantize, random_drafter,
                                restrict_draft_vocab, shard)
 from dflash_jax.sharding import ShardingError, make_mesh
 from dflash_jax.streaming import StreamChunk, TokenStream, speculative_stream, stream_generate
@@ -18,6 +18,6 @@ from dflash_jax.tokenizer import TokenizerMissingError
 __all__ = [
     "CheckpointError", "ConfigError", "Drafter", "DrafterConfig", "GenerationOutput", "ModelConfig", "Target",
     "TokenizerMissingError", "compile_count", "generate", "load_drafter", "load_pair", "load_target",
-    "random_drafter", "restrict_draft_vocab", "speculative_generate", "make_mesh", "shard", "ShardingError",
+    "quantize", "random_drafter", "restrict_draft_vocab", "speculative_generate", "make_mesh", "shard", "ShardingError",
     "StreamChunk", "TokenStream", "speculative_stream", "stream_generate",
 ]

@@ -25,8 +25,10 @@ DEMO_TIMED_RUNS = 2  # timed runs of each decoding mode (interleaved; the fastes
 def _demo(args: argparse.Namespace) -> int:
     from dflash_jax import generate, load_pair, speculative_generate
 
-    print(f"Loading the embedded pair {args.pair!r} ({args.dtype}) …", flush=True)
-    target, drafter = load_pair(args.pair, dtype=args.dtype, draft_vocab=args.draft_vocab)
+    print(f"Loading the embedded pair {args.pair!r} ({args.dtype}"
+          f"{', ' + args.quantization if args.quantization else ''}) …", flush=True)
+    target, drafter = load_pair(args.pair, dtype=args.dtype, draft_vocab=args.draft_vocab,
+                                quantization=args.quantization)
     label = "trained" if drafter.trained else "RANDOM, untrained: expect tau ≈ 1"
     print(f"target: {target.name}  |  drafter: {drafter.name} ({label}), "
           f"block size {drafter.config.block_size}", flush=True)
@@ -96,8 +98,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _load_models(args: argparse.Namespace):
-    """(target, drafter or None) from ``--config`` or ``--target/--drafter``, ``--dtype``, ``--mesh``,
-    ``--autoregressive``."""
+    """(target, drafter or None) from ``--config`` or ``--target/--drafter``, ``--dtype``, ``--quantization``,
+    ``--mesh``, ``--autoregressive``."""
     from dflash_jax.loading import load_drafter, load_pair, load_target
     from dflash_jax.sharding import make_mesh, parse_mesh
 
@@ -106,10 +108,11 @@ def _load_models(args: argparse.Namespace):
         raise SystemExit("--draft-vocab takes its token ranking from a pair config (--config); with --target, call "
                          "dflash_jax.restrict_draft_vocab from Python")
     if args.target:
-        target = load_target(args.target, args.dtype or "float32", mesh=mesh)
+        target = load_target(args.target, args.dtype or "float32", mesh=mesh, quantization=args.quantization)
         drafter = load_drafter(args.drafter, target) if args.drafter else None
     else:
-        target, drafter = load_pair(args.config, dtype=args.dtype, mesh=mesh, draft_vocab=args.draft_vocab)
+        target, drafter = load_pair(args.config, dtype=args.dtype, mesh=mesh, draft_vocab=args.draft_vocab,
+                                    quantization=args.quantization)
     return target, None if args.autoregressive else drafter
 
 
@@ -198,8 +201,15 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", help="drafter checkpoint (with --target)")
     parser.add_argument("--autoregressive", action="store_true", help="no drafter: plain decoding")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], help="default: the pair config's")
+    _quantization_option(parser)
     parser.add_argument("--mesh", help="e.g. 'tp=2,dp=4': tensor × data parallel over the local devices")
     _draft_vocab_option(parser)
+
+
+def _quantization_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quantization", choices=["none", "int8", "fp8"],
+                        help="the target's linear layers: none (as the checkpoint stores them), int8 or fp8 "
+                             "(weight-only, quantized on load); default: the pair config's")
 
 
 def _draft_vocab_option(parser: argparse.ArgumentParser) -> None:
@@ -243,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
                           help="run the embedded model pair on a few prompts (speculative vs autoregressive)")
     demo.add_argument("--pair", default="smollm2-135m")
     demo.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    _quantization_option(demo)
     demo.add_argument("--max-new-tokens", type=int, default=96)
     demo.add_argument("--block-size", type=int, default=None)
     demo.add_argument("--attention-impl", default="auto", choices=IMPLS,

@@ -22,11 +22,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dflash_jax.checkpoints import gguf_io
-from dflash_jax import families
-from dflash_jax.checkpoints.safetensors_io import CheckpointError, load_into, read_safetensors, safetensors_files
+from dflash_jax import families, quant
+from dflash_jax.checkpoints import quantized as qckpt
+from dflash_jax.checkpoints.safetensors_io import (CheckpointError, hf_name, load_into, read_safetensors,
+                                                   safetensors_files)
 from dflash_jax.config import (ConfigError, DrafterConfig, ModelConfig, default_target_layer_ids,
                                drafter_config_from_hf, model_config_from_hf, read_config_json)
 from dflash_jax.models.drafter import DFlashDrafter, DraftHead, DSparkDrafter, TokenMap, module_class
+from dflash_jax.models.layers import quantizable
 from dflash_jax.models.split import SplitModel, split_model
 from dflash_jax.models.target import TargetModel
 from dflash_jax.tokenizer import Tokenizer
@@ -79,6 +82,11 @@ class Target(_Handle):
     @property
     def config(self) -> ModelConfig:
         return self.model.config
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters as stored (quantized values and their scales included)."""
+        return quant.param_bytes(self.model)
 
 
 @dataclasses.dataclass
@@ -151,10 +159,26 @@ def embedded_gguf_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _build(model_cls, cfg, dtype, tensors: dict, prefix: str, source: str, mesh: Mesh | None = None,
+def _abstract(model_cls, cfg, dtype, plan: dict | None = None, untie: bool = False):
+    """The module's structure (``nnx.eval_shape``): a tied target given its own head (``untie``), and the linear
+    layers of ``plan`` (module path → :class:`~dflash_jax.quant.Scheme`) quantized."""
+    def make():
+        model = model_cls(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+        if untie:
+            model.untie()
+        for path, dense in quantizable(model):
+            if path in (plan or {}):
+                scheme, shape = plan[path], tuple(dense.kernel.shape)
+                dense.set_quantized(scheme, jnp.zeros(shape, scheme.dtype),
+                                    jnp.ones(scheme.scale_shape(*shape), jnp.float32))
+        return model
+    return nnx.eval_shape(make)
+
+
+def _build(model, cfg, dtype, tensors: dict, prefix: str, source: str, mesh: Mesh | None = None,
            shape_cfg: ModelConfig | None = None, ignore=lambda name: False):
-    """Abstract module → parameters filled from ``tensors``, each placed directly on its mesh shards."""
-    model = nnx.eval_shape(lambda: model_cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    """Abstract module (:func:`_abstract`) → parameters filled from ``tensors``, each placed directly on its mesh
+    shards."""
     place = None
     if mesh is not None:
         shape_cfg = shape_cfg or cfg
@@ -164,11 +188,38 @@ def _build(model_cls, cfg, dtype, tensors: dict, prefix: str, source: str, mesh:
         rules = families.of(shape_cfg).sharding_rules
 
         def place(path, arr):
-            spec = shd.spec_for(".".join(str(p) for p in path), arr.ndim, mapping, rules)
-            return jax.device_put(np.asarray(arr).astype(dtype), NamedSharding(mesh, spec))
+            spec = shd.param_spec(".".join(str(p) for p in path), arr.shape, mapping, mesh, rules)
+            return jax.device_put(arr, NamedSharding(mesh, spec))
     load_into(model, tensors, prefix=prefix, source=source, dtype=dtype, place=place,
               ignore=lambda n: n.endswith("rotary_emb.inv_freq") or ignore(n))
     return model
+
+
+def _quantized_tensors(model_cls, cfg, dtype, tensors: dict, prefix: str, scheme, fp8_blocks, where: str,
+                       rename=None):
+    """(tensors, plan, untie): the checkpoint's tensors with FP8 ones read as stored or dequantized
+    (``fp8_blocks``: :func:`~dflash_jax.checkpoints.quantized.fp8_blocks`) and the linear layers quantized to
+    ``scheme``; ``rename``: the family's checkpoint map, run between the two (returns its ``ignore``)."""
+    plain = nnx.eval_shape(lambda: model_cls(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    untie = scheme is not None and getattr(plain, "lm_head", False) is None  # a tied target's head: its own copy
+    if untie:
+        plain = _abstract(model_cls, cfg, dtype, untie=True)
+    linears = qckpt.linear_names(plain, prefix)
+    kept = {}
+    if fp8_blocks is not False:
+        tensors, kept = qckpt.read_fp8(tensors, fp8_blocks, linears, keep=scheme is None or scheme.kind == "fp8",
+                                       dtype=dtype, where=where)
+    ignore = lambda name: False  # noqa: E731
+    if rename is not None:
+        tensors, ignore = rename(tensors)
+    if untie:
+        tensors = {**tensors, "lm_head.weight": tensors[hf_name(("embed_tokens", "embedding"), prefix)[0]]}
+    tensors, plan = qckpt.quantize_linears(tensors, linears, kept, scheme)
+    return tensors, plan, untie, ignore
+
+
+def _name(source, scheme) -> str:
+    return f"{source} ({scheme})" if scheme is not None else str(source)
 
 
 def shard(obj: "Target | Drafter", mesh: Mesh) -> "Target | Drafter":
@@ -180,11 +231,17 @@ def shard(obj: "Target | Drafter", mesh: Mesh) -> "Target | Drafter":
 
 
 def load_target(source: str | Path, dtype: Any = "float32", *, chat_template_kwargs: dict | None = None,
-                mesh: Mesh | None = None) -> Target:
+                mesh: Mesh | None = None, quantization: "str | quant.Scheme | None" = None) -> Target:
     """A target from an HF directory, a GGUF file, a hub id, or the embedded pair's name.
 
-    ``mesh`` (see :func:`dflash_jax.make_mesh`): parameters are loaded straight onto their shards."""
+    ``mesh`` (see :func:`dflash_jax.make_mesh`): parameters are loaded straight onto their shards.
+    ``quantization``: ``None`` keeps the weights as the checkpoint stores them (an HF fine-grained FP8
+    checkpoint's linear layers stay FP8 with their block scales; others load in ``dtype``); ``"int8"`` /
+    ``"fp8"``: every linear layer and the LM head quantized on load, weight-only, one scale per output
+    channel (FP8 blocks of an FP8 checkpoint kept as stored under ``"fp8"``); embeddings, norms and routers
+    stay in ``dtype``, the compute dtype (docs/usage.md, "Quantized targets")."""
     dtype = parse_dtype(dtype)
+    scheme = quant.parse(quantization)
     name = str(source)
     if name == EMBEDDED_PAIR:
         source = embedded_gguf_path()
@@ -200,20 +257,27 @@ def load_target(source: str | Path, dtype: Any = "float32", *, chat_template_kwa
         tensors = read_safetensors(safetensors_files(path))
         tokenizer = Tokenizer.from_dir(path, **(chat_template_kwargs or {}))
     family = families.of(cfg)
-    tensors, ignore = family.checkpoint(cfg, tensors, dtype, str(path))  # the checkpoint's names → the model's
-    model = _build(family.model, cfg, dtype, tensors, "model.", str(path), mesh, ignore=ignore)
+    fp8 = qckpt.fp8_blocks(hf_cfg, str(path / "config.json")) if path.suffix != ".gguf" else False
+    tensors, plan, untie, ignore = _quantized_tensors(
+        family.model, cfg, dtype, tensors, "model.", scheme, fp8, str(path),
+        rename=lambda t: family.checkpoint(cfg, t, dtype, str(path)))  # the checkpoint's names → the model's
+    model = _build(_abstract(family.model, cfg, dtype, plan, untie), cfg, dtype, tensors, "model.", str(path), mesh,
+                   ignore=ignore)
     stops = set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer else ())
-    return Target(model, tokenizer, name, tuple(sorted(stops)), mesh)
+    return Target(model, tokenizer, _name(name, scheme), tuple(sorted(stops)), mesh)
 
 
 def load_drafter(source: str | Path, target: Target | TargetModel | None = None, dtype: Any = None,
-                 mesh: Mesh | None = None) -> Drafter:
+                 mesh: Mesh | None = None, quantization: "str | quant.Scheme | None" = None) -> Drafter:
     """A drafter directory (``config.json`` + ``model.safetensors``), checked against ``target``: z-lab DFlash,
     or DSpark / DFlash2 when the config says so (``dflash_config.projector_type: "dspark"``;
     ``architectures: ["DFlash2DraftModel"]``).
 
-    Placed on ``mesh``, or on the target's mesh when the target has one."""
+    Placed on ``mesh``, or on the target's mesh when the target has one. ``quantization`` (``None``: as
+    stored): ``"int8"`` / ``"fp8"`` quantize its linear layers as :func:`load_target` does (its DSpark heads
+    stay in the compute dtype)."""
     path = resolve_checkpoint(source)
+    scheme = quant.parse(quantization)
     cfg = drafter_config_from_hf(read_config_json(path), where=str(path / "config.json"))
     if target is not None:
         cfg.check_target(as_target(target).config)
@@ -224,13 +288,33 @@ def load_drafter(source: str | Path, target: Target | TargetModel | None = None,
     mesh = mesh if mesh is not None else (as_target(target).mesh if target is not None else None)
     d2t = _draft_to_target(cfg, tensors, path)
     model_cls = module_class(cfg)
-    model = _build(model_cls, cfg, dtype, tensors, "", str(path), mesh, cfg.layers,
+    tensors, plan, _, _ = _quantized_tensors(model_cls, cfg, dtype, tensors, "", scheme, False, str(path))
+    model = _build(_abstract(model_cls, cfg, dtype, plan), cfg, dtype, tensors, "", str(path), mesh, cfg.layers,
                    ignore=lambda n: n in model_cls.checkpoint_extras)
     if d2t is not None:
         model.d2t.set_value(jnp.asarray(d2t, jnp.int32))
         if target is not None:  # the head then reads the draft vocabulary's rows only, not all V
             model.draft_head = DraftHead(_head_rows(as_target(target), d2t, mesh))
-    return Drafter(model, str(source), True, mesh)
+    return Drafter(model, _name(source, scheme), True, mesh)
+
+
+def quantize(obj: "Target | Drafter | TargetModel", quantization: "str | quant.Scheme") -> "Target | Drafter":
+    """A loaded target or drafter with its linear layers (and a target's LM head) quantized in memory, as
+    :func:`load_target`'s ``quantization`` does from a checkpoint: a new handle on a new module (layers already
+    quantized kept as they are); ``obj`` is unchanged. Placed on ``obj``'s mesh if it has one."""
+    scheme = quant.parse(quantization)
+    handle = obj if isinstance(obj, (Target, Drafter)) else as_target(obj)
+    if scheme is None:
+        return handle
+    model = nnx.clone(handle.model)
+    if isinstance(model, TargetModel):
+        model.untie()
+    for _, dense in quantizable(model):
+        if dense.quant is None:
+            q, s = quant.quantize(np.asarray(jax.device_get(dense.kernel[...]), np.float32), scheme)
+            dense.set_quantized(scheme, jnp.asarray(q), jnp.asarray(s))
+    out = dataclasses.replace(handle, model=model, name=_name(handle.name, scheme))
+    return shard(out, handle.mesh) if handle.mesh is not None else out
 
 
 def restrict_draft_vocab(drafter: Drafter | DFlashDrafter, target: Target | TargetModel, ids) -> Drafter:
@@ -391,7 +475,8 @@ SMOLLM2_MASK_TOKEN_ID = 16
 
 
 def load_pair(name_or_path: str = EMBEDDED_PAIR, dtype: Any = None, mesh: Mesh | None = None,
-              draft_vocab: int | None = None) -> tuple[Target, Drafter]:
+              draft_vocab: int | None = None, quantization: "str | quant.Scheme | None" = None,
+              drafter_quantization: "str | quant.Scheme | None" = None) -> tuple[Target, Drafter]:
     """A ready (target, drafter) pair: a name from ``configs/`` (e.g. ``"smollm2-135m"``, ``"qwen3-8b"``) or
     the path of a pair YAML (schema in :mod:`dflash_jax.pairs`). ``dtype`` overrides the config's.
 
@@ -400,6 +485,10 @@ def load_pair(name_or_path: str = EMBEDDED_PAIR, dtype: Any = None, mesh: Mesh |
 
     ``draft_vocab``: the drafts' vocabulary (:func:`restrict_draft_vocab`) — None: what the config sets for
     this backend; 0: the whole vocabulary; N: the N most frequent tokens of the config's ranking.
+
+    ``quantization`` / ``drafter_quantization`` (:func:`load_target`): None takes the config's (whose default
+    is the weights as stored); ``"none"``, ``"int8"`` or ``"fp8"`` override it. Drafters stay unquantized
+    unless asked.
     """
     from dflash_jax import costs
     from dflash_jax.pairs import load_pair_config, parse_pair
@@ -408,8 +497,11 @@ def load_pair(name_or_path: str = EMBEDDED_PAIR, dtype: Any = None, mesh: Mesh |
         cfg = parse_pair(EMBEDDED_PAIR_SETTINGS, "the embedded pair's built-in settings")
     else:
         cfg = load_pair_config(name_or_path)
-    target = load_target(cfg.target, dtype or cfg.dtype, chat_template_kwargs=cfg.chat_template_kwargs, mesh=mesh)
-    drafter = _pair_drafter(cfg, target)
+    quantization = cfg.quantization if quantization is None else quantization
+    drafter_quantization = cfg.drafter_quantization if drafter_quantization is None else drafter_quantization
+    target = load_target(cfg.target, dtype or cfg.dtype, chat_template_kwargs=cfg.chat_template_kwargs, mesh=mesh,
+                         quantization=quantization)
+    drafter = _pair_drafter(cfg, target, quant.parse(drafter_quantization))
     drafter.cost_tables = costs.load_tables(costs.tables_path(cfg.path)) or None  # built-in settings: none
     return target, _pair_draft_vocab(cfg, target, drafter, draft_vocab)
 
@@ -447,16 +539,17 @@ def shipped_drafter_dir(drafter_src: str | None) -> Path | None:
     return None
 
 
-def _pair_drafter(cfg, target: Target) -> Drafter:
+def _pair_drafter(cfg, target: Target, scheme: "quant.Scheme | None" = None) -> Drafter:
     drafter_src = cfg.drafter
     if drafter_src is None:
         raise ConfigError(f"pair {cfg.name!r} has no drafter")
     shipped = shipped_drafter_dir(drafter_src)
     if shipped is not None:
         if (shipped / "config.json").is_file():
-            return load_drafter(shipped, target)
+            return load_drafter(shipped, target, quantization=scheme)
         if drafter_src != "embedded":
             raise ConfigError(f"pair {cfg.name!r}: no drafter {shipped.name!r} is shipped in {_ASSETS}")
         log.warning("no trained drafter is shipped for %s: using a RANDOM (untrained) drafter", EMBEDDED_PAIR)
-        return random_drafter(target, mask_token_id=SMOLLM2_MASK_TOKEN_ID, num_layers=2)
-    return load_drafter(drafter_src, target)
+        drafter = random_drafter(target, mask_token_id=SMOLLM2_MASK_TOKEN_ID, num_layers=2)
+        return quantize(drafter, scheme) if scheme is not None else drafter
+    return load_drafter(drafter_src, target, quantization=scheme)

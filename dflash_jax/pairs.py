@@ -5,7 +5,9 @@ name: qwen3-8b
 target: Qwen/Qwen3-8B                 # hub id, local HF dir, .gguf file, or "smollm2-135m" (embedded)
 drafter: z-lab/Qwen3-8B-DFlash-b16    # hub id or local dir; "embedded" = the DFlash drafter shipped in the
                                       # package, "embedded:<name>" = dflash_jax/assets/<name>
-dtype: bfloat16                       # float32 | bfloat16
+dtype: bfloat16                       # float32 | bfloat16 (the compute dtype)
+quantization: int8                    # optional: none (as stored) | int8 | fp8 — the target's linear layers
+drafter_quantization: none            # optional, likewise for the drafter (default: none)
 block_size: 16                        # default block size at serving time (≤ the drafter's trained size)
 chat_template_kwargs: {enable_thinking: false}
 mesh: {tp: 1, dp: 1}                  # suggested mesh for this pair
@@ -28,7 +30,8 @@ from dflash_jax.config import ConfigError
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 _KEYS = {"name", "target", "drafter", "dtype", "block_size", "chat_template_kwargs", "mesh", "training",
-         "description", "draft_vocab"}
+         "description", "draft_vocab", "quantization", "drafter_quantization"}
+QUANTIZATIONS = ("none", "int8", "fp8")
 _BACKENDS = ("cpu", "gpu", "tpu")
 
 
@@ -45,6 +48,8 @@ class PairConfig:
     path: str = ""
     draft_vocab_ranking: str | None = None
     draft_vocab_sizes: dict = dataclasses.field(default_factory=dict)  # backend → tokens kept
+    quantization: str | None = None  # the target's (None: as the checkpoint stores it)
+    drafter_quantization: str | None = None
 
     def draft_vocab_size(self, backend: str) -> int | None:
         """Tokens the drafts keep on ``backend`` (None: the whole vocabulary)."""
@@ -92,10 +97,16 @@ def parse_pair(raw: Any, where: str) -> PairConfig:
     if "training" in raw and not isinstance(raw["training"], dict):
         raise ConfigError(f"{where}: 'training' must be a mapping")
     ranking, sizes = _draft_vocab(raw.get("draft_vocab"), where)
+    quantized = {}
+    for key in ("quantization", "drafter_quantization"):
+        value = raw.get(key)
+        if value is not None and value not in QUANTIZATIONS:
+            raise ConfigError(f"{where}: {key} must be one of {list(QUANTIZATIONS)}, got {value!r}")
+        quantized[key] = None if value in (None, "none") else value
     return PairConfig(name=raw["name"], target=raw["target"], drafter=drafter, dtype=dtype, block_size=block,
                       chat_template_kwargs=dict(chat), mesh={"tp": 1, "dp": 1, **mesh},
                       description=str(raw.get("description", "")), path=where, draft_vocab_ranking=ranking,
-                      draft_vocab_sizes=sizes)
+                      draft_vocab_sizes=sizes, **quantized)
 
 
 def _draft_vocab(raw: Any, where: str) -> tuple[str | None, dict]:

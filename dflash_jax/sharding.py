@@ -16,7 +16,10 @@ shared layers'), and logical names map to mesh axes (``logical_to_mesh``):
   projections, decay parameters, recurrent states and conv histories), ``out_proj`` by rows: one all-reduce
   per layer, like attention — replicated when ``tp`` does not divide the key heads; MoE layers' shared
   expert like the MLP;
-* batch rows (prompts, caches, tokens) over ``dp``; the drafter's context cache like the target's.
+* batch rows (prompts, caches, tokens) over ``dp``; the drafter's context cache like the target's;
+* a quantized layer's scales (``….scale``, one per block of its kernel) like its kernel, each dimension whose
+  blocks the mesh axis does not divide replicated (a per-output-channel scale ``[1, out]`` of a row-split
+  ``o_proj`` / ``down_proj``, a 128-column block grid narrower than ``tp``).
 
 Unsupported splits (``tp`` not dividing the query heads, the MLP width or the vocabulary; KV heads neither
 divisible by ``tp`` nor dividing it) raise :class:`ShardingError` naming the numbers.
@@ -127,6 +130,15 @@ def spec_for(path: str, ndim: int, mapping: dict[str, str | None], rules: Sequen
     return P()
 
 
+def param_spec(path: str, shape: Sequence[int], mapping: dict[str, str | None], mesh: Mesh, rules: Sequence = ()) -> P:
+    """The partition spec of parameter ``path`` of ``shape``: :func:`spec_for`, and for a quantized layer's
+    ``scale`` its kernel's, without the axes that do not divide the scale's block counts."""
+    if not path.endswith(".scale"):
+        return spec_for(path, len(shape), mapping, rules)
+    spec = spec_for(path[: -len("scale")] + "kernel", len(shape), mapping, rules)
+    return P(*(a if a is None or n % mesh_size(mesh, a) == 0 else None for a, n in zip(spec, shape)))
+
+
 def shard_module(module: nnx.Module, cfg: ModelConfig, mesh: Mesh, what: str = "model",
                  rules: Sequence = ()) -> nnx.Module:
     """Place every parameter of ``module`` on ``mesh`` according to ``rules`` (its family's), then ``RULES``
@@ -137,7 +149,8 @@ def shard_module(module: nnx.Module, cfg: ModelConfig, mesh: Mesh, what: str = "
     for path, var in nnx.to_flat_state(nnx.state(module, nnx.Param)):
         name = ".".join(str(p) for p in path)
         value = var[...]
-        var.set_value(jax.device_put(value, NamedSharding(mesh, spec_for(name, np.ndim(value), mapping, rules))))
+        var.set_value(jax.device_put(value, NamedSharding(mesh, param_spec(name, np.shape(value), mapping, mesh,
+                                                                           rules))))
     return module
 
 

@@ -2,7 +2,8 @@
 module, and no layer importing a layer above it.
 
 Layers, bottom → top (docs/engine.md; a module may import its own layer and those below):
-tuning, config, tokenizer → kernels (attention, pallas, cuda) → sharding → models → families → checkpoints,
+tuning, config, tokenizer → kernels (attention, pallas, cuda) → quant (quantized weights: schemes, host-side
+arithmetic) → sharding → models → families → checkpoints,
 loading, costs, pairs, draft_vocab → drafters → decode → settings → engine → generation, streaming, batch,
 chat, cli, train, the package's own ``__init__``. ``costs`` (the table type and its files) imports nothing of the
 library; it sits with ``loading``, which attaches a pair's tables to its drafter.
@@ -21,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent / "dflash_jax"
 LAYERS = [
     ("tuning", "config", "tokenizer"),
     ("kernels", "pallas", "cuda"),
+    ("quant",),
     ("sharding",),
     ("models",),
     ("families",),

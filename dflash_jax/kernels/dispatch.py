@@ -40,6 +40,7 @@ OPS = {
     "cache_place": "dflash_jax.kernels.cache_write.place_pending (a tier's K/V slots in the largest tier's)",
     "moe_experts": "dflash_jax.kernels.moe.experts_auto (the routed experts' MLP)",
     "delta_rule": "dflash_jax.kernels.delta_rule.kernel_block (the gated delta rule of a short block)",
+    "quantized_matmul": "dflash_jax.kernels.quantized.quantized_matmul (x @ an int8 / fp8 kernel with its scales)",
 }
 
 # (op, impl) → "module:function" of the kernel entry. An op without an entry for an implementation runs its

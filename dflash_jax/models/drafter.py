@@ -98,7 +98,7 @@ class DFlashDrafter(nnx.Module):
 
     @property
     def dtype(self):
-        return self.fc.kernel[...].dtype
+        return self.norm.weight[...].dtype  # the compute dtype (``fc`` may be quantized)
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         c = self.config.layers

@@ -17,6 +17,8 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from dflash_jax.config import ModelConfig, RopeConfig, rope_attention_factor
+from dflash_jax.kernels.quantized import quantized_matmul
+from dflash_jax.quant import QuantParam, Scheme
 from dflash_jax.tuning import Kernels
 
 
@@ -39,15 +41,51 @@ def matmul(x: Float[Array, "*b D"], w: Float[Array, "D E"], kernels: Kernels = K
 
 
 class Dense(nnx.Module):
-    """``y = x @ kernel (+ bias)`` with ``kernel`` stored ``[in, out]`` (PyTorch checkpoints are ``[out, in]``)."""
+    """``y = x @ kernel (+ bias)`` with ``kernel`` stored ``[in, out]`` (PyTorch checkpoints are ``[out, in]``).
+
+    Quantized (:meth:`set_quantized`, ``quant`` a :class:`~dflash_jax.quant.Scheme`): ``kernel`` holds int8 /
+    fp8 values and ``scale`` their float32 block scales (:mod:`dflash_jax.quant.scheme`); the product is the
+    kernel op :func:`~dflash_jax.kernels.quantized.quantized_matmul`, which never forms the float kernel."""
 
     def __init__(self, d_in: int, d_out: int, *, bias: bool, dtype, rngs: nnx.Rngs):
         self.kernel = nnx.Param(normal_init(rngs, (d_in, d_out), 1.0 / math.sqrt(d_in), dtype))
         self.bias = nnx.Param(jnp.zeros((d_out,), dtype)) if bias else None
+        self.quant: Scheme | None = None  # static: part of the graph (and the programs' key)
+        self.scale: QuantParam | None = nnx.data(None)
+
+    def set_quantized(self, scheme: Scheme, values: jax.Array, scale: jax.Array) -> None:
+        """Hold ``values`` ``[in, out]`` (``scheme.dtype``) and their ``scale`` (``scheme.scale_shape``) in place of
+        the float kernel (abstract arrays too: building a model's structure under ``nnx.eval_shape``)."""
+        shape = tuple(self.kernel.shape)
+        if tuple(values.shape) != shape or tuple(scale.shape) != scheme.scale_shape(*shape):
+            raise ValueError(f"{scheme} of a {shape} kernel takes values {shape} and scales "
+                             f"{scheme.scale_shape(*shape)}, got {tuple(values.shape)} and {tuple(scale.shape)}")
+        self.kernel = QuantParam(values.astype(scheme.dtype))
+        self.scale = QuantParam(scale.astype(jnp.float32))
+        self.quant = scheme
+
+    def project(self, x: jax.Array, kernels: Kernels = Kernels(), **kw) -> jax.Array:
+        """``x @ kernel`` (no bias); ``kw``: ``preferred_element_type`` (the output dtype)."""
+        if self.quant is None:
+            return matmul(x, self.kernel[...], kernels, **kw)
+        return quantized_matmul(x, self.kernel[...], self.scale[...], self.quant.blocks(*self.kernel.shape),
+                                out_dtype=kw.get("preferred_element_type"), kernels=kernels)
 
     def __call__(self, x: jax.Array, kernels: Kernels = Kernels()) -> jax.Array:
-        y = matmul(x, self.kernel[...], kernels)
+        y = self.project(x, kernels)
         return y + self.bias[...] if self.bias is not None else y
+
+
+# Dense layers whose kernel other code reads directly, and that stay in the compute dtype when a model is
+# quantized: MoE routers (precision-sensitive and tiny) and DSpark's Markov and confidence heads.
+UNQUANTIZED = ("gate", "shared_expert_gate", "router", "markov_head", "confidence_head")
+
+
+def quantizable(model: nnx.Module) -> list[tuple[tuple[str, ...], Dense]]:
+    """The linear layers of ``model`` that quantization converts (every :class:`Dense` outside
+    :data:`UNQUANTIZED`), with their paths."""
+    return [(tuple(str(p) for p in path), m) for path, m in nnx.iter_graph(model)
+            if isinstance(m, Dense) and not set(map(str, path)) & set(UNQUANTIZED)]
 
 
 class RMSNorm(nnx.Module):

@@ -22,6 +22,7 @@ from dflash_jax.kernels.packed import PackedLayout, gather_windows, packed_verif
 from dflash_jax.models.layers import MLP, Dense, Embed, RMSNorm, Rope, apply_rope
 from dflash_jax.models.linear_attention import pad_record
 from dflash_jax.models.moe import SparseMoE
+from dflash_jax.quant import dequantize_columns
 from dflash_jax.sharding import Plan, constrain
 from dflash_jax.tuning import Kernels
 
@@ -214,15 +215,33 @@ class TargetModel(nnx.Module):
         return self.embed_tokens(ids)
 
     def logits(self, h: Float[Array, "*b D"]) -> Float[Array, "*b V"]:
-        """Float32 logits from final-normed hidden states (tied or separate lm_head)."""
-        w = self.embed_tokens.embedding[...].T if self.lm_head is None else self.lm_head.kernel[...]
-        return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+        """Float32 logits from final-normed hidden states (tied or separate lm_head, quantized or not)."""
+        if self.lm_head is None:
+            w = self.embed_tokens.embedding[...].T
+            return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
+        if self.lm_head.quant is None:
+            return jnp.einsum("...d,dv->...v", h, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+        return self.lm_head.project(h, preferred_element_type=jnp.float32)
 
     def head_rows(self, ids: Int[Array, "N"]) -> Float[Array, "N D"]:
-        """The lm_head's weights of tokens ``ids``, one row each (what :meth:`logits` multiplies them by)."""
+        """The lm_head's weights of tokens ``ids``, one row each (what :meth:`logits` multiplies them by),
+        dequantized to the compute dtype where the head is quantized."""
         if self.lm_head is None:
             return jnp.take(self.embed_tokens.embedding[...], ids, axis=0)
-        return jnp.take(self.lm_head.kernel[...], ids, axis=1).T
+        head = self.lm_head
+        if head.quant is not None:
+            return dequantize_columns(head.kernel[...], head.scale[...], head.quant.blocks(*head.kernel.shape), ids,
+                                      self.dtype)
+        return jnp.take(head.kernel[...], ids, axis=1).T
+
+    def untie(self) -> None:
+        """A tied model gets an lm_head of its own holding the embedding (transposed), so that the head can be
+        quantized while the embedding stays in the compute dtype (in place; abstract models too)."""
+        if self.lm_head is None:
+            head = Dense(self.config.hidden_size, self.config.vocab_size, bias=False, dtype=self.dtype,
+                         rngs=nnx.Rngs(0))
+            head.kernel.set_value(self.embed_tokens.embedding[...].T)
+            self.lm_head = nnx.data(head)
 
     def __call__(
         self,

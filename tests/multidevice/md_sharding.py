@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import ZLAB, fast_jit, oracle_drafter, random_prompts, tiny_config, tiny_target
-from dflash_jax import (ShardingError, generate, load_drafter, load_target, make_mesh, random_drafter,
+from dflash_jax import (ShardingError, generate, load_drafter, load_target, make_mesh, quantize, random_drafter,
                         restrict_draft_vocab, shard, speculative_generate)
+from dflash_jax.quant import Scheme
 from dflash_jax.engine import programs as engine_programs
 from dflash_jax.loading import Target
 from dflash_jax.tuning import Kernels, KernelTuning, Tuning
@@ -201,6 +202,31 @@ def test_checkpoint_loaded_onto_shards_and_smollm2_head_layout(zlab_reference):
     for tp in (2, 4, 8):
         with pytest.raises(ShardingError, match=rf"tp={tp} cannot split .*9 attention heads"):
             shard(Target(nnx.clone(ref_t.model), None, "smollm2-shaped"), make_mesh(tp=tp))
+
+
+def test_quantized_targets_under_a_mesh():
+    """A quantized layer's scales shard with its kernel (a dimension whose block count the axis does not divide
+    replicated) and the target decodes like one device: int8 per output channel under tp × dp with a drafter,
+    FP8 blocks over tp = 4, and an int8 target loaded from a checkpoint straight onto its shards."""
+    kw = dict(max_new_tokens=12, stop_token_ids=[])
+    specs = {"int8": {"q_proj": P(None, "tp"), "o_proj": P(None, None), "down_proj": P(None, None)},
+             Scheme("fp8", (16, 16)): {"q_proj": P(None, "tp"), "o_proj": P("tp", None), "down_proj": P("tp", None)}}
+    for (scheme, want_specs), mesh in zip(specs.items(), (make_mesh(tp=2, dp=2), make_mesh(tp=4))):
+        one = quantize(tiny_target("qwen3", seed=1, **SHAPE), scheme)
+        want = speculative_generate(one, random_drafter(one, block_size=4, num_layers=1, seed=2), PROMPTS,
+                                    **kw).token_ids
+        t = quantize(shard(tiny_target("qwen3", seed=1, **SHAPE), mesh), scheme)
+        got = speculative_generate(t, random_drafter(t, block_size=4, num_layers=1, seed=2), PROMPTS, **kw)
+        assert got.token_ids == want, scheme
+        layer = t.model.layers[0]
+        for name, dense in (("q_proj", layer.self_attn.q_proj), ("o_proj", layer.self_attn.o_proj),
+                            ("down_proj", layer.mlp.down_proj)):
+            assert dense.scale[...].sharding.spec == want_specs[name], (scheme, name)
+        assert t.model.layers[0].self_attn.q_proj.kernel[...].sharding.spec == P(None, "tp")
+    one = load_target(ZLAB / "target", quantization="int8")
+    placed = load_target(ZLAB / "target", quantization="int8", mesh=make_mesh(tp=2, dp=2))
+    assert placed.model.layers[0].mlp.up_proj.scale[...].sharding.spec == P(None, "tp")
+    assert generate(placed, PROMPTS, **kw).token_ids == generate(one, PROMPTS, **kw).token_ids
 
 
 def test_mistral_under_a_mesh():

@@ -1,0 +1,138 @@
+"""Quantized checkpoints: HF fine-grained FP8 read as stored, and any checkpoint's linear layers quantized on
+load — both in the checkpoint's own domain (numpy tensors by HF name, ``[out, in]`` weights), before a model is
+built from them.
+
+HF fine-grained FP8 (``quantization_config: {quant_method: fp8, weight_block_size: [bo, bi],
+activation_scheme: dynamic}``; transformers' ``FineGrainedFP8Config``): a quantized linear layer's ``weight`` is
+``float8_e4m3fn`` ``[out, in]`` with a float32 ``weight_scale_inv`` ``[ceil(out / bo), ceil(in / bi)]``, and
+``weight[i, j] · weight_scale_inv[i // bo, j // bi]`` is the float weight (blocks at the edges are partial).
+Without ``weight_block_size`` one scale covers the whole tensor. Tensors the checkpoint keeps unquantized
+(embeddings, norms, routers, often ``lm_head``) are plain floats there. Stacked or fused expert tensors
+(``…_proj`` with ``…_proj_scale_inv``) follow the same rule over their last two axes.
+
+Activations are not quantized: a linear layer multiplies the compute-dtype activations by its int8 / fp8
+weight and scales (weight-only; serving engines running these checkpoints with FP8 activations round those
+as well, which we do not).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from dflash_jax import quant
+from dflash_jax.config import CheckpointError
+from dflash_jax.checkpoints.safetensors_io import hf_name
+from dflash_jax.models.layers import quantizable
+from dflash_jax.quant import Scheme
+
+FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
+SCALE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
+
+
+def scale_name(weight: str) -> str:
+    """The name of a quantized tensor's scales (``x.weight`` → ``x.weight_scale_inv``)."""
+    return weight + "_scale_inv"
+
+
+def fp8_blocks(hf_cfg: Mapping[str, Any], where: str) -> tuple[int, int] | None | bool:
+    """The ``weight_block_size`` ``(rows of out, columns of in)`` of an HF fine-grained FP8 checkpoint's config,
+    ``None`` for one scale per tensor; ``False`` when the checkpoint is not FP8. CheckpointError for an FP8
+    config this reader cannot take (static activation scales, a malformed block size)."""
+    qc = hf_cfg.get("quantization_config") or (hf_cfg.get("text_config") or {}).get("quantization_config")
+    if not isinstance(qc, Mapping) or qc.get("quant_method") != "fp8":
+        return False
+    if qc.get("activation_scheme", "dynamic") != "dynamic":
+        raise CheckpointError(f"{where}: FP8 activation_scheme {qc.get('activation_scheme')!r} is not supported "
+                              f"(only 'dynamic': weights are read with their scales, activations stay unquantized)")
+    block = qc.get("weight_block_size")
+    if block is None:
+        return None
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise CheckpointError(f"{where}: quantization_config.weight_block_size must be two positive integers, "
+                              f"got {block!r}")
+    return int(block[0]), int(block[1])
+
+
+def linear_names(model: nnx.Module, prefix: str) -> dict[str, tuple[str, ...]]:
+    """The checkpoint weight name of each linear layer quantization converts → its module path."""
+    return {hf_name(path + ("kernel",), prefix)[0]: path for path, _ in quantizable(model)}
+
+
+def read_fp8(tensors: dict[str, np.ndarray], blocks: tuple[int, int] | None, linears: Mapping[str, tuple],
+             *, keep: bool, dtype, where: str) -> tuple[dict[str, np.ndarray], dict[str, Scheme]]:
+    """An FP8 checkpoint's tensors checked: every FP8 tensor has its float scales, of the shape its blocks give
+    (CheckpointError naming the tensor otherwise). Returns (tensors, kept): with ``keep``, the FP8 weights of
+    ``linears`` stay FP8 beside their scales and ``kept`` gives each one's scheme; every other FP8 tensor is
+    dequantized (float32 for a linear layer, to be quantized again; ``dtype`` for the rest, e.g. experts)."""
+    out = dict(tensors)
+    kept: dict[str, Scheme] = {}
+    for name, w in tensors.items():
+        if name.endswith("_scale_inv"):
+            base = name[: -len("_scale_inv")]
+            if base not in tensors or tensors[base].dtype != FP8_DTYPE:
+                raise CheckpointError(f"{where}: scale {name} belongs to no FP8 tensor {base} in the checkpoint")
+            continue
+        if w.dtype == np.dtype(ml_dtypes.float8_e5m2):
+            raise CheckpointError(f"{where}: tensor {name} is float8_e5m2; FP8 checkpoints are read in "
+                                  f"float8_e4m3fn only")
+        if w.dtype != FP8_DTYPE:
+            continue
+        sname = scale_name(name)
+        if sname not in tensors:
+            raise CheckpointError(f"{where}: FP8 tensor {name} {tuple(w.shape)} has no scale tensor {sname}")
+        s, block = _checked_scale(name, w, tensors[sname], blocks, where)
+        if keep and name in linears and w.ndim == 2:
+            out[sname] = s
+            kept[name] = Scheme("fp8", (block[1], block[0]))  # [out, in] blocks → the [in, out] kernel's
+        else:
+            out[name] = quant.dequantize(np.swapaxes(w, -1, -2), np.swapaxes(s, -1, -2), (block[1], block[0]),
+                                         np.float32 if name in linears else dtype).swapaxes(-1, -2)
+            del out[sname]
+    return out, kept
+
+
+def _checked_scale(name: str, w: np.ndarray, s: np.ndarray, blocks: tuple[int, int] | None, where: str
+                   ) -> tuple[np.ndarray, tuple[int, int]]:
+    """The scales of FP8 tensor ``name`` as float32 ``[..., nbo, nbi]`` and the block they cover (one scale per
+    tensor: a block spanning it)."""
+    out_dim, in_dim = w.shape[-2:] if w.ndim >= 2 else (0, 0)
+    if blocks is None:
+        block = (max(out_dim, 1), max(in_dim, 1))
+        want = w.shape[:-2] + (1, 1)
+        ok = s.size == math.prod(want)
+    else:
+        block = blocks
+        want = w.shape[:-2] + (-(-out_dim // blocks[0]), -(-in_dim // blocks[1]))
+        ok = tuple(s.shape) == want
+    if w.ndim < 2 or not ok or s.dtype not in SCALE_DTYPES:
+        raise CheckpointError(
+            f"{where}: the scales {scale_name(name)} of FP8 tensor {name} {tuple(w.shape)} are {s.dtype} "
+            f"{tuple(s.shape)}; weight_block_size {list(blocks) if blocks else None} needs float scales of shape "
+            f"{want}")
+    s = np.asarray(s, np.float32).reshape(want)
+    if not np.all(np.isfinite(s)):
+        raise CheckpointError(f"{where}: the scales {scale_name(name)} of FP8 tensor {name} are not all finite")
+    return s, block
+
+
+def quantize_linears(tensors: Mapping[str, np.ndarray], linears: Mapping[str, tuple], kept: Mapping[str, Scheme],
+                     scheme: Scheme | None) -> tuple[dict[str, np.ndarray], dict[tuple, Scheme]]:
+    """The weights of ``linears`` quantized to ``scheme`` (those in ``kept`` stay as stored). Returns the tensors
+    (a quantized weight ``[out, in]`` in the scheme's dtype, its scales under :func:`scale_name`, transposed
+    like the weight) and the scheme of each quantized layer by module path."""
+    out = dict(tensors)
+    plan: dict[tuple, Scheme] = {}
+    for name, path in linears.items():
+        if name in kept:
+            plan[path] = kept[name]
+        elif scheme is not None and name in out:
+            q, s = quant.quantize(np.asarray(out[name], np.float32).T, scheme)
+            out[name], out[scale_name(name)] = q.T, s.T
+            plan[path] = scheme
+    return out, plan

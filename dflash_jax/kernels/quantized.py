@@ -1,0 +1,68 @@
+"""``x @ W`` for a quantized kernel ``W`` (int8 or fp8 values with float32 block scales, layout in
+:mod:`dflash_jax.quant.scheme`): the jnp reference and the dispatch to kernels (op ``"quantized_matmul"``).
+
+The reference never scales the kernel: the values are converted to the activations' dtype (exact: int8 and e4m3
+values are bfloat16 and float32 numbers) as an operand of the product — a conversion XLA may fuse into the dot
+or may write out, backend by backend (a kernel registered here is where that is decided) — and the scales are
+applied to the products:
+
+* one block over the input rows (per output channel, or blocks of output columns): ``(x @ q) · scale`` —
+  one dot, then a scale per output column;
+* several blocks over the input rows (group-wise int8, HF's 128 × 128 FP8 blocks): the input is cut into the
+  same row blocks, each block's partial product ``x_k @ q_k`` formed (float32), scaled by its block's row of
+  scales and summed — one batched dot and a ``[*b, nbi, out]`` partial product instead of a kernel-sized
+  temporary.
+
+Products accumulate in float32 and come back in ``out_dtype`` (the activations' dtype unless asked).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from dflash_jax.kernels.dispatch import kernel
+from dflash_jax.tuning import Kernels
+
+
+def quantized_matmul(x: Float[Array, "*b D"], q: jax.Array, scale: Float[Array, "nbi nbo"],
+                     block: tuple[int, int], *, out_dtype=None, kernels: Kernels = Kernels()
+                     ) -> Float[Array, "*b E"]:
+    """``x @ dequantize(q, scale)`` for ``q [D, E]`` (int8 / float8) and ``scale`` ``[ceil(D / block[0]),
+    ceil(E / block[1])]``; ``block`` = (input rows, output columns) per scale, both integers."""
+    d, e = q.shape
+    nbi, nbo = scale.shape
+    if x.shape[-1] != d or nbi != -(-d // block[0]) or nbo != -(-e // block[1]):
+        raise ValueError(f"quantized_matmul: x {x.shape}, kernel {q.shape}, scale {scale.shape} and block {block} "
+                         f"do not fit")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    run = kernel("quantized_matmul", kernels)
+    if run is not None:
+        out = run(x, q, scale, block, out_dtype=out_dtype, kernels=kernels)
+        if out is not None:
+            return out
+    return reference(x, q, scale, block, out_dtype)
+
+
+def reference(x: Float[Array, "*b D"], q: jax.Array, scale: Float[Array, "nbi nbo"], block: tuple[int, int],
+              out_dtype) -> Float[Array, "*b E"]:
+    """The jnp form (module docstring)."""
+    d, e = q.shape
+    bi, bo = block
+    nbi = scale.shape[0]
+    s = scale.astype(jnp.float32)
+    if bo > 1:
+        s = jnp.repeat(s, bo, axis=1)[:, :e]  # [nbi, E]: a scale per output column and row block
+    w = q.astype(x.dtype)
+    if nbi == 1:
+        y = jnp.einsum("...d,de->...e", x, w, preferred_element_type=jnp.float32) * s[0]
+        return y.astype(out_dtype)
+    pad = nbi * bi - d
+    rows = x.reshape(-1, d)
+    # The block index leads (a batch dimension first: XLA's CPU dot takes bfloat16 operands with a float32
+    # result only so).
+    xb = jnp.pad(rows, ((0, 0), (0, pad))).reshape(-1, nbi, bi).transpose(1, 0, 2)  # [nbi, N, bi]
+    wb = jnp.pad(w, ((0, pad), (0, 0))).reshape(nbi, bi, e)
+    partial = jnp.einsum("knd,kde->kne", xb, wb, preferred_element_type=jnp.float32)
+    return jnp.einsum("kne,ke->ne", partial, s).astype(out_dtype).reshape(*x.shape[:-1], e)
