@@ -459,6 +459,38 @@ def dspark_from_dflash(drafter: Drafter, block_size: int, markov_rank: int = 256
     return _with_params(drafter, model, params, f"{drafter.name} → DSpark (γ = {block_size})")
 
 
+def dflash2_from_dflash(drafter: Drafter, block_size: int, *, conv_kernel_size: int = 2, conv_group_size: int = 16,
+                       selector_top_k: int = 16, selector_rank: int = 256, seed: int = 0) -> Drafter:
+    """A DFlash2 drafter (verify width ``block_size``, as DFlash's) whose trunk — fc, hidden_norm, the layers'
+    attention, MLP and norms, the final norm — is the DFlash ``drafter``'s, and which drafts exactly what it
+    drafts until training moves it (a warm start for DFlash2 training).
+
+    Every convolution starts as the identity: ``base_kernel`` tap 0 = 1, the other taps 0, and
+    ``kernel_projection`` zero, so the deltas are 0 and each sublayer sees and returns what it did in DFlash.
+    The selector's ``hidden_projection`` starts at zero, so every edge score is its candidate's unary score and
+    the greedy walk takes each position's top-1, DFlash's argmax; the codebooks are random (the projection's
+    gradient needs them non-zero: it is ``Σ P[a] ⊙ S[b]`` against the hidden state).
+    """
+    cfg = drafter.config
+    if cfg.kind != "dflash":
+        raise ConfigError(f"{drafter.name} is a {cfg.kind} drafter; a DFlash2 warm start takes a DFlash drafter")
+    new_cfg = dataclasses.replace(cfg, kind="dflash2", block_size=block_size, conv_kernel_size=conv_kernel_size,
+                                  conv_group_size=conv_group_size, selector_top_k=selector_top_k,
+                                  selector_rank=selector_rank).validate()
+    model = module_class(new_cfg)(new_cfg, dtype=drafter.model.dtype, rngs=nnx.Rngs(seed))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    src = nnx.to_pure_dict(nnx.state(drafter.model, nnx.Param))
+    params.update({k: v for k, v in src.items() if k != "layers"})
+    for i, layer in src["layers"].items():
+        params["layers"][i].update(layer)
+        for conv in (params["layers"][i]["attention_conv"], params["layers"][i]["mlp_conv"]):
+            conv["base_kernel"] = jnp.zeros_like(conv["base_kernel"]).at[:, 0].set(1)
+            conv["kernel_projection"]["kernel"] = jnp.zeros_like(conv["kernel_projection"]["kernel"])
+    proj = params["candidate_selector"]["hidden_projection"]
+    proj["kernel"] = jnp.zeros_like(proj["kernel"])
+    return _with_params(drafter, model, params, f"{drafter.name} → DFlash2 (block {block_size})")
+
+
 def with_confidence_temperatures(drafter: Drafter, temperatures) -> Drafter:
     """The DSpark ``drafter`` with STS temperatures ``T_k`` in its config (a new module and handle: the config is
     part of the compiled programs' key, so the old handle's programs are never reused with new temperatures)."""

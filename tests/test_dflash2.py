@@ -364,3 +364,23 @@ def test_sampled_dflash2_matches_target_distribution(pair, logits):
         assert chi2_pvalue(samples, probs) > 1e-3
         firsts = [row[0] for row in out.acceptance_lengths if row]
         assert 1 in firsts and max(firsts) >= 2
+
+
+def test_sampled_dflash2_compact_and_cap_accept_match_target_distribution(pair, logits):
+    """Sampled walks verified over the scheduler's windows (compact: the selector's confidences choose each row's,
+    the bonus at a window's end is drawn from p there): χ² against the enumerated target distribution; cap-accept
+    draws the same tokens with the same seed. (A confidence read at the sampled choice — its own probability —
+    made the windows depend on the draft they end at: p ≈ 1e-138 here.)"""
+    small = pair[0]
+    drafter = random_drafter(small, kind="dflash2", block_size=3, num_layers=1, seed=5, mask_token_id=V - 1,
+                             selector_top_k=4, selector_rank=4, conv_group_size=4)
+    probs = exact_distribution(logits, 1.0, 0, 1.0)
+    table = CostTable("cpu", "test", "float32", "tiny", 3, 8, {1: {1: 1.0, 2: 1.1, 3: 1.4}})
+    run = lambda mode: draw(lambda *a, **k: speculative_generate(small, drafter, *a, **k),  # noqa: E731
+                            with_output=True, temperature=1.0, seed=3, draft_sampling=True, verify_mode=mode,
+                            cost_table=table)
+    samples, out = run("compact")
+    assert chi2_pvalue(samples, probs) > 1e-3
+    assert out.stats["verify_mode"] == "compact" and len(set(out.stats["row_verify_tokens"])) >= 3  # rows differ
+    cap, cap_out = run("cap-accept")
+    assert (cap == samples).all() and cap_out.stats["verify_mode"] == "cap-accept"

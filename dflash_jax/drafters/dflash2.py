@@ -64,7 +64,11 @@ def selector_walk(scores: Float[Array, "B G K K"], pick: Pick, key: jax.Array | 
     (row 0 at k = 0, where every row is the anchor's) is picked from — its argmax (lowest index on ties)
     without keys, else a draw from the filtered ``softmax(row / T)``. Returns the chosen candidate indices,
     the distribution each was drawn from (over the K candidates; None without keys) and the confidence of each
-    choice, ``softmax(row)`` at it (the selector's own probability, at temperature 1)."""
+    position, the row's largest ``softmax(row)`` (the selector's own probability of its best candidate, at
+    temperature 1): the greedy choice's probability. It is read from the row, never from a sampled choice: the
+    scheduler's windows must not depend on the draft they end at (a window chosen after seeing a sampled draft's
+    own probability verifies likely draws more often than q gives them, and rejection sampling is then no
+    longer exact); the row depends on the choices before it only."""
     b, g, k = scores.shape[:3]
     if key is not None:
         keys = jax.vmap(lambda x: jax.random.split(x, g))(key).swapaxes(0, 1)  # [G, B]
@@ -75,7 +79,7 @@ def selector_walk(scores: Float[Array, "B G K K"], pick: Pick, key: jax.Array | 
         edges, kk = xs  # [B, K, K], [B]
         row = jnp.take_along_axis(edges, prev[:, None, None], axis=1)[:, 0]  # [B, K]
         idx, q = pick(row, kk if key is not None else None)
-        conf = jnp.take_along_axis(jax.nn.softmax(row, axis=-1), idx[:, None], axis=-1)[:, 0]
+        conf = jax.nn.softmax(row, axis=-1).max(-1)
         return idx, (idx, q, conf)
 
     # Unrolled like DSpark's scan: G small steps of [B, K] work each.
@@ -89,7 +93,8 @@ class DFlash2(DrafterKind):
     selector's walk picks the drafts. When drafts are sampled, ``q_k`` is the distribution the walk drew draft k
     from — over the K candidates, given the candidate chosen before it, zero elsewhere in the target vocabulary —
     which keeps the ratio test of :func:`dflash_jax.decode.sampling.accept_sampled` exact. Confidences: the
-    selector's probability of each choice (:func:`selector_walk`), an uncalibrated survival estimate."""
+    selector's probability of each row's best candidate (:func:`selector_walk`), an uncalibrated survival
+    estimate."""
 
     name = "dflash2"
     schema = DrafterSchema(kind="dflash2", architecture="DFlash2DraftModel", detect=_detect, fields=_fields,

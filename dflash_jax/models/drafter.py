@@ -64,6 +64,14 @@ class DraftLayer(nnx.Module):
         x = x + self.self_attn(self.input_layernorm(x), positions, cos, sin, ctx_k, ctx_v, ctx_len, kernels=kernels)
         return x + self.mlp(self.post_attention_layernorm(x), kernels)
 
+    def sublayer(self, name: str, h: Float[Array, "B T D"], fn, block: int,
+                 kernels: Kernels = Kernels()) -> Float[Array, "B T D"]:
+        """The residual branch of sublayer ``name`` (``"attention"`` or ``"mlp"``) on its normed input ``h``:
+        ``fn(h)`` here; a kind that wraps its sublayers (DFlash2's convolutions) overrides this. Training runs
+        the layer through it (:func:`dflash_jax.train.objective.drafter_forward_blocks`), with blocks of
+        ``block`` positions laid end to end along T."""
+        return fn(h)
+
 
 class TokenMap(nnx.Variable):
     """Draft-vocabulary id → target id (a reduced draft vocabulary); not a trained parameter."""
@@ -289,15 +297,17 @@ class DFlash2Layer(DraftLayer):
 
     def __call__(self, x, positions, cos, sin, ctx_k, ctx_v, ctx_len, *, kernels: Kernels, block: int | None = None):
         block = block or x.shape[1]  # the decode loop's trunk call is one block per row
-        h = self.input_layernorm(x)
-        delta = self.attention_conv.deltas(h, kernels)
-        h = self.self_attn(self.attention_conv(h, delta[:, :, 0], 0, block), positions, cos, sin, ctx_k, ctx_v,
-                           ctx_len, kernels=kernels)
-        x = x + self.attention_conv(h, delta[:, :, 1], 1, block)
-        h = self.post_attention_layernorm(x)
-        delta = self.mlp_conv.deltas(h, kernels)
-        h = self.mlp(self.mlp_conv(h, delta[:, :, 0], 0, block), kernels)
-        return x + self.mlp_conv(h, delta[:, :, 1], 1, block)
+        attend = lambda h: self.self_attn(h, positions, cos, sin, ctx_k, ctx_v, ctx_len, kernels=kernels)  # noqa: E731
+        x = x + self.sublayer("attention", self.input_layernorm(x), attend, block, kernels)
+        return x + self.sublayer("mlp", self.post_attention_layernorm(x), lambda h: self.mlp(h, kernels), block,
+                                 kernels)
+
+    def sublayer(self, name, h, fn, block, kernels=Kernels()):
+        """``fn`` between the two sides of the sublayer's convolution (``attention_conv`` / ``mlp_conv``): the
+        deltas of both from ``h``, side 0 on ``h``, side 1 on ``fn``'s output."""
+        conv = self.attention_conv if name == "attention" else self.mlp_conv
+        delta = conv.deltas(h, kernels)
+        return conv(fn(conv(h, delta[:, :, 0], 0, block)), delta[:, :, 1], 1, block)
 
 
 class CandidateSelector(nnx.Module):
@@ -321,6 +331,15 @@ class CandidateSelector(nnx.Module):
         succ = jnp.take(self.successor_codebook[...], ids, axis=0).astype(jnp.float32)  # [B, G, K, R]
         h = self.hidden_projection(hidden, kernels).astype(jnp.float32)  # [B, G, R]
         return unary.astype(jnp.float32)[:, :, None, :] + jnp.einsum("bgpr,bgr,bgcr->bgpc", pred, h, succ)
+
+    def candidate_scores(self, ids: Int[Array, "*b K"], unary: Float[Array, "*b K"], hidden: Float[Array, "*b D"],
+                         prev: Int[Array, "*b"], kernels: Kernels = Kernels()) -> Float[Array, "*b K"]:
+        """One row of :meth:`edge_scores`: the scores of candidates ``ids`` after the single token ``prev``
+        (training feeds the true previous token, teacher-forced)."""
+        pred = jnp.take(self.predecessor_codebook[...], prev, axis=0).astype(jnp.float32)  # [*b, R]
+        succ = jnp.take(self.successor_codebook[...], ids, axis=0).astype(jnp.float32)  # [*b, K, R]
+        h = self.hidden_projection(hidden, kernels).astype(jnp.float32)  # [*b, R]
+        return unary.astype(jnp.float32) + jnp.einsum("...r,...cr->...c", pred * h, succ)
 
 
 class DFlash2Drafter(DFlashDrafter):

@@ -1,4 +1,4 @@
-"""The DFlash (SPEC §6) and DSpark (SPEC §7) training objectives, written to match inference exactly.
+"""The DFlash (SPEC §6), DSpark (SPEC §7) and DFlash2 training objectives, written to match inference exactly.
 
 For each sequence we pick anchors ``p`` (positions where ``p`` and ``p+1`` are response tokens). Anchor ``a``'s
 block is ``[token_p, MASK × (L-1)]`` at positions ``p … p+L-1``. Its queries see
@@ -14,8 +14,11 @@ positions 0…4 and block keys 5…8; labels are tokens 6, 7, 8 with weights 1, 
 DSpark blocks (``dspark_loss``) have G inputs ``[token_p, MASK × (G-1)]`` and every slot predicts, the anchor's
 too: slot ``k = 0 … G-1`` predicts ``token_{p+k+1}`` through the Markov head, fed the row's own ``token_{p+k}``.
 
-Shapes: Bs sequences of length T, A anchors per sequence, block length L (DFlash), G drafts per block (DSpark),
-V vocabulary, R Markov rank.
+DFlash2 blocks (``dflash2_loss``) are DFlash's (the trunk's convolutions run inside each block); slot k's
+candidate selector is also fed the row's own ``token_{p+k-1}`` (the anchor for k = 1) as the previous token.
+
+Shapes: Bs sequences of length T, A anchors per sequence, block length L (DFlash, DFlash2), G drafts per block
+(DSpark), V vocabulary, R Markov rank, K candidates per slot (DFlash2).
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from dflash_jax import drafters
 from dflash_jax.config import ConfigError, DrafterConfig
 from dflash_jax.kernels.common import NEG_INF
-from dflash_jax.loading import Drafter, dspark_from_dflash
-from dflash_jax.models.drafter import DFlashDrafter, DSparkDrafter
+from dflash_jax.loading import Drafter, dflash2_from_dflash, dspark_from_dflash
+from dflash_jax.models.drafter import DFlash2Drafter, DFlashDrafter, DSparkDrafter
 from dflash_jax.models.layers import apply_rope
 from dflash_jax.models.target import TargetModel
 
@@ -154,15 +158,19 @@ def drafter_forward_blocks(drafter: DFlashDrafter, target: TargetModel, features
     x = target.embed(block_ids).reshape(bs, a * l, -1).astype(drafter.dtype) * cfg.input_embedding_scale
     for layer in drafter.layers:
         att = layer.self_attn
-        x_hat = layer.input_layernorm(x)
         ctx_k, ctx_v = att.kv(ctx, ctx_cos, ctx_sin)
-        q = apply_rope(att.q_norm(att.q_proj(x_hat).reshape(bs, a * l, att.n, att.h)), cos, sin)
-        blk_k, blk_v = att.kv(x_hat, cos, sin)
-        o = _multi_block_attention(q.reshape(bs, a, l, att.n, att.h), ctx_k, ctx_v,
-                                   blk_k.reshape(bs, a, l, att.k, att.h), blk_v.reshape(bs, a, l, att.k, att.h),
-                                   anchors)
-        x = x + att.o_proj(o.reshape(bs, a * l, att.n * att.h))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+
+        def attend(x_hat, att=att, ctx_k=ctx_k, ctx_v=ctx_v):
+            q = apply_rope(att.q_norm(att.q_proj(x_hat).reshape(bs, a * l, att.n, att.h)), cos, sin)
+            blk_k, blk_v = att.kv(x_hat, cos, sin)
+            o = _multi_block_attention(q.reshape(bs, a, l, att.n, att.h), ctx_k, ctx_v,
+                                       blk_k.reshape(bs, a, l, att.k, att.h), blk_v.reshape(bs, a, l, att.k, att.h),
+                                       anchors)
+            return att.o_proj(o.reshape(bs, a * l, att.n * att.h))
+
+        # ``sublayer``: the branch as is, or wrapped by the kind (DFlash2's convolutions, blocks of l positions)
+        x = x + layer.sublayer("attention", layer.input_layernorm(x), attend, l)
+        x = x + layer.sublayer("mlp", layer.post_attention_layernorm(x), layer.mlp, l)
     return drafter.norm(x).reshape(bs, a, l, -1)
 
 
@@ -421,6 +429,107 @@ def dspark_acceptance(drafter: DSparkDrafter, target: TargetModel, batch: dict, 
 
 
 # --------------------------------------------------------------------------------------------------
+# DFlash2: the DFlash trunk's loss plus the candidate selector's
+# --------------------------------------------------------------------------------------------------
+
+DFLASH2_SELECTOR_WEIGHT = 1.0  # the selector's K-way CE next to the trunk's CE (both slot-weighted)
+
+
+def dflash2_slot_terms(drafter: DFlash2Drafter, target: TargetModel, hidden: Float[Array, "Bs A L1 D"],
+                       labels: Int[Array, "Bs A L1"], prev: Int[Array, "Bs A L1"], chunk_rows: int | None = None):
+    """Per draft slot, from one LM head over its hidden state (``map_slots`` chunks):
+
+    * ``ce``, ``top1`` — DFlash's: cross-entropy of the (scaled) logits against the label, and whether their
+      argmax is the label;
+    * ``sel_ce`` — the selector's: cross-entropy over the slot's K candidates (the top-K of the logits, as
+      drafting takes them) of their scores after the true previous token ``prev``, against the label; where the
+      label is not among them it takes the K-th candidate's place, so every labelled slot has a target;
+    * ``sel_top1`` — whether the walk, given ``prev``, picks the label among the strict top-K (no label put in):
+      exactly the draft greedy decoding makes at this slot whenever every draft before it was right;
+    * ``found`` — whether the label is among the top-K at all.
+
+    The candidate ids are discrete (no gradient); their unary scores (logits of the trunk's hidden state), the
+    hidden projection and the codebooks get one."""
+    sel, k = drafter.candidate_selector, drafter.config.selector_top_k
+
+    def per_slot(h, y, x):
+        raw = drafter.head_logits(h, target)
+        logits = drafter.scale_logits(raw)
+        ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
+        ids = jax.lax.top_k(jax.lax.stop_gradient(raw), k)[1].astype(jnp.int32)
+        hit = ids == y[..., None]
+        found = hit.any(-1)
+        ids = ids.at[..., -1].set(jnp.where(found, ids[..., -1], y))  # the label in, where it was missing
+        at = jnp.where(found, jnp.argmax(hit, -1), k - 1)
+        unary = drafter.scale_logits(jnp.take_along_axis(raw, ids, axis=-1))
+        scores = sel.candidate_scores(ids, unary, h, x)
+        sel_ce = jax.nn.logsumexp(scores, axis=-1) - jnp.take_along_axis(scores, at[..., None], axis=-1)[..., 0]
+        return ce, jnp.argmax(logits, -1) == y, sel_ce, found & (jnp.argmax(scores, -1) == at), found
+
+    return map_slots(per_slot, (hidden, labels, prev), labels.shape, chunk_rows)
+
+
+def dflash2_loss(drafter: DFlash2Drafter, target: TargetModel, batch: dict, *, weights: jax.Array,
+                 features: jax.Array | None = None, ce_chunk_rows: int | None = None,
+                 selector_weight: float = DFLASH2_SELECTOR_WEIGHT) -> tuple[jax.Array, dict]:
+    """``CE + selector_weight · selector CE``, both weighted by slot as DFlash's (``dflash2_slot_terms``): the
+    trunk (with its convolutions) learns DFlash's objective on the same blocks, and the selector learns to pick
+    the label among the top-K given the true previous token (the anchor for the first draft): teacher-forced,
+    as DSpark's Markov head.
+
+    Metrics: ``loss``, its parts ``ce`` and ``selector``; ``acc`` and ``tau`` of the selector's drafts (its
+    leading-correct count is greedy decoding's, as the walk's previous choice is the true token while every
+    draft is right); ``unary_acc`` and ``unary_tau`` of the trunk's argmax (DFlash's drafts); ``recall``, the
+    fraction of labels among the top-K.
+    """
+    if drafter.d2t is not None:  # labels and candidates live in the target vocabulary
+        raise NotImplementedError("training a DFlash2 drafter with a reduced draft vocabulary is not supported")
+    cfg = drafter.config
+    l = weights.shape[0] + 1
+    if features is None:
+        features = target_features(target, batch["tokens"], cfg.target_layer_ids)
+    block_ids, positions, labels, label_ok = block_inputs(batch["tokens"], batch["lengths"], batch["anchors"],
+                                                          batch["valid"], l, cfg.mask_token_id)
+    prev = jnp.concatenate([block_ids[..., :1], labels[..., :-1]], axis=-1)  # the anchor, then the labels
+    hidden = drafter_forward_blocks(drafter, target, features, block_ids, positions, batch["anchors"])
+    ce, top1, sel_ce, sel_top1, found = dflash2_slot_terms(drafter, target, hidden[:, :, 1:], labels, prev,
+                                                           ce_chunk_rows)
+    w = weights[None, None, :] * label_ok
+    w_sum = jnp.maximum(w.sum(), 1e-6)
+    parts = {"ce": (ce * w).sum() / w_sum, "selector": (sel_ce * w).sum() / w_sum}
+    loss = parts["ce"] + selector_weight * parts["selector"]
+    n_ok = jnp.maximum(label_ok.sum(), 1)
+    anchors_ok = batch["valid"]
+    n_anchors = jnp.maximum(anchors_ok.sum(), 1)
+    tau = lambda correct: ((_leading(correct & label_ok) + 1) * anchors_ok).sum() / n_anchors  # noqa: E731
+    return loss, {"loss": loss, **parts,
+                  "acc": (sel_top1 & label_ok).sum() / n_ok, "tau": tau(sel_top1),
+                  "unary_acc": (top1 & label_ok).sum() / n_ok, "unary_tau": tau(top1),
+                  "recall": (found & label_ok).sum() / n_ok}
+
+
+def _greedy(row, key):
+    return jnp.argmax(row, -1).astype(jnp.int32), None
+
+
+def dflash2_acceptance(drafter: DFlash2Drafter, target: TargetModel, batch: dict, block_size: int
+                       ) -> tuple[Int[Array, "Bs A"], Float[Array, "Bs A G"]]:
+    """``anchor_acceptance`` for DFlash2, drafting as decoding does (the kind's own top-K and greedy walk over
+    each block, not teacher-forced), plus each draft's confidence as a logit, ``log c − log(1 − c)`` of the
+    walk's probability c of its choice (what the eval stage's calibration report reads)."""
+    cfg = drafter.config
+    features = target_features(target, batch["tokens"], cfg.target_layer_ids)
+    block_ids, positions, labels, label_ok = block_inputs(batch["tokens"], batch["lengths"], batch["anchors"],
+                                                          batch["valid"], block_size, cfg.mask_token_id)
+    hidden = drafter_forward_blocks(drafter, target, features, block_ids, positions, batch["anchors"])
+    bs, a, l, d = hidden.shape
+    drafts, _, conf = drafters.kind_of(drafter).draft(target, hidden[:, :, 1:].reshape(bs * a, l - 1, d),
+                                                      block_ids[..., 0].reshape(-1), _greedy, None)
+    c = jnp.clip(conf.reshape(bs, a, l - 1), 1e-6, 1 - 1e-6)
+    return _leading((drafts.reshape(bs, a, l - 1) == labels) & label_ok) + 1, jnp.log(c) - jnp.log1p(-c)
+
+
+# --------------------------------------------------------------------------------------------------
 # The objective of each drafter kind
 # --------------------------------------------------------------------------------------------------
 
@@ -431,13 +540,15 @@ class Objective:
     ``replay(drafter, target, batch, verify_width)`` → (acceptance [Bs, A], confidence logits [Bs, A, G] or
     None), what held-out replay and calibration read; ``check(cfg)`` raises for a drafter it cannot train;
     ``warm_start(drafter, spec)`` builds a drafter of this kind on the trunk of ``drafter``, one of another
-    kind (``spec``: the run's ``training.drafter`` section), where the kind can start so."""
+    kind (``spec``: the run's ``training.drafter`` section), where the kind can start so; ``calibrates``:
+    the pipeline fits STS temperatures on held-out cycles after training (from ``replay``'s logits)."""
 
     loss: Callable
     acceptance: Callable
     replay: Callable
     check: Callable[[DrafterConfig], None] | None = None
     warm_start: Callable[[Drafter, Any], Drafter] | None = None
+    calibrates: bool = False  # STS temperatures are fitted after training (the kind applies them: DSpark)
 
 
 OBJECTIVES: dict[str, Objective] = {}
@@ -471,9 +582,26 @@ def _dspark_warm_start(drafter: Drafter, spec) -> Drafter:
     return dspark_from_dflash(drafter, spec.block_size, spec.markov_rank, seed=spec.seed)
 
 
+def _dflash2_acceptance(drafter, target, batch, block_size):
+    return dflash2_acceptance(drafter, target, batch, block_size)[0]
+
+
+def _dflash2_check(cfg: DrafterConfig) -> None:
+    if cfg.draft_vocab_size is not None:
+        raise ConfigError("training a DFlash2 drafter with a reduced draft vocabulary is not supported")
+
+
+def _dflash2_warm_start(drafter: Drafter, spec) -> Drafter:
+    return dflash2_from_dflash(drafter, spec.block_size, conv_kernel_size=spec.conv_kernel_size,
+                               conv_group_size=spec.conv_group_size, selector_top_k=spec.selector_top_k,
+                               selector_rank=spec.selector_rank, seed=spec.seed)
+
+
 OBJECTIVES["dflash"] = Objective(loss=dflash_loss, acceptance=dflash_acceptance, replay=_dflash_replay)
 OBJECTIVES["dspark"] = Objective(loss=dspark_loss, acceptance=_dspark_acceptance, replay=_dspark_replay,
-                                 check=_dspark_check, warm_start=_dspark_warm_start)
+                                 check=_dspark_check, warm_start=_dspark_warm_start, calibrates=True)
+OBJECTIVES["dflash2"] = Objective(loss=dflash2_loss, acceptance=_dflash2_acceptance, replay=dflash2_acceptance,
+                                  check=_dflash2_check, warm_start=_dflash2_warm_start)
 
 
 def cosine_with_warmup(peak_lr: float, total_steps: int, warmup_frac: float = 0.04):

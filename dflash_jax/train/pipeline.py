@@ -4,7 +4,9 @@ interrupted run is continued by running the same command again.
 
 ``training.drafter.kind: dspark`` trains a DSpark drafter (SPEC §7; ``block_size`` = its γ drafts) instead,
 optionally warm-started from a DFlash drafter's trunk (``init_from``); its confidences are then calibrated by
-STS on the held-out rows, and the eval stage reports their reliability.
+STS on the held-out rows, and the eval stage reports their reliability. ``kind: dflash2`` trains a DFlash2
+drafter (``block_size`` = its verify width), optionally warm-started from a DFlash drafter (identity
+convolutions, a selector that starts as DFlash's argmax); the eval stage reports its confidences' reliability.
 """
 
 from __future__ import annotations
@@ -43,8 +45,14 @@ class DrafterSpec:
     target_layer_ids: tuple[int, ...] | None = None
     seed: int = 0
     init_from: str | None = None  # a z-lab-format drafter directory to start from (warm start)
-    kind: str = "dflash"  # or "dspark": block_size then counts its drafts (γ); init_from may be a DFlash drafter
+    kind: str = "dflash"  # "dspark": block_size counts its drafts (γ); "dflash2"; init_from may be a DFlash drafter
     markov_rank: int = 256  # DSpark's Markov head rank r
+    # DFlash2 (block_size = its verify width, as DFlash's; defaults: the published checkpoint's): convolution
+    # taps and channels per delta group, candidates per position and the selector's rank.
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_top_k: int = 16
+    selector_rank: int = 256
     # DSpark: rows that fit the STS temperatures when there are no held-out rows (optim.val_rows = 0);
     # those are training rows, so the fit is then in-sample (sts.json says so).
     sts_rows: int = 256
@@ -360,10 +368,12 @@ class Pipeline:
                          d.config.layers.num_layers, s.num_layers)
                 d = deepen_drafter(d, s.num_layers, seed=s.seed)
             return d
+        dflash2 = {k: getattr(s, k) for k in ("conv_kernel_size", "conv_group_size", "selector_top_k",
+                                               "selector_rank")} if s.kind == "dflash2" else {}
         return random_drafter(self.target, num_layers=s.num_layers, block_size=s.block_size,
                               mask_token_id=s.mask_token_id, num_features=s.num_features,
                               target_layer_ids=s.target_layer_ids, seed=s.seed, dtype="float32", kind=s.kind,
-                              markov_rank=s.markov_rank)
+                              markov_rank=s.markov_rank, **dflash2)
 
     # ---- stage: train -----------------------------------------------------------------------------
     def train(self, *, progress: bool = True, stop_after_s: float | None = None) -> Drafter:
@@ -384,7 +394,7 @@ class Pipeline:
                 "completed": trainer.completed,
                 "rows": int(len(data["lengths"])), "settings": dataclasses.asdict(self.cfg.train),
                 "drafter": dataclasses.asdict(self.cfg.drafter)}
-        if drafters.kind_of(drafter.model).has_confidence:
+        if objective_for(drafter.config.kind).calibrates and drafters.kind_of(drafter.model).has_confidence:
             drafter = self.calibrate(trainer, data, drafter)
             meta["sts"] = json.loads((self.out / "sts.json").read_text())
         (self.out / "train_summary.json").write_text(json.dumps(meta, indent=1))
@@ -475,15 +485,16 @@ class Pipeline:
 
     def _eval_calibration(self, drafter: Drafter, name: str, prompts: list[list[int]],
                           answers: list[list[int]]) -> dict:
-        """A DSpark drafter's survival calibration on an evaluation set (out of sample: STS saw none of it):
+        """A scoring drafter's survival calibration on an evaluation set (out of sample: STS saw none of it):
         the cycles greedy decoding ran on it, replayed with their confidences; ECE before and after its
-        temperatures and a reliability diagram ``eval_reliability_<set>.png``."""
+        temperatures (a DSpark drafter's STS ones; 1 for DFlash2, whose confidences are used as they are) and a
+        reliability diagram ``eval_reliability_<set>.png``."""
         if self._replayer is None or self._replayer.drafter is not drafter:
             self._replayer = Trainer(self.target, drafter, self.cfg.train, self.out)  # its replay only
         rows = data_mod.pack_rows(prompts, answers, max(len(p) + len(a) for p, a in zip(prompts, answers)))
         acceptance, z = self._replayer.replay(self._replayer.params, rows)
         z, accepted = sts.cycle_calibration(acceptance, z, rows["prompt_lengths"], rows["lengths"])
-        g = drafter.config.block_size
+        g = drafter.config.verify_width - 1  # drafts per cycle
         temps = drafter.config.confidence_temperatures or (1.0,) * g
         report = sts.calibration_report(z, accepted, temps)
         if len(z):

@@ -1,4 +1,4 @@
-"""Drafter training loop (DFlash or DSpark): optax AdamW on fp32 master weights, orbax checkpoints, exact resume.
+"""Drafter training loop (DFlash, DSpark, DFlash2): optax AdamW, fp32 master weights, orbax checkpoints, exact resume.
 
 Determinism: the batch order of step ``s`` comes from a permutation seeded by ``(seed, epoch)`` and its
 anchors from ``(seed, s)``, so a run resumed from the checkpoint of step ``k`` replays steps ``k+1 …``
@@ -235,8 +235,9 @@ class Trainer:
         return [walked_cycles(acc, p, n) for acc, p, n in zip(acceptance, rows["prompt_lengths"], rows["lengths"])]
 
     def replay(self, params, rows: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
-        """Every anchor's acceptance [N, T] (tokens a greedy cycle anchored there commits) and, for DSpark
-        drafters with a confidence head, its drafts' confidence logits [N, T, G] (else None)."""
+        """Every anchor's acceptance [N, T] (tokens a greedy cycle anchored there commits) and, for drafters
+        that score their drafts (DSpark with a confidence head, DFlash2), its drafts' confidence logits [N, T, G]
+        (else None)."""
         if self._accept_fn is None:
             self._build()
         bs, a_max, n = self.s.batch_size, self.s.max_anchors, len(rows["lengths"])
@@ -441,8 +442,9 @@ def plot_history(history: list[dict], path: str | Path, title: str = "DFlash dra
     window = max(1, len(history) // 10)
     fig, ax1 = plt.subplots(figsize=(7, 4))
     ax2 = ax1.twinx()
-    dspark = "tv" in history[0]
-    loss_label = "loss: 0.1·CE + 0.9·TV + BCE" if dspark else "weighted CE loss"
+    dspark, dflash2 = "tv" in history[0], "selector" in history[0]
+    loss_label = ("loss: 0.1·CE + 0.9·TV + BCE" if dspark else "loss: CE + selector CE" if dflash2
+                  else "weighted CE loss")
     for ax, key, color, label in ((ax1, "loss", "tab:blue", loss_label),
                                   (ax2, "tau", "tab:orange", "τ on training blocks")):
         values = [r[key] for r in history]
@@ -450,8 +452,10 @@ def plot_history(history: list[dict], path: str | Path, title: str = "DFlash dra
         ax.plot(steps, _running_mean(values, window), color=color, linewidth=2.0,
                 label=f"{label} (mean of {window} logs)")
         ax.set_ylabel(label, color=color)
-    for key, style, label in (("ce", "--", "CE"), ("tv", ":", "TV ‖p_d − p_t‖₁"), ("bce", "-.", "confidence BCE")):
-        if dspark and key in history[0]:  # DSpark's loss parts, without their 0.1 / 0.9 / 1 factors
+    parts = (("ce", "--", "CE"), ("tv", ":", "TV ‖p_d − p_t‖₁"), ("bce", "-.", "confidence BCE"),
+             ("selector", ":", "selector CE"))
+    for key, style, label in parts:
+        if (dspark or dflash2) and key in history[0]:  # the loss parts (DSpark's without their 0.1 / 0.9 / 1 factors)
             ax1.plot(steps, _running_mean([r[key] for r in history], window), color="tab:blue", linestyle=style,
                      linewidth=1.0, label=label)
     for key, marker, label in (("val_tau", "o", "τ replayed on held-out rows"),

@@ -13,8 +13,9 @@ from dflash_jax.train import data as data_mod
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--data-seed", type=int, default=0,
                 help="training.data.seed: another value samples other answers (and another chunk order)")
-ap.add_argument("--kind", choices=("dflash", "dspark"), default="dflash",
-                help="dspark: a DSpark drafter (γ = 15 drafts, verify width 16) on the shipped DFlash drafter's trunk")
+ap.add_argument("--kind", choices=("dflash", "dspark", "dflash2"), default="dflash",
+                help="dspark: a DSpark drafter (γ = 15 drafts, verify width 16) on the shipped DFlash drafter's trunk; "
+                     "dflash2: configs/smollm2-135m-dflash2.yaml's DFlash2 drafter, warm-started from the shipped DFlash one")
 ap.add_argument("--markov-rank", type=int, default=64,
                 help="DSpark's Markov head rank r (2 × 49,152 × r weights: 12.6 MB in bf16 at 64, 50 MB at 256)")
 ap.add_argument("--synth-prompts", type=int, default=8000,
@@ -22,7 +23,8 @@ ap.add_argument("--synth-prompts", type=int, default=8000,
 args = ap.parse_args()
 out = Path("runs/device")
 out.mkdir(parents=True, exist_ok=True)
-cfg = yaml.safe_load(Path("configs/smollm2-135m.yaml").read_text())
+base = "configs/smollm2-135m-dflash2.yaml" if args.kind == "dflash2" else "configs/smollm2-135m.yaml"
+cfg = yaml.safe_load(Path(base).read_text())
 cfg["target"] = "/tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf"
 t = cfg["training"]
 t["out_dir"] = "/tmp/run"
@@ -38,6 +40,9 @@ if args.kind == "dspark":
     t["drafter"].update(kind="dspark", block_size=15, markov_rank=args.markov_rank)
     t["out_dir"] = "/tmp/run_dspark"
     name = "smollm2-135m-dspark"
+if args.kind == "dflash2":  # the recipe's drafter section as it is (kind, block 16, selector and convolutions)
+    t["out_dir"] = "/tmp/run_dflash2"
+    name = "smollm2-135m-dflash2"
 (out / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
 sets = data_mod.evaluation_prompts()
 for name, prompts in sets.items():
