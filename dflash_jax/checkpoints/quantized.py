@@ -74,7 +74,8 @@ def is_expert(name: str) -> bool:
 
 
 def read_fp8(tensors: dict[str, np.ndarray], blocks: tuple[int, int] | None, linears: Mapping[str, tuple],
-             *, keep: bool, dtype, where: str, experts: bool = False) -> tuple[dict[str, np.ndarray], dict[str, Scheme]]:
+             *, keep: bool, dtype, where: str, experts: bool = False
+             ) -> tuple[dict[str, np.ndarray], dict[str, Scheme]]:
     """An FP8 checkpoint's tensors checked: every FP8 tensor has its float scales, of the shape its blocks give
     (CheckpointError naming the tensor otherwise). Returns (tensors, kept): with ``keep``, the FP8 weights of
     ``linears`` (and, with ``experts``, the routed experts' weights, when ``blocks`` are given) stay FP8 beside
