@@ -30,6 +30,7 @@ from dflash_jax.config import (ConfigError, DrafterConfig, ModelConfig, default_
                                drafter_config_from_hf, model_config_from_hf, read_config_json)
 from dflash_jax.models.drafter import DFlashDrafter, DraftHead, DSparkDrafter, TokenMap, module_class
 from dflash_jax.models.layers import quantizable
+from dflash_jax.models.moe import PROJECTIONS, quantizable_experts
 from dflash_jax.models.split import SplitModel, split_model
 from dflash_jax.models.target import TargetModel
 from dflash_jax.tokenizer import Tokenizer
@@ -171,6 +172,12 @@ def _abstract(model_cls, cfg, dtype, plan: dict | None = None, untie: bool = Fal
                 scheme, shape = plan[path], tuple(dense.kernel.shape)
                 dense.set_quantized(scheme, jnp.zeros(shape, scheme.dtype),
                                     jnp.ones(scheme.scale_shape(*shape), jnp.float32))
+        for path, experts in quantizable_experts(model):
+            if path in (plan or {}):
+                scheme = plan[path]
+                shapes = {p: tuple(getattr(experts, p).shape) for p in PROJECTIONS}
+                experts.set_quantized(scheme, {p: (jnp.zeros(s, scheme.dtype), jnp.ones(
+                    s[:1] + scheme.scale_shape(*s[1:]), jnp.float32)) for p, s in shapes.items()})
         return model
     return nnx.eval_shape(make)
 
@@ -205,16 +212,20 @@ def _quantized_tensors(model_cls, cfg, dtype, tensors: dict, prefix: str, scheme
     if untie:
         plain = _abstract(model_cls, cfg, dtype, untie=True)
     linears = qckpt.linear_names(plain, prefix)
+    experts = qckpt.expert_names(plain, prefix)
     kept = {}
     if fp8_blocks is not False:
         tensors, kept = qckpt.read_fp8(tensors, fp8_blocks, linears, keep=scheme is None or scheme.kind == "fp8",
-                                       dtype=dtype, where=where)
+                                       dtype=dtype, where=where, experts=bool(experts))
     ignore = lambda name: False  # noqa: E731
     if rename is not None:
         tensors, ignore = rename(tensors)
     if untie:
         tensors = {**tensors, "lm_head.weight": tensors[hf_name(("embed_tokens", "embedding"), prefix)[0]]}
     tensors, plan = qckpt.quantize_linears(tensors, linears, kept, scheme)
+    if experts:
+        tensors, expert_plan = qckpt.quantize_experts(tensors, experts, fp8_blocks or None, scheme)
+        plan.update(expert_plan)
     return tensors, plan, untie, ignore
 
 
@@ -313,6 +324,12 @@ def quantize(obj: "Target | Drafter | TargetModel", quantization: "str | quant.S
         if dense.quant is None:
             q, s = quant.quantize(np.asarray(jax.device_get(dense.kernel[...]), np.float32), scheme)
             dense.set_quantized(scheme, jnp.asarray(q), jnp.asarray(s))
+    for _, experts in quantizable_experts(model):
+        if experts.quant is None:
+            pairs = {p: [quant.quantize(w, scheme) for w in np.asarray(jax.device_get(getattr(experts, p)[...]),
+                                                                         np.float32)] for p in PROJECTIONS}
+            experts.set_quantized(scheme, {p: (jnp.asarray(np.stack([q for q, _ in v])),
+                                               jnp.asarray(np.stack([s for _, s in v]))) for p, v in pairs.items()})
     out = dataclasses.replace(handle, model=model, name=_name(handle.name, scheme))
     return shard(out, handle.mesh) if handle.mesh is not None else out
 

@@ -19,7 +19,8 @@ shared layers'), and logical names map to mesh axes (``logical_to_mesh``):
 * batch rows (prompts, caches, tokens) over ``dp``; the drafter's context cache like the target's;
 * a quantized layer's scales (``….scale``, one per block of its kernel) like its kernel, each dimension whose
   blocks the mesh axis does not divide replicated (a per-output-channel scale ``[1, out]`` of a row-split
-  ``o_proj`` / ``down_proj``, a 128-column block grid narrower than ``tp``).
+  ``o_proj`` / ``down_proj``, a 128-column block grid narrower than ``tp``); quantized experts' scales
+  (``….experts.{gate,up,down}_proj_scale``, ``[E, nbi, nbo]``) likewise by their experts' rule.
 
 Unsupported splits (``tp`` not dividing the query heads, the MLP width or the vocabulary; KV heads neither
 divisible by ``tp`` nor dividing it) raise :class:`ShardingError` naming the numbers.
@@ -133,9 +134,13 @@ def spec_for(path: str, ndim: int, mapping: dict[str, str | None], rules: Sequen
 def param_spec(path: str, shape: Sequence[int], mapping: dict[str, str | None], mesh: Mesh, rules: Sequence = ()) -> P:
     """The partition spec of parameter ``path`` of ``shape``: :func:`spec_for`, and for a quantized layer's
     ``scale`` its kernel's, without the axes that do not divide the scale's block counts."""
-    if not path.endswith(".scale"):
+    if path.endswith(".scale"):
+        kernel = path[: -len("scale")] + "kernel"
+    elif re.search(r"experts\.\w+_proj_scale$", path):  # quantized stacked experts: [E, nbi, nbo]
+        kernel = path[: -len("_scale")]
+    else:
         return spec_for(path, len(shape), mapping, rules)
-    spec = spec_for(path[: -len("scale")] + "kernel", len(shape), mapping, rules)
+    spec = spec_for(kernel, len(shape), mapping, rules)
     return P(*(a if a is None or n % mesh_size(mesh, a) == 0 else None for a, n in zip(spec, shape)))
 
 

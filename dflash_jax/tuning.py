@@ -47,6 +47,10 @@ class KernelTuning:
     moe_kernels_on: tuple[str, ...] = ("gpu", "tpu")
     moe_kernel_max_tokens: int = 64
     moe_grouped_on: tuple[str, ...] = ()
+    # Quantized linear layers: the fused dequantize-and-multiply kernel (GPU) for calls of at most
+    # ``quant_kernel_max_tokens`` tokens (more: the XLA reference, e.g. prefill).
+    quant_kernel: bool = True
+    quant_kernel_max_tokens: int = 64
     # GPU kernels' split-KV concurrency target (programs per SM; 0 = the kernel's own default).
     programs_per_sm: int = 0
     # Delta rule (linear attention): prefill chunk length.

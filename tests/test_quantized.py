@@ -342,9 +342,10 @@ def test_speculative_equals_autoregressive_on_a_block_fp8_target():
 
 
 def test_qwen3_moe_fp8_checkpoint_matches_transformers(tmp_path):
-    """Qwen3-MoE in fine-grained FP8 (per-expert weights, each with its scales): attention and the dense MLP layer
-    read as stored, the routed experts dequantized to the compute dtype, the router unquantized as the checkpoint
-    keeps it; logits as transformers' on the dequantized weights."""
+    """Qwen3-MoE in fine-grained FP8 (per-expert weights, each with its scales): attention, the dense MLP layer and
+    the routed experts read as stored (the experts stacked with their per-expert block scales), the router
+    unquantized as the checkpoint keeps it; logits as transformers' on the dequantized weights; int8 on load
+    quantizes the experts too; speculative decoding equals autoregressive decoding of the FP8 target."""
     torch.manual_seed(2)
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, moe_intermediate_size=40,
@@ -368,9 +369,24 @@ def test_qwen3_moe_fp8_checkpoint_matches_transformers(tmp_path):
     target = load_target(tmp_path / "fp8", "float32")
     layer0, layer1 = target.model.layers
     assert layer0.self_attn.o_proj.quant == layer1.mlp.up_proj.quant == Scheme("fp8", (16, 32))
-    assert layer0.mlp.gate.quant is None and layer0.mlp.experts.gate_proj[...].dtype == jnp.float32
+    experts = layer0.mlp.experts
+    assert layer0.mlp.gate.quant is None and experts.quant == Scheme("fp8", (16, 32))
+    assert experts.gate_proj[...].dtype == jnp.float8_e4m3fn and experts.gate_proj_scale[...].shape == (4, 4, 2)
+    assert experts.down_proj_scale[...].shape == (4, 3, 2)  # [E, ceil(40 / 16), ceil(64 / 32)]
     ids = np.asarray([p[:7] for p in PROMPTS])
-    assert rel_err(prefill_logits(target, ids), hf_logits(reference.float().eval(), ids)) < REL_TOL
+    want = hf_logits(reference.float().eval(), ids)
+    assert rel_err(prefill_logits(target, ids), want) < REL_TOL  # every expert, one at a time
+    assert rel_err(prefill_logits(target, ids[:1, :1]), want[:1, :1]) < REL_TOL  # one token: the gathered experts
+    int8 = load_target(tmp_path / "fp8", "float32", quantization="int8")
+    assert int8.model.layers[0].mlp.experts.quant == Scheme("int8")
+    assert int8.model.layers[0].mlp.experts.up_proj[...].dtype == jnp.int8
+    # 1 byte a weight and a float32 scale per expert and output channel: [4, 1, 40] × 2 and [4, 1, 64]
+    assert param_bytes(int8.model.layers[0].mlp.experts) == 3 * 4 * 64 * 40 + 4 * (2 * 4 * 40 + 4 * 64)
+    prompts = [list(p[:5]) for p in PROMPTS[:2]]
+    ref = generate(target, prompts, max_new_tokens=12, stop_token_ids=[])
+    drafter = random_drafter(target, block_size=4, num_layers=1, seed=1)
+    out = speculative_generate(target, drafter, prompts, max_new_tokens=12, stop_token_ids=[])
+    assert out.token_ids == ref.token_ids
 
 
 def test_sampled_decoding_on_an_int8_target_matches_its_distribution():
@@ -396,3 +412,31 @@ def test_sampled_decoding_on_an_int8_target_matches_its_distribution():
     probs = exact_distribution(forward(small.model, seqs), 1.0, 0, 1.0)
     samples = draw(lambda *a, **k: speculative_generate(small, drafter, *a, **k), temperature=1.0, seed=4)
     assert chi2_pvalue(samples, probs) > 1e-3
+
+
+@pytest.mark.parametrize("scheme", [Scheme("int8"), Scheme("fp8", (16, 8))], ids=str)
+def test_quantized_experts_match_the_dequantized_experts(scheme):
+    """The routed experts' jnp forms on int8 / fp8 experts (per-expert scales; blocks over the input rows with
+    partial blocks at the edges) equal the float forms on the dequantized weights: the gathered form (decode)
+    and every expert one at a time (beyond), which never converts the whole stack."""
+    from dflash_jax.kernels import moe
+
+    rng = np.random.default_rng(3)
+    e, d, f, n, k = 4, 40, 24, 5, 2
+    stacks, floats = {}, {}
+    for name, shape in (("gate", (d, f)), ("up", (d, f)), ("down", (f, d))):
+        pairs = [quantize_array(rng.standard_normal(shape, np.float32) / np.sqrt(shape[0]), scheme) for _ in range(e)]
+        q, s = np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+        stacks[name] = (jnp.asarray(q), jnp.asarray(s))
+        floats[name] = jnp.asarray(np.stack([dequantize(a, b, scheme.blocks(*shape)) for a, b in pairs]))
+    scales = moe.ExpertScales(stacks["gate"][1], stacks["up"][1], stacks["down"][1], scheme.blocks(d, f),
+                              scheme.blocks(f, d))
+    x = jnp.asarray(rng.standard_normal((n, d), np.float32))
+    weights = jnp.asarray(rng.uniform(0.1, 1, (n, k)), jnp.float32)
+    idx = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(n)]), jnp.int32)
+    want = moe.experts_gathered(x, weights, idx, floats["gate"], floats["up"], floats["down"])
+    values = (stacks["gate"][0], stacks["up"][0], stacks["down"][0])
+    got = moe.experts_gathered(x, weights, idx, *values, quant=scales)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+    got = moe.experts_dense_quantized(x, weights, idx, *values, quant=scales)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)

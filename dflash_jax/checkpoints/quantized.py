@@ -18,6 +18,7 @@ as well, which we do not).
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Mapping
 
 import ml_dtypes
@@ -28,9 +29,12 @@ from dflash_jax import quant
 from dflash_jax.config import CheckpointError
 from dflash_jax.checkpoints.safetensors_io import hf_name
 from dflash_jax.models.layers import quantizable
+from dflash_jax.models.moe import PROJECTIONS, quantizable_experts
 from dflash_jax.quant import Scheme
 
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
+# A routed expert's weight: per expert (Qwen3-MoE's save_pretrained) or stacked / fused (transformers 5).
+_EXPERT_WEIGHT = re.compile(r"^.*\.experts\.(\d+\.(gate|up|down)_proj\.weight|(gate_up|gate|up|down)_proj)$")
 SCALE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16))
 
 
@@ -64,12 +68,19 @@ def linear_names(model: nnx.Module, prefix: str) -> dict[str, tuple[str, ...]]:
     return {hf_name(path + ("kernel",), prefix)[0]: path for path, _ in quantizable(model)}
 
 
+def is_expert(name: str) -> bool:
+    """Whether checkpoint tensor ``name`` is a routed expert's weight (per expert or stacked / fused)."""
+    return bool(_EXPERT_WEIGHT.match(name))
+
+
 def read_fp8(tensors: dict[str, np.ndarray], blocks: tuple[int, int] | None, linears: Mapping[str, tuple],
-             *, keep: bool, dtype, where: str) -> tuple[dict[str, np.ndarray], dict[str, Scheme]]:
+             *, keep: bool, dtype, where: str, experts: bool = False
+             ) -> tuple[dict[str, np.ndarray], dict[str, Scheme]]:
     """An FP8 checkpoint's tensors checked: every FP8 tensor has its float scales, of the shape its blocks give
     (CheckpointError naming the tensor otherwise). Returns (tensors, kept): with ``keep``, the FP8 weights of
-    ``linears`` stay FP8 beside their scales and ``kept`` gives each one's scheme; every other FP8 tensor is
-    dequantized (float32 for a linear layer, to be quantized again; ``dtype`` for the rest, e.g. experts)."""
+    ``linears`` (and, with ``experts``, the routed experts' weights, when ``blocks`` are given) stay FP8 beside
+    their scales and ``kept`` gives each one's scheme; every other FP8 tensor is dequantized (float32 for a
+    linear layer or expert, to be quantized again; ``dtype`` for the rest)."""
     out = dict(tensors)
     kept: dict[str, Scheme] = {}
     for name, w in tensors.items():
@@ -87,12 +98,13 @@ def read_fp8(tensors: dict[str, np.ndarray], blocks: tuple[int, int] | None, lin
         if sname not in tensors:
             raise CheckpointError(f"{where}: FP8 tensor {name} {tuple(w.shape)} has no scale tensor {sname}")
         s, block = _checked_scale(name, w, tensors[sname], blocks, where)
-        if keep and name in linears and w.ndim == 2:
+        expert = experts and is_expert(name)
+        if keep and ((name in linears and w.ndim == 2) or (expert and blocks is not None)):
             out[sname] = s
             kept[name] = Scheme("fp8", (block[1], block[0]))  # [out, in] blocks → the [in, out] kernel's
         else:
             out[name] = quant.dequantize(np.swapaxes(w, -1, -2), np.swapaxes(s, -1, -2), (block[1], block[0]),
-                                         np.float32 if name in linears else dtype).swapaxes(-1, -2)
+                                         np.float32 if name in linears or expert else dtype).swapaxes(-1, -2)
             del out[sname]
     return out, kept
 
@@ -134,5 +146,33 @@ def quantize_linears(tensors: Mapping[str, np.ndarray], linears: Mapping[str, tu
         elif scheme is not None and name in out:
             q, s = quant.quantize(np.asarray(out[name], np.float32).T, scheme)
             out[name], out[scale_name(name)] = q.T, s.T
+            plan[path] = scheme
+    return out, plan
+
+
+def expert_names(model: nnx.Module, prefix: str) -> dict[tuple[str, ...], dict[str, str]]:
+    """Each stacked-experts module path → its projections' checkpoint names (after stacking)."""
+    return {path: {p: hf_name(path + (p,), prefix)[0] for p in PROJECTIONS} for path, _ in quantizable_experts(model)}
+
+
+def quantize_experts(tensors: Mapping[str, np.ndarray], experts: Mapping[tuple, Mapping[str, str]],
+                     kept_block: tuple[int, int] | None, scheme: Scheme | None
+                     ) -> tuple[dict[str, np.ndarray], dict[tuple, Scheme]]:
+    """The stacked experts (``[E, out, in]`` after :func:`dflash_jax.models.moe.stack_experts`) as stored when FP8
+    (``kept_block``: the checkpoint's ``[out, in]`` block, their scales stacked beside them), else quantized to
+    ``scheme`` expert by expert (None: left as they are). Returns the tensors and each quantized experts
+    module's scheme by path."""
+    out = dict(tensors)
+    plan: dict[tuple, Scheme] = {}
+    for path, names in experts.items():
+        if any(n not in out for n in names.values()):
+            continue  # missing tensors: the loader names them
+        if all(out[n].dtype == FP8_DTYPE and scale_name(n) in out for n in names.values()) and kept_block:
+            plan[path] = Scheme("fp8", (kept_block[1], kept_block[0]))
+        elif scheme is not None:
+            for n in names.values():
+                pairs = [quant.quantize(np.asarray(w, np.float32).T, scheme) for w in out[n]]
+                out[n] = np.stack([q.T for q, _ in pairs])
+                out[scale_name(n)] = np.stack([s.T for _, s in pairs])
             plan[path] = scheme
     return out, plan

@@ -90,6 +90,8 @@ def hf_name(path: tuple, prefix: str) -> tuple[str, bool]:
         return prefix + base + ".weight", True
     if leaf == "scale" and parts[-2] != "experts":  # a quantized Dense's scales: HF FP8's name and layout
         return prefix + base + ".weight_scale_inv", True
+    if parts[-2] == "experts" and leaf.endswith("_proj_scale"):  # quantized stacked experts' [E, nbo, nbi]
+        return prefix + base + "." + leaf + "_inv", True
     return prefix + base + "." + leaf, parts[-2] == "experts" and not leaf.endswith("_bias")  # [E, in, out]
 
 

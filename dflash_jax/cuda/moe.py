@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from dflash_jax.cuda.common import SUPPORTED_DTYPES, cdiv, highest_precision_requested, next_pow2, num_sms
-from dflash_jax.kernels.common import native
+from dflash_jax.kernels.common import log_once, native
 from dflash_jax.kernels.moe import Biases, argument_reason, combine, group_pairs, run_grouped, swiglu
 from dflash_jax.tuning import Kernels
 
@@ -394,10 +394,13 @@ def sorted_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.A
 
 
 def experts_kernel(x, weights, idx, gate, up, down, *, biases: Biases | None = None, act: Callable = swiglu,
-                   kernels: Kernels) -> jax.Array | None:
+                   kernels: Kernels, quant=None) -> jax.Array | None:
     """The entry of the kernel dispatch (op ``"moe_experts"``): :func:`grouped_experts` (interpret mode off a GPU),
     per device under a mesh, or None where the XLA paths must run (float32 on a GPU: the kernel is measured in
-    bfloat16 only; shapes it does not take)."""
+    bfloat16 only; shapes it does not take; quantized experts)."""
+    if quant is not None:
+        log_once("MoE experts: quantized experts take the XLA path (the grouped kernel reads float weights)")
+        return None
     interpret = not native("cuda")
     if not interpret and jnp.dtype(x.dtype) == jnp.float32:
         return None

@@ -57,11 +57,12 @@ REGISTRY: dict[tuple[str, str], str] = {
     ("moe_experts", "cuda"): "dflash_jax.cuda.moe:experts_kernel",
     ("moe_experts", "pallas"): "dflash_jax.pallas.moe:experts_kernel",
     ("delta_rule", "cuda"): "dflash_jax.cuda.delta_rule:kernel_block",
+    ("quantized_matmul", "cuda"): "dflash_jax.cuda.quantized:quantized_matmul_kernel",
 }
 
 # Ops whose kernel a KernelTuning field turns off (A/B runs): op → field name.
 SWITCHES = {"packed_verify_attention": "packed_kernel", "cache_write": "write_kernel", "cache_place": "place_kernel",
-            "delta_rule": "delta_rule_kernel"}
+            "delta_rule": "delta_rule_kernel", "quantized_matmul": "quant_kernel"}
 
 
 def resolve_impl(impl: str, dtype=None) -> str:

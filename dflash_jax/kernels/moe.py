@@ -26,6 +26,13 @@ grouped form on the backends of ``moe_grouped_on``) beyond that.
 
 All of them take gpt-oss's variations as keywords: ``biases`` (per-expert gate, up and down biases) and ``act``
 (the gated activation of the gate and up projections; Qwen3-MoE's SwiGLU by default).
+
+Quantized experts (``quant``, :class:`ExpertScales`): ``gate``/``up``/``down`` hold int8 / fp8 values, each expert
+with its own float32 block scales (``[E, nbi, nbo]``, the layout of :mod:`dflash_jax.quant.scheme` per expert).
+:func:`experts_gathered` gathers the routed experts' quantized values (1 byte a weight) and scales the partial
+products as :func:`dflash_jax.kernels.quantized.reference` does; beyond decode sizes :func:`experts_auto` runs
+every expert one at a time (:func:`experts_dense_quantized`: one expert's values converted at a time, never the
+whole float stack).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from jaxtyping import Array, Float, Int
 
 from dflash_jax.kernels.common import log_once, mesh_sizes
 from dflash_jax.kernels.dispatch import kernel
+from dflash_jax.kernels.quantized import reference as quantized_reference
 from dflash_jax.tuning import Kernels
 
 
@@ -54,6 +62,38 @@ def swiglu(g: jax.Array, u: jax.Array) -> jax.Array:
 Biases = tuple[Float[Array, "E F"], Float[Array, "E F"], Float[Array, "E D"]]
 
 
+class ExpertScales(NamedTuple):
+    """The scales of quantized experts: ``gate``/``up`` ``[E, nbi, nbo]`` over each expert's ``[D, F]`` values in
+    blocks of ``gate_up_block`` (rows, columns: integers), ``down`` over ``[F, D]`` in blocks of ``down_block``."""
+
+    gate: jax.Array
+    up: jax.Array
+    down: jax.Array
+    gate_up_block: tuple[int, int]
+    down_block: tuple[int, int]
+
+
+def scaled_expert_dot(h: Float[Array, "N K I"], w: jax.Array, s: Float[Array, "N K nbi nbo"],
+                      block: tuple[int, int]) -> Float[Array, "N K O"]:
+    """``h @ dequantize(w, s)`` per (token, slot) for the gathered values ``w [N, K, I, O]`` (int8 / fp8) and their
+    scales: the values converted to ``h``'s dtype as a dot operand, products in float32 scaled per output column
+    (and per row block, summed, when the scales have several), in ``h``'s dtype."""
+    n, k, i = h.shape
+    o = w.shape[-1]
+    bi, bo = block
+    nbi = s.shape[-2]
+    cols = jnp.repeat(s.astype(jnp.float32), bo, axis=-1)[..., :o] if bo > 1 else s.astype(jnp.float32)
+    wv = w.astype(h.dtype)
+    if nbi == 1:
+        y = jnp.einsum("nki,nkio->nko", h, wv, preferred_element_type=jnp.float32) * cols[:, :, 0]
+        return y.astype(h.dtype)
+    pad = nbi * bi - i
+    hb = jnp.pad(h, ((0, 0), (0, 0), (0, pad))).reshape(n, k, nbi, bi)
+    wb = jnp.pad(wv, ((0, 0), (0, 0), (0, pad), (0, 0))).reshape(n, k, nbi, bi, o)
+    partial = jnp.einsum("nkbi,nkbio->nkbo", hb, wb, preferred_element_type=jnp.float32)
+    return jnp.sum(partial * cols, axis=2).astype(h.dtype)
+
+
 def combine(y: Float[Array, "N K D"], weights: Float[Array, "N K"]) -> Float[Array, "N D"]:
     """Weight each expert's output, then sum over the K experts (weights applied after down_proj)."""
     return jnp.sum(y * weights[..., None], axis=1)
@@ -61,13 +101,24 @@ def combine(y: Float[Array, "N K D"], weights: Float[Array, "N K"]) -> Float[Arr
 
 def experts_gathered(x: Float[Array, "N D"], weights: Float[Array, "N K"], idx: Int[Array, "N K"],
                      gate: Float[Array, "E D F"], up: Float[Array, "E D F"], down: Float[Array, "E F D"],
-                     *, biases: Biases | None = None, act: Callable = swiglu) -> Float[Array, "N D"]:
-    """Gather the K routed experts' weights per token (``[N, K, D, F]``) and apply them: N·K weight sets."""
-    g = jnp.einsum("nd,nkdf->nkf", x, jnp.take(gate, idx, axis=0))
-    u = jnp.einsum("nd,nkdf->nkf", x, jnp.take(up, idx, axis=0))
+                     *, biases: Biases | None = None, act: Callable = swiglu, quant: ExpertScales | None = None
+                     ) -> Float[Array, "N D"]:
+    """Gather the K routed experts' weights per token (``[N, K, D, F]``) and apply them: N·K weight sets
+    (quantized: their int8 / fp8 values and scales, module docstring)."""
+    if quant is None:
+        g = jnp.einsum("nd,nkdf->nkf", x, jnp.take(gate, idx, axis=0))
+        u = jnp.einsum("nd,nkdf->nkf", x, jnp.take(up, idx, axis=0))
+    else:
+        xk = jnp.broadcast_to(x[:, None], (*idx.shape, x.shape[-1]))
+        g = scaled_expert_dot(xk, jnp.take(gate, idx, axis=0), jnp.take(quant.gate, idx, axis=0), quant.gate_up_block)
+        u = scaled_expert_dot(xk, jnp.take(up, idx, axis=0), jnp.take(quant.up, idx, axis=0), quant.gate_up_block)
     if biases is not None:
         g, u = g + jnp.take(biases[0], idx, axis=0), u + jnp.take(biases[1], idx, axis=0)
-    y = jnp.einsum("nkf,nkfd->nkd", act(g, u), jnp.take(down, idx, axis=0))
+    if quant is None:
+        y = jnp.einsum("nkf,nkfd->nkd", act(g, u), jnp.take(down, idx, axis=0))
+    else:
+        y = scaled_expert_dot(act(g, u), jnp.take(down, idx, axis=0), jnp.take(quant.down, idx, axis=0),
+                              quant.down_block)
     if biases is not None:
         y = y + jnp.take(biases[2], idx, axis=0)
     return combine(y, weights)
@@ -150,6 +201,28 @@ def experts_dense(x: Float[Array, "N D"], weights: Float[Array, "N K"], idx: Int
         g, u = g + biases[0], u + biases[1]
     out = jnp.einsum("nef,efd->nd", act(g, u) * dense_w[..., None], down)
     return out if biases is None else out + jnp.einsum("ne,ed->nd", dense_w, biases[2])
+
+
+def experts_dense_quantized(x: Float[Array, "N D"], weights: Float[Array, "N K"], idx: Int[Array, "N K"],
+                            gate: jax.Array, up: jax.Array, down: jax.Array, *, quant: ExpertScales,
+                            biases: Biases | None = None, act: Callable = swiglu) -> Float[Array, "N D"]:
+    """Every expert on every token, unrouted ones weighted zero, for quantized experts: one expert at a time
+    (a scan over E), each product :func:`dflash_jax.kernels.quantized.reference` of that expert's values and
+    scales, so at most one expert's values are ever converted; the weighted outputs summed in float32."""
+    dense_w = jnp.sum(jax.nn.one_hot(idx, gate.shape[0], dtype=x.dtype) * weights[..., None], axis=1)  # [N, E]
+    bias = biases if biases is not None else (jnp.zeros(gate.shape[::2], x.dtype),) * 2 + (
+        jnp.zeros((gate.shape[0], x.shape[-1]), x.dtype),)
+
+    def one(acc, xs):
+        g_e, u_e, d_e, sg, su, sd, bg, bu, bd, w_e = xs
+        g = quantized_reference(x, g_e, sg, quant.gate_up_block, x.dtype) + bg
+        u = quantized_reference(x, u_e, su, quant.gate_up_block, x.dtype) + bu
+        y = quantized_reference(act(g, u), d_e, sd, quant.down_block, x.dtype) + bd
+        return acc + y.astype(jnp.float32) * w_e[:, None].astype(jnp.float32), None
+
+    xs = (gate, up, down, quant.gate, quant.up, quant.down, *bias, dense_w.T)
+    out, _ = jax.lax.scan(one, jnp.zeros(x.shape, jnp.float32), xs)
+    return out.astype(x.dtype)
 
 
 # Under a (dp, tp) mesh the kernels run per device (shard_map): token rows over dp, the experts' hidden F over
@@ -249,7 +322,8 @@ def run_grouped(impl: str, grouped: Callable, reason: Callable, x, weights, idx,
 
 def experts_auto(x, weights, idx, gate, up, down, *, kernels: Kernels = Kernels(), **kw) -> jax.Array:
     """The grouped kernel where it applies (module docstring), else gathered while N·K ≤ E (it then reads at
-    most as many weight sets as exist), else all experts. ``kw``: ``biases``, ``act``.
+    most as many weight sets as exist), else all experts. ``kw``: ``biases``, ``act``, ``quant`` (quantized
+    experts' scales: a kernel that does not take them declines; all experts then run one at a time).
 
     Shapes are static, so the choice is made at trace time: decode/verify steps of small batches gather,
     prefill and wide verify batches run every expert (on a GPU: at 1 token gathering takes a twelfth of the
@@ -261,5 +335,8 @@ def experts_auto(x, weights, idx, gate, up, down, *, kernels: Kernels = Kernels(
             return out
     if math.prod(idx.shape) <= gate.shape[0]:
         return experts_gathered(x, weights, idx, gate, up, down, **kw)
+    if kw.get("quant") is not None:
+        return experts_dense_quantized(x, weights, idx, gate, up, down, **kw)
+    kw.pop("quant", None)
     grouped = jax.default_backend() in kernels.tuning.moe_grouped_on
     return (experts_grouped if grouped else experts_dense)(x, weights, idx, gate, up, down, **kw)

@@ -19,8 +19,9 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from dflash_jax.config import CheckpointError, ModelConfig
-from dflash_jax.kernels.moe import experts_auto
+from dflash_jax.kernels.moe import ExpertScales, experts_auto
 from dflash_jax.models.layers import MLP, Dense, normal_init, matmul
+from dflash_jax.quant import QuantParam, Scheme
 from dflash_jax.tuning import Kernels
 
 
@@ -38,13 +39,48 @@ def route(x: Float[Array, "N D"], router: Float[Array, "D E"], k: int, normalize
     return weights.astype(x.dtype), idx
 
 
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
 class Experts(nnx.Module):
-    """E SwiGLU experts, stacked: ``gate_proj``/``up_proj`` ``[E, D, F]``, ``down_proj`` ``[E, F, D]``."""
+    """E SwiGLU experts, stacked: ``gate_proj``/``up_proj`` ``[E, D, F]``, ``down_proj`` ``[E, F, D]``.
+
+    Quantized (:meth:`set_quantized`, ``quant`` a :class:`~dflash_jax.quant.Scheme`): each projection holds int8
+    / fp8 values and ``{name}_scale`` ``[E, nbi, nbo]`` float32, every expert's ``[in, out]`` matrix scaled in the
+    scheme's blocks as a quantized :class:`~dflash_jax.models.layers.Dense` kernel is."""
 
     def __init__(self, e: int, d: int, f: int, *, dtype, rngs: nnx.Rngs):
         self.gate_proj = nnx.Param(normal_init(rngs, (e, d, f), 1.0 / math.sqrt(d), dtype))
         self.up_proj = nnx.Param(normal_init(rngs, (e, d, f), 1.0 / math.sqrt(d), dtype))
         self.down_proj = nnx.Param(normal_init(rngs, (e, f, d), 1.0 / math.sqrt(f), dtype))
+        self.quant: Scheme | None = None  # static: part of the graph (and the programs' key)
+        self.gate_proj_scale = self.up_proj_scale = self.down_proj_scale = nnx.data(None)
+
+    def set_quantized(self, scheme: Scheme, tensors: dict[str, tuple[jax.Array, jax.Array]]) -> None:
+        """Hold each projection's (values ``[E, in, out]``, scales ``[E, nbi, nbo]``) of ``tensors`` (by name: all
+        three) in place of its float weights (abstract arrays too)."""
+        for name in PROJECTIONS:
+            values, scale = tensors[name]
+            shape = tuple(getattr(self, name).shape)
+            want = shape[:1] + scheme.scale_shape(*shape[1:])
+            if tuple(values.shape) != shape or tuple(scale.shape) != want:
+                raise ValueError(f"{scheme} of experts {shape} takes values {shape} and scales {want}, got "
+                                 f"{tuple(values.shape)} and {tuple(scale.shape)}")
+            setattr(self, name, QuantParam(values.astype(scheme.dtype)))
+            setattr(self, name + "_scale", QuantParam(scale.astype(jnp.float32)))
+        self.quant = scheme
+
+    def scales(self) -> ExpertScales | None:
+        """The scales the expert kernels take (None: float experts)."""
+        if self.quant is None:
+            return None
+        return ExpertScales(self.gate_proj_scale[...], self.up_proj_scale[...], self.down_proj_scale[...],
+                            self.quant.blocks(*self.gate_proj.shape[1:]), self.quant.blocks(*self.down_proj.shape[1:]))
+
+
+def quantizable_experts(model: nnx.Module) -> list[tuple[tuple[str, ...], Experts]]:
+    """The stacked experts of ``model`` (a MoE target's routed experts) with their paths."""
+    return [(tuple(str(p) for p in path), m) for path, m in nnx.iter_graph(model) if isinstance(m, Experts)]
 
 
 class SparseMoE(nnx.Module):
@@ -66,7 +102,8 @@ class SparseMoE(nnx.Module):
         flat = x.reshape(-1, x.shape[-1])
         weights, idx = route(flat, self.gate.kernel[...], self.top_k, self.normalize, kernels)
         e = self.experts
-        out = experts_auto(flat, weights, idx, e.gate_proj[...], e.up_proj[...], e.down_proj[...], kernels=kernels)
+        out = experts_auto(flat, weights, idx, e.gate_proj[...], e.up_proj[...], e.down_proj[...], kernels=kernels,
+                           quant=e.scales())
         if self.shared_expert is not None:
             out = out + jax.nn.sigmoid(self.shared_expert_gate(flat, kernels)) * self.shared_expert(flat, kernels)
         return out.reshape(x.shape)
@@ -76,7 +113,7 @@ class SparseMoE(nnx.Module):
 # Checkpoints
 # --------------------------------------------------------------------------------------------------
 
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight(_scale_inv)?$")
 
 
 def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -85,17 +122,22 @@ def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     Accepts the per-expert ``experts.{e}.{gate,up,down}_proj.weight`` of the public Qwen3-MoE checkpoints
     (what ``save_pretrained`` writes too) and the fused ``experts.gate_up_proj`` ``[E, 2F, D]`` (gate rows
     first) / ``experts.down_proj`` ``[E, D, F]`` of transformers 5's in-memory layout; others are left alone.
+    FP8 experts' scales (``….weight_scale_inv`` per expert, ``experts.gate_up_proj_scale_inv``) are stacked
+    likewise, as ``{base}.experts.{gate,up,down}_proj_scale_inv`` ``[E, nbo, nbi]``.
     """
     groups: dict[tuple[str, str], dict[int, str]] = defaultdict(dict)
     for name in list(tensors):
         m = _EXPERT.match(name)
         if m:
-            groups[m[1], m[3]][int(m[2])] = name
-        elif name.endswith(".experts.gate_up_proj"):
+            groups[m[1], m[3] + (m[4] or "")][int(m[2])] = name
+        elif name.endswith(".experts.gate_up_proj") or name.endswith(".experts.gate_up_proj_scale_inv"):
             gate_up = tensors.pop(name)
             f = gate_up.shape[1] // 2
-            base = name[: -len("gate_up_proj")]
-            tensors[base + "gate_proj"], tensors[base + "up_proj"] = gate_up[:, :f], gate_up[:, f:]
+            if 2 * f != gate_up.shape[1]:
+                raise CheckpointError(f"{name}: {tuple(gate_up.shape)} does not split into gate and up halves")
+            base, suffix = name.split(".experts.gate_up_proj")
+            base += ".experts."
+            tensors[base + "gate_proj" + suffix], tensors[base + "up_proj" + suffix] = gate_up[:, :f], gate_up[:, f:]
     for (base, proj), names in groups.items():
         if sorted(names) != list(range(len(names))):
             raise CheckpointError(f"{base}.{proj}: experts {sorted(names)} are not numbered 0..{len(names) - 1}")

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from dflash_jax.kernels.common import compile_probe, native
+from dflash_jax.kernels.common import compile_probe, log_once, native
 from dflash_jax.kernels.moe import Biases, argument_reason, combine, group_pairs, run_grouped, swiglu
 from dflash_jax.pallas.common import Interpret, interpret_arg, round_up, sublanes
 from dflash_jax.tuning import Kernels
@@ -174,10 +174,13 @@ def grouped_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.
 
 
 def experts_kernel(x, weights, idx, gate, up, down, *, biases: Biases | None = None, act: Callable = swiglu,
-                   kernels: Kernels) -> jax.Array | None:
+                   kernels: Kernels, quant=None) -> jax.Array | None:
     """The entry of the kernel dispatch (op ``"moe_experts"``): :func:`grouped_experts` (interpret mode off a TPU;
     on a TPU compiled alone first — it has never met a real Mosaic compiler), per device under a mesh, or None
-    where the XLA paths must run."""
+    where the XLA paths must run (quantized experts too: the kernel reads float weights)."""
+    if quant is not None:
+        log_once("MoE experts: quantized experts take the XLA path (the TPU grouped kernel reads float weights)")
+        return None
     interp = None if native("pallas") else pltpu.InterpretParams()
     return run_grouped("pallas", functools.partial(grouped_experts, interpret=interp),
                        functools.partial(unsupported_reason, interpret=interp), x, weights, idx, gate, up, down,

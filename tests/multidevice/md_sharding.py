@@ -229,6 +229,21 @@ def test_quantized_targets_under_a_mesh():
     assert generate(placed, PROMPTS, **kw).token_ids == generate(one, PROMPTS, **kw).token_ids
 
 
+def test_quantized_moe_experts_under_a_mesh():
+    """Quantized routed experts (int8, per expert and output channel): values and scales split like the experts'
+    hidden F over tp (the down projection's [E, 1, D] scales replicated), tokens as on one device."""
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
+    kw = dict(max_new_tokens=10, stop_token_ids=[])
+    one = quantize(tiny_target("qwen3_moe", seed=3, **SHAPE, **experts), "int8")
+    t = quantize(shard(tiny_target("qwen3_moe", seed=3, **SHAPE, **experts), make_mesh(tp=2, dp=2)), "int8")
+    e = t.model.layers[0].mlp.experts
+    assert e.quant == Scheme("int8") and e.gate_proj[...].dtype == np.int8
+    assert e.gate_proj_scale[...].sharding.spec == P(None, None, "tp")
+    assert e.down_proj[...].sharding.spec == P(None, "tp", None) and e.down_proj_scale[...].sharding.spec == P(
+        None, None, None)
+    assert generate(t, PROMPTS, **kw).token_ids == generate(one, PROMPTS, **kw).token_ids
+
+
 def test_mistral_under_a_mesh():
     """The worked example of docs/port-a-model.md: a family with no partition rules of its own (the shared ones
     split it) and a sliding window on every layer, token-identical under tp × dp."""

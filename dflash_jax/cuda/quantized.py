@@ -1,0 +1,249 @@
+"""GPU dequantize-and-multiply (Pallas → Triton): ``x @ W`` for a few tokens and an int8 / fp8 (e4m3) kernel
+``W`` with float32 block scales, reading the quantized bytes and never writing a dequantized kernel.
+
+Same semantics and arguments as :func:`dflash_jax.kernels.quantized.reference` (the jnp reference): ``x [T, D]``
+(leading axes flattened), ``q [D, E]`` int8 or float8_e4m3fn, ``scale [ceil(D / bi), ceil(E / bo)]`` float32,
+``block = (bi, bo)`` (layout in :mod:`dflash_jax.quant.scheme`). T is small: a decode step (1 token a row),
+a verify block (16–64); prefill keeps the XLA path (compute-bound there, where a dequantized operand costs
+little next to the products).
+
+Why: a decode step is bound by the weights it reads. Whether XLA fuses the reference's int8 → bfloat16
+conversion into its dot or writes the converted kernel out first is XLA's choice, backend by backend; this
+kernel loads weight tiles as stored (1 byte a value), converts them in registers and accumulates in float32.
+
+Layout: grid ``(row tiles, E / block_e, splits)``. Program (r, j, s) owns output columns ``[e0, e0 + block_e)``
+of ``rows`` token rows and the D rows of its split; it steps over them ``block_d`` at a time (software-
+pipelined ``num_stages`` deep): an ``x`` tile ``[rows, block_d]`` (x's dtype) and a weight tile ``[block_d,
+block_e]`` (int8 / fp8, converted to x's dtype: exact, every int8 and e4m3 value is a bfloat16 number) are
+multiplied into a float32 ``[rows, block_e]`` accumulator. Scales:
+
+* one row block (per output channel, or blocks of output columns): applied once to the accumulator;
+* several row blocks (group-wise int8, HF's 128 × 128 FP8 blocks): ``block_d`` divides ``bi``, so every step
+  lies in one row block and its product is scaled before it is added (per column, or one scalar when
+  ``block_e`` divides ``bo``).
+
+``rows`` = clamp(next_pow2(T), 16, 64) for the tensor-core path (``tl.dot`` takes 16 rows at least; rows past T
+load zeros and are never stored). One token (``gemv``, the default at T = 1) multiplies elementwise into a
+``[block_d, block_e]`` float32 accumulator summed over D once at the end, as :func:`dflash_jax.cuda.moe.
+pair_experts` does: no padding rows, no operand shuffle into the tensor-core layout.
+
+D splits: few output blocks (a 4096 × 1024 K/V projection is 16 blocks of 64 columns) would leave most SMs
+idle, so D is cut into ``splits`` so that about ``programs_per_sm`` programs run per SM; the splits' float32
+partial sums ``[splits, T, E]`` are added by XLA (a few percent of the weight bytes at decode sizes). Defaults
+(64 columns, 128 D rows a step, 4 warps, 4 stages, ~4 programs per SM) are reasoned, not swept:
+``benchmarks/bench_quantized_step.py --sweep`` times alternatives on the GPU.
+
+float8 tiles need ``sm_89`` or newer (Triton converts e4m3 in registers from Ada / Hopper on); int8 runs on any
+GPU the other kernels run on. Float32 activations follow JAX's default matmul precision (TF32, or IEEE under
+"highest"), as in :mod:`dflash_jax.cuda`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from dflash_jax.cuda.common import SUPPORTED_DTYPES, cdiv, highest_precision_requested, next_pow2, num_sms
+from dflash_jax.kernels.common import log_once, mesh_sizes, native
+from dflash_jax.tuning import Kernels
+
+__all__ = ["quantized_matmul", "quantized_matmul_kernel", "unsupported_reason"]
+
+WEIGHT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+_MIN_TILE = 16  # tl.dot's smallest M, N and K
+_MIN_SPLIT_ROWS = 256  # a D split streams at least this many kernel rows
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    rows: int  # token rows per tile (power of two >= 16; 1 on the GEMV path)
+    block_e: int  # output columns per program
+    block_d: int  # kernel rows per loop step
+    splits: int  # D splits (programs), summed after the kernel
+    chunk_d: int  # kernel rows per split (a multiple of block_d)
+    gemv: bool
+    per_step_scale: bool  # several row blocks: each step's product scaled before it is added
+    scalar_scale: bool  # bo > 1: one scale per (row block, program) instead of one per column
+    bo: int
+    bi: int
+    num_warps: int
+    num_stages: int
+    ieee_f32: bool
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two dividing ``n`` and at most ``cap``."""
+    b = 1
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def _blocks(d: int, e: int, block: tuple[int, int], block_e: int | None, block_d: int | None) -> tuple[int, int]:
+    """(block_e, block_d): powers of two ≥ 16, no wider than needed, each tile inside one scale block where the
+    scales have several (block_e dividing bo > 1; block_d dividing bi < D)."""
+    bi, bo = block
+    be = max(_MIN_TILE, min(next_pow2(block_e or 64), next_pow2(e)))
+    bd = max(_MIN_TILE, min(next_pow2(block_d or 128), next_pow2(d)))
+    if bo > 1:
+        be = min(be, _pow2_divisor(bo, be))
+    if cdiv(d, bi) > 1:
+        bd = min(bd, _pow2_divisor(bi, bd))
+    return be, bd
+
+
+def unsupported_reason(x, q, scale, block: tuple[int, int], *, interpret: bool = False, block_e: int | None = None,
+                       block_d: int | None = None, **_: object) -> str | None:
+    """Why :func:`quantized_matmul` cannot run these arguments (arrays or ShapeDtypeStructs) here, or None."""
+    if not interpret and jax.default_backend() != "gpu":
+        return f"needs a GPU backend (have {jax.default_backend()!r}; interpret=True runs on any backend)"
+    if q.ndim != 2 or x.shape[-1] != q.shape[0]:
+        return f"expected x [..., D] and a kernel [D, E], got {tuple(x.shape)} and {tuple(q.shape)}"
+    if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+        return f"activations {jnp.dtype(x.dtype)} are not one of {', '.join(map(str, SUPPORTED_DTYPES))}"
+    if jnp.dtype(q.dtype) not in WEIGHT_DTYPES:
+        return f"kernel dtype {jnp.dtype(q.dtype)} is not int8 or float8_e4m3fn"
+    d, e = q.shape
+    be, bd = _blocks(d, e, block, block_e, block_d)
+    if be < _MIN_TILE:
+        return f"scale blocks of {block[1]} columns have no power-of-two tile of ≥ {_MIN_TILE} columns inside them"
+    if bd < _MIN_TILE:
+        return f"scale blocks of {block[0]} rows have no power-of-two tile of ≥ {_MIN_TILE} rows inside them"
+    if not interpret and jnp.dtype(q.dtype) == jnp.float8_e4m3fn:
+        cc = getattr(jax.devices()[0], "compute_capability", None)
+        if cc is not None and float(cc) < 8.9:
+            return f"float8 tiles need compute capability ≥ 8.9 (have {cc})"
+    return None
+
+
+def _make_config(t: int, d: int, e: int, block: tuple[int, int], dtype, *, block_e, block_d, num_splits, gemv,
+                 num_warps, num_stages, programs_per_sm: int) -> _Config:
+    bi, bo = block
+    be, bd = _blocks(d, e, block, block_e, block_d)
+    gemv = t == 1 if gemv is None else bool(gemv and t == 1)
+    rows = 1 if gemv else min(max(next_pow2(t), _MIN_TILE), 64)
+    programs = cdiv(t, rows) * cdiv(e, be)
+    if num_splits is None:
+        num_splits = max(1, min(cdiv((programs_per_sm or 4) * num_sms(), programs), d // _MIN_SPLIT_ROWS))
+    num_splits = max(1, min(num_splits, cdiv(d, bd)))
+    chunk = cdiv(cdiv(d, num_splits), bd) * bd
+    return _Config(rows=rows, block_e=be, block_d=bd, splits=cdiv(d, chunk), chunk_d=chunk, gemv=gemv,
+                   per_step_scale=cdiv(d, bi) > 1, scalar_scale=bo > 1, bo=bo, bi=bi, num_warps=num_warps or 4,
+                   num_stages=num_stages or 4,
+                   ieee_f32=jnp.dtype(dtype) == jnp.float32 and highest_precision_requested())
+
+
+def _tail_mask(start, block: int, extent: int):
+    """[block] mask of indices < extent, or None when blocks tile the extent exactly."""
+    return None if extent % block == 0 else start + jnp.arange(block) < extent
+
+
+def _and(*masks):
+    masks = [m for m in masks if m is not None]
+    return functools.reduce(jnp.logical_and, masks) if masks else None
+
+
+def _load(ref, mask):
+    return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0)
+
+
+def _kernel(x_ref, q_ref, s_ref, o_ref, *, c: _Config, t: int, d: int, e: int):
+    # x [T, D]; q [D, E] int8 / fp8; s [nbi, nbo] float32; o [splits, T, E] float32 (or [T, E] when one split).
+    r, j, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    r0, e0, d_lo = r * c.rows, j * c.block_e, sp * c.chunk_d
+    rmask = _tail_mask(r0, c.rows, t) if not c.gemv else None
+    emask = _tail_mask(e0, c.block_e, e)
+    steps = lax.div(jnp.minimum(c.chunk_d, d - d_lo) + c.block_d - 1, c.block_d)
+    compute = x_ref.dtype
+
+    def scale(kb):
+        """The scales of row block ``kb`` for this program's columns: a scalar, or [block_e]."""
+        if c.scalar_scale:
+            return s_ref[kb, e0 // c.bo]
+        return _load(s_ref.at[kb, pl.ds(e0, c.block_e)], emask)
+
+    def weights(d0, dmask):
+        wmask = _and(None if dmask is None else dmask[:, None], None if emask is None else emask[None, :])
+        return _load(q_ref.at[pl.ds(d0, c.block_d), pl.ds(e0, c.block_e)], wmask)
+
+    def step(i, acc):
+        d0 = d_lo + i * c.block_d
+        dmask = _tail_mask(d0, c.block_d, d)
+        if c.gemv:  # one token: multiply-adds into [block_d, block_e], summed over D after the loop
+            xv = _load(x_ref.at[jnp.int32(0), pl.ds(d0, c.block_d)], dmask).astype(jnp.float32)
+            part = xv[:, None] * weights(d0, dmask).astype(jnp.float32)
+        else:
+            xt = _load(x_ref.at[pl.ds(r0, c.rows), pl.ds(d0, c.block_d)],
+                       _and(None if rmask is None else rmask[:, None], None if dmask is None else dmask[None, :]))
+            prec = lax.Precision.HIGHEST if c.ieee_f32 else lax.Precision.DEFAULT
+            part = lax.dot_general(xt, weights(d0, dmask).astype(compute), (((1,), (0,)), ((), ())),
+                                   precision=prec, preferred_element_type=jnp.float32)
+        if c.per_step_scale:
+            s = scale(d0 // c.bi)
+            part = part * (s if c.scalar_scale else s[None, :])
+        return acc + part
+
+    shape = (c.block_d, c.block_e) if c.gemv else (c.rows, c.block_e)
+    acc = lax.fori_loop(0, steps, step, jnp.zeros(shape, jnp.float32))
+    if c.gemv:
+        acc = jnp.sum(acc, axis=0)[None, :]
+    if not c.per_step_scale:
+        s = scale(jnp.int32(0))
+        acc = acc * (s if c.scalar_scale else s[None, :])
+    omask = _and(None if rmask is None else rmask[:, None], None if emask is None else emask[None, :])
+    rows = pl.ds(r0, c.rows) if not c.gemv else pl.ds(0, 1)
+    out = o_ref.at[sp, rows, pl.ds(e0, c.block_e)] if c.splits > 1 else o_ref.at[rows, pl.ds(e0, c.block_e)]
+    plgpu.store(out, acc.astype(o_ref.dtype), mask=omask)
+
+
+def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, block: tuple[int, int], *, out_dtype=None,
+                     block_e: int | None = None, block_d: int | None = None, num_splits: int | None = None,
+                     gemv: bool | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                     programs_per_sm: int = 0, interpret: bool = False) -> jax.Array:
+    """``x @ dequantize(q, scale)`` (module docstring) in ``out_dtype`` (x's dtype unless given). Tuning
+    (static): ``block_e`` output columns per program (64), ``block_d`` kernel rows per step (128; both powers of
+    two ≥ 16, narrowed to fit inside scale blocks), ``num_splits`` D splits (default: ~``programs_per_sm`` (4)
+    programs per SM), ``gemv`` the one-token path (default: at T = 1), ``num_warps`` (4), ``num_stages`` (4)."""
+    lead, (d, e) = x.shape[:-1], q.shape
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    x2 = x.reshape(-1, d)
+    t = x2.shape[0]
+    c = _make_config(t, d, e, tuple(block), x.dtype, block_e=block_e, block_d=block_d, num_splits=num_splits,
+                     gemv=gemv, num_warps=num_warps, num_stages=num_stages, programs_per_sm=programs_per_sm)
+    rows = 1 if c.gemv else c.rows
+    # One split writes the output directly; several write float32 partial sums that XLA adds.
+    out_shape = (jax.ShapeDtypeStruct((c.splits, t, e), jnp.float32) if c.splits > 1
+                 else jax.ShapeDtypeStruct((t, e), out_dtype))
+    out = pl.pallas_call(
+        functools.partial(_kernel, c=c, t=t, d=d, e=e), out_shape=out_shape,
+        grid=(cdiv(t, rows), cdiv(e, c.block_e), c.splits),
+        compiler_params=plgpu.CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages),
+        interpret=interpret, name="dflash_quantized_matmul")(x2, q, scale.astype(jnp.float32))
+    if c.splits > 1:
+        out = jnp.sum(out, axis=0)
+    return out.astype(out_dtype).reshape(*lead, e)
+
+
+def quantized_matmul_kernel(x, q, scale, block, *, out_dtype, kernels: Kernels) -> jax.Array | None:
+    """The entry of the kernel dispatch (op ``"quantized_matmul"``): :func:`quantized_matmul` (interpret mode off
+    a GPU) for calls of at most ``kernels.tuning.quant_kernel_max_tokens`` tokens, or None where the reference
+    must run (more tokens, shapes the kernel does not take, or under a mesh: the op does not know how its
+    kernel is split, and a custom call over sharded operands would gather them)."""
+    interpret = not native("cuda")
+    t = 1
+    for n in x.shape[:-1]:
+        t *= n
+    if t > kernels.tuning.quant_kernel_max_tokens:
+        return None  # prefill: the XLA path (not worth a log line)
+    why = "under a device mesh" if mesh_sizes() else unsupported_reason(x, q, scale, block, interpret=interpret)
+    if why is not None:
+        log_once(f"quantized matmul: the XLA reference instead of the GPU kernel ({why})")
+        return None
+    return quantized_matmul(x, q, scale, block, out_dtype=out_dtype, interpret=interpret,
+                            programs_per_sm=kernels.tuning.programs_per_sm)
