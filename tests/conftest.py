@@ -227,7 +227,7 @@ def pytest_sessionfinish(session):
 FILE_SECONDS = {"test_train.py": 122, "test_real_pair.py": 127, "test_sharding.py": 88, "test_schedule.py": 79,
                 "test_notebook.py": 72, "test_batch.py": 65, "test_sampling.py": 54, "test_continuous.py": 40,
                 "test_lossless.py": 36, "test_hybrid.py": 30, "test_smollm2.py": 28, "test_kernel_dispatch.py": 28,
-                "test_dspark.py": 26, "test_quantized.py": 25, "test_dflash2.py": 20, "test_target_vs_transformers.py": 25, "test_draft_vocab.py": 23,
+                "test_dspark.py": 26, "test_quantized.py": 34, "test_dflash2.py": 24, "test_train_dflash2.py": 10, "test_target_vs_transformers.py": 25, "test_draft_vocab.py": 23,
                 "test_pallas_tpu.py": 22, "test_streaming.py": 16, "test_zlab_fixture.py": 14,
                 "test_delta_rule_kernel.py": 13, "test_moe_kernels.py": 12, "test_cuda_kernels.py": 11,
                 "test_gpt_oss.py": 11, "test_mistral.py": 12}
