@@ -99,6 +99,9 @@ class Drafter(_Handle):
     trained: bool = True
     mesh: Mesh | None = None
     cost_tables: dict | None = None  # backend (or "backend@device") → costs.CostTable for this pair (load_pair)
+    # What decoding with this drafter observed, by batch shape: the fallback's running acceptance estimate
+    # (dflash_jax.engine.switching), so that a later call starts from it rather than from a probe.
+    observed: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def config(self) -> DrafterConfig:

@@ -341,7 +341,7 @@ class DecodeSettings:
 # Knobs the host has used up before a spec is built (the verify mode is resolved with them): the spec carries
 # them at a fixed value, so that they do not split the program cache.
 _HOST_ONLY = dict(auto_compact_ratio=1.0, ar_fallback=True, drafted_segment_cycles=128, probe_cycles=2,
-                  fallback_steps=32)
+                  fallback_steps=32, remember_acceptance=True)
 
 
 def traced(tuning: Tuning) -> Tuning:

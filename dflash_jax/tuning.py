@@ -104,6 +104,9 @@ class Tuning:
     drafted_segment_cycles: int = 128
     probe_cycles: int = 2
     fallback_steps: int = 32
+    # ... and a later run of the same batch shape with the same drafter starts from the acceptance the earlier ones
+    # observed (their running τ, mode and probe countdown) instead of a drafted probe.
+    remember_acceptance: bool = True
     # On a GPU, a compact loop that plans its steps ahead switches tiers from the host instead of a CUDA-graph
     # conditional node.
     host_tier_switch: bool = True

@@ -203,12 +203,52 @@ def test_the_policy_falls_back_where_drafting_loses(tiny):
     assert out.token_ids == ref.token_ids and out.stats["ar_fallback_steps"] == 0
 
 
+def test_a_later_run_starts_from_what_earlier_runs_observed(tiny):
+    """The drafter handle keeps the fallback's running estimate per batch shape: after a run where drafting lost,
+    the next run of that shape starts on the fallback — no drafted probe first — and counts down to the earlier
+    run's next probe; its tokens are still AR's. With ``remember_acceptance=False`` each run probes first."""
+    target, prompts, ref = tiny
+    kw = dict(stop_token_ids=[7, 21], cost_table=table(len(prompts)))
+    wrong = oracle_drafter(target, prompts, ref.token_ids, block_size=L, corrupt=1.0)
+    first = speculative_generate(target, wrong, prompts, 40, tuning=tuning(), **kw)
+    assert first.token_ids == ref.token_ids
+    assert first.stats["ar_fallback_steps"] < first.stats["cycles"]  # it drafted a probe first
+    (snap,) = wrong.observed.values()
+    assert snap["mode"] == AUTOREGRESSIVE and snap["until_probe"] > 4  # more fallback segments than a short run has
+    short = [t[:16] for t in ref.token_ids]
+    second = speculative_generate(target, wrong, prompts, 16, tuning=tuning(), **kw)  # 4 segments of 4 steps
+    assert second.token_ids == short and second.stats["ar_fallback_steps"] == second.stats["cycles"]
+    assert wrong.observed[next(iter(wrong.observed))]["until_probe"] == snap["until_probe"] - 4  # counted down
+    fresh = speculative_generate(target, wrong, prompts, 16, tuning=tuning(remember_acceptance=False), **kw)
+    assert fresh.token_ids == short and fresh.stats["ar_fallback_steps"] < fresh.stats["cycles"]  # a probe first
+    # a drafter that pays keeps drafting from the start
+    right = oracle_drafter(target, prompts, ref.token_ids, block_size=L, corrupt=0.0)
+    for _ in range(2):
+        out = speculative_generate(target, right, prompts, 40, tuning=tuning(), **kw)
+        assert out.token_ids == ref.token_ids and out.stats["ar_fallback_steps"] == 0
+
+
 FB = Fallback(ar_ms=1.0, drafted_ms=(2.0,), tokens_per_row=(L,))
 
 
 def segment(tau: float, rows: int = 16, steps: int = 8, left: int = 100):
     """A drafted segment's statistics: every row at ``tau`` tokens per step."""
     return np.full(rows, tau * steps), np.full(rows, steps), np.full(rows, left)
+
+
+def test_a_snapshot_resumes_the_policy():
+    p = SwitchPolicy(FB)
+    p.drafted(*segment(1), 2.0)
+    p.drafted(*segment(1), 2.0)
+    assert p.mode == AUTOREGRESSIVE
+    p.next_segment()
+    q = SwitchPolicy(FB)
+    q.resume(p.snapshot())
+    assert (q.mode, q.tau, q.until_probe, q.probing) == (AUTOREGRESSIVE, p.tau, p.until_probe, False)
+    assert [q.next_segment() for _ in range(p.until_probe + 1)][-1] == DRAFT  # the earlier run's countdown
+    r = SwitchPolicy(FB)
+    r.resume(None)  # nothing observed: a probe first
+    assert r.next_segment() == DRAFT and r.probing
 
 
 def test_policy_decisions():

@@ -182,6 +182,25 @@ class SwitchPolicy:
         else:
             self.cycles = self.probe_cycles  # not clear yet: decide again soon
 
+    def snapshot(self) -> dict:
+        """What a later run of the same batch shape starts from (:meth:`resume`): the batch's running τ and
+        drafted step cost, the mode, the probes' backoff and countdown. Rows' own figures are left out: a later
+        run's rows hold other text."""
+        return dict(tau=self.tau, seen=self.seen, step_ms=self.step_ms, mode=self.mode, backoff=self.backoff,
+                    until_probe=self.until_probe)
+
+    def resume(self, snap: dict | None) -> None:
+        """Start from an earlier run's :meth:`snapshot` (None: from nothing — a first drafted probe). A run that
+        starts on the fallback keeps counting down to the earlier run's next probe, so that a stream of short
+        calls still probes as one long call would."""
+        if not snap or snap.get("tau") is None or not self.fallback.can_pay:
+            return
+        self.tau, self.seen, self.step_ms = snap["tau"], snap["seen"], snap["step_ms"]
+        self.backoff, self.until_probe = snap["backoff"], snap["until_probe"]
+        self.mode = snap["mode"]
+        self.probing = False
+        self.cycles = self.probe_cycles
+
     def _fall_back(self) -> None:
         """Fallback segments until the next probe: a probe's cost ≤ PROBE_SHARE of the time between two, times
         the backoff."""
@@ -231,9 +250,10 @@ class Decoder:
 class SwitchingDecoder(Decoder):
     """The decode loop in segments, each drafted or autoregressive as ``policy`` says (module docstring)."""
 
-    def __init__(self, job, policy: SwitchPolicy, record: Record):
+    def __init__(self, job, policy: SwitchPolicy, record: Record, memory: dict | None = None, key=None):
         super().__init__(job)
         self.policy, self.record = policy, record
+        self.memory, self.key = memory, key  # where the policy's snapshot is kept between runs
         self.last_mode: str | None = None
         self.segment: _Segment | None = None  # the segment under way (a call may end inside one)
         self.ar_steps = policy.fallback_steps
@@ -273,12 +293,18 @@ class SwitchingDecoder(Decoder):
         if seg.mode == AUTOREGRESSIVE:
             self.record.ar_steps += seg.ran
             self.record.row_ar_steps += int(seg.cycles.sum())
+            self._remember()
             return
         left = np.where(after[:, 2] > 0, 0, after[:, 3] - after[:, 1])
         fb = self.policy.fallback
         tiers = seg.tiers
         step_ms = float(tiers @ np.asarray(fb.drafted_ms) / tiers.sum()) if tiers.sum() else fb.drafted_ms[-1]
         self.policy.drafted(seg.tokens, seg.cycles, left, step_ms)
+        self._remember()
+
+    def _remember(self) -> None:
+        if self.memory is not None:
+            self.memory[self.key] = self.policy.snapshot()
 
     def compile(self) -> None:
         self._fallback_program()
@@ -356,4 +382,11 @@ def decoder(job, record: Record | None = None, pooled: bool = False) -> Decoder:
     fallback_steps = max(1, -(-tuning.fallback_steps // l)) * l
     policy = SwitchPolicy(job.fallback, pooled, max(1, tuning.probe_cycles), fallback_steps,
                           max(1, tuning.drafted_segment_cycles))
-    return SwitchingDecoder(job, policy, record if record is not None else Record())
+    # Runs of one batch shape with this drafter share what they observed (the drafter handle keeps it).
+    spec = job.spec
+    key = (id(job.target), job.fallback, pooled, spec.verify_mode, spec.tiers, spec.block_size, spec.sampling,
+           spec.draft_sampling)
+    memory = job.drafter.observed if tuning.remember_acceptance else None
+    if memory is not None:
+        policy.resume(memory.get(key))
+    return SwitchingDecoder(job, policy, record if record is not None else Record(), memory, key)
