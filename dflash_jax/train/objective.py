@@ -174,6 +174,18 @@ def drafter_forward_blocks(drafter: DFlashDrafter, target: TargetModel, features
     return drafter.norm(x).reshape(bs, a, l, -1)
 
 
+def forward_blocks(drafter: DFlashDrafter, target: TargetModel, batch: dict, block_size: int,
+                   features: Float[Array, "Bs T F"] | None = None):
+    """The drafter over each anchor's block of ``batch`` (``block_size`` inputs, the anchor first): (block ids,
+    labels, which labels exist, hidden states [Bs, A, L, D]); ``features``: the target's, when computed already."""
+    if features is None:
+        features = target_features(target, batch["tokens"], drafter.config.target_layer_ids)
+    block_ids, positions, labels, label_ok = block_inputs(batch["tokens"], batch["lengths"], batch["anchors"],
+                                                          batch["valid"], block_size, drafter.config.mask_token_id)
+    hidden = drafter_forward_blocks(drafter, target, features, block_ids, positions, batch["anchors"])
+    return block_ids, labels, label_ok, hidden
+
+
 def target_states(target: TargetModel, tokens: Int[Array, "Bs T"], capture: tuple[int, ...]
                   ) -> tuple[Float[Array, "Bs T D"], Float[Array, "Bs T F"]]:
     """Frozen target final-normed hidden states and features of every position (one forward, no cache)."""
@@ -205,11 +217,7 @@ def anchor_acceptance(drafter: DFlashDrafter, target: TargetModel, batch: dict,
 def dflash_acceptance(drafter: DFlashDrafter, target: TargetModel, batch: dict,
                       block_size: int) -> Int[Array, "Bs A"]:
     """``anchor_acceptance`` for DFlash: every draft of a block read at once."""
-    cfg = drafter.config
-    features = target_features(target, batch["tokens"], cfg.target_layer_ids)
-    block_ids, positions, labels, label_ok = block_inputs(batch["tokens"], batch["lengths"], batch["anchors"],
-                                                          batch["valid"], block_size, cfg.mask_token_id)
-    hidden = drafter_forward_blocks(drafter, target, features, block_ids, positions, batch["anchors"])
+    _, labels, label_ok, hidden = forward_blocks(drafter, target, batch, block_size)
     guess = drafter.to_target_ids(jnp.argmax(drafter.draft_logits(hidden[:, :, 1:], target), -1))
     return _leading((guess == labels) & label_ok) + 1
 
@@ -283,13 +291,7 @@ def dflash_loss(drafter: DFlashDrafter, target: TargetModel, batch: dict, *, wei
     """
     if drafter.d2t is not None:  # labels live in the target vocabulary; train on the whole vocabulary
         raise NotImplementedError("training a drafter restricted to a reduced draft vocabulary is not supported")
-    cfg = drafter.config
-    l = weights.shape[0] + 1
-    if features is None:
-        features = target_features(target, batch["tokens"], cfg.target_layer_ids)
-    block_ids, positions, labels, label_ok = block_inputs(batch["tokens"], batch["lengths"], batch["anchors"],
-                                                          batch["valid"], l, cfg.mask_token_id)
-    hidden = drafter_forward_blocks(drafter, target, features, block_ids, positions, batch["anchors"])
+    _, labels, label_ok, hidden = forward_blocks(drafter, target, batch, weights.shape[0] + 1, features)
     ce, top1 = slot_cross_entropy(drafter, target, hidden[:, :, 1:], labels, ce_chunk_rows)
     w = weights[None, None, :] * label_ok
     loss = (ce * w).sum() / jnp.maximum(w.sum(), 1e-6)
@@ -484,14 +486,8 @@ def dflash2_loss(drafter: DFlash2Drafter, target: TargetModel, batch: dict, *, w
     """
     if drafter.d2t is not None:  # labels and candidates live in the target vocabulary
         raise NotImplementedError("training a DFlash2 drafter with a reduced draft vocabulary is not supported")
-    cfg = drafter.config
-    l = weights.shape[0] + 1
-    if features is None:
-        features = target_features(target, batch["tokens"], cfg.target_layer_ids)
-    block_ids, positions, labels, label_ok = block_inputs(batch["tokens"], batch["lengths"], batch["anchors"],
-                                                          batch["valid"], l, cfg.mask_token_id)
+    block_ids, labels, label_ok, hidden = forward_blocks(drafter, target, batch, weights.shape[0] + 1, features)
     prev = jnp.concatenate([block_ids[..., :1], labels[..., :-1]], axis=-1)  # the anchor, then the labels
-    hidden = drafter_forward_blocks(drafter, target, features, block_ids, positions, batch["anchors"])
     ce, top1, sel_ce, sel_top1, found = dflash2_slot_terms(drafter, target, hidden[:, :, 1:], labels, prev,
                                                            ce_chunk_rows)
     w = weights[None, None, :] * label_ok
@@ -517,11 +513,7 @@ def dflash2_acceptance(drafter: DFlash2Drafter, target: TargetModel, batch: dict
     """``anchor_acceptance`` for DFlash2, drafting as decoding does (the kind's own top-K and greedy walk over
     each block, not teacher-forced), plus each draft's confidence as a logit, ``log c − log(1 − c)`` of the
     walk's probability c of its choice (what the eval stage's calibration report reads)."""
-    cfg = drafter.config
-    features = target_features(target, batch["tokens"], cfg.target_layer_ids)
-    block_ids, positions, labels, label_ok = block_inputs(batch["tokens"], batch["lengths"], batch["anchors"],
-                                                          batch["valid"], block_size, cfg.mask_token_id)
-    hidden = drafter_forward_blocks(drafter, target, features, block_ids, positions, batch["anchors"])
+    block_ids, labels, label_ok, hidden = forward_blocks(drafter, target, batch, block_size)
     bs, a, l, d = hidden.shape
     drafts, _, conf = drafters.kind_of(drafter).draft(target, hidden[:, :, 1:].reshape(bs * a, l - 1, d),
                                                       block_ids[..., 0].reshape(-1), _greedy, None)
