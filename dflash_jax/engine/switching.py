@@ -295,11 +295,18 @@ class SwitchingDecoder(Decoder):
             self.record.row_ar_steps += int(seg.cycles.sum())
             self._remember()
             return
-        left = np.where(after[:, 2] > 0, 0, after[:, 3] - after[:, 1])
+        done = after[:, 2] > 0
+        if done.all():  # the run is over: nothing left to decide, and its last cycles say little (below)
+            return
+        left = np.where(done, 0, after[:, 3] - after[:, 1])
         fb = self.policy.fallback
         tiers = seg.tiers
         step_ms = float(tiers @ np.asarray(fb.drafted_ms) / tiers.sum()) if tiers.sum() else fb.drafted_ms[-1]
-        self.policy.drafted(seg.tokens, seg.cycles, left, step_ms)
+        # Rows that finished in the segment are left out of its acceptance: their last cycle was cut short by a
+        # stop token or the budget, so counting it reads τ low (at the end of every run, which a later run of the
+        # shape would then start from).
+        keep = ~done
+        self.policy.drafted(np.where(keep, seg.tokens, 0), np.where(keep, seg.cycles, 0), left, step_ms)
         self._remember()
 
     def _remember(self) -> None:
