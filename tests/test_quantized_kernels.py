@@ -21,7 +21,9 @@ from dflash_jax.tuning import KernelTuning, Kernels
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
-FP8_OK = not ON_GPU or float(getattr(jax.devices()[0], "compute_capability", "9.0")) >= 8.9
+# float8 tiles: checked in interpret mode; compiled on a GPU their Triton lowering fails on an H100 (a masked
+# load's fill value is not cast to float8), so the kernel declines float8 there (cuda.unsupported_reason).
+FP8_OK = not ON_GPU
 
 
 @pytest.fixture(autouse=True)
@@ -65,7 +67,7 @@ CASES = [
 def test_kernel_matches_reference(case):
     t, d, e, scheme, dtype, tuning = case
     if scheme.kind == "fp8" and not FP8_OK:
-        pytest.skip("float8 tiles need compute capability 8.9")
+        pytest.skip("float8 tiles do not lower through Triton on a GPU yet")
     x, q, s, block = _inputs(t, t, d, e, scheme, dtype)
     assert cuda.unsupported_reason(x, q, s, block, interpret=INTERPRET, **tuning) is None
     got = fast_jit(cuda.quantized_matmul, block=block, interpret=INTERPRET, **tuning)(x, q, s)
@@ -90,9 +92,11 @@ def _runs_kernel(kernels: Kernels, t: int) -> bool:
 
 
 def test_dispatch():
-    """impl "cuda" runs the kernel up to ``quant_kernel_max_tokens`` tokens; the knob turns it off; "xla" never."""
-    assert _runs_kernel(Kernels("cuda"), 1) and _runs_kernel(Kernels("cuda"), 64)
-    assert not _runs_kernel(Kernels("cuda"), 65)
+    """impl "cuda" runs the kernel up to ``quant_kernel_max_tokens`` tokens (default 1: the one-token step); the
+    knob turns it off; "xla" never."""
+    assert _runs_kernel(Kernels("cuda"), 1) and not _runs_kernel(Kernels("cuda"), 2)
+    wide = Kernels("cuda", KernelTuning(quant_kernel_max_tokens=64))
+    assert _runs_kernel(wide, 64) and not _runs_kernel(wide, 65)
     assert not _runs_kernel(Kernels("cuda", KernelTuning(quant_kernel=False)), 1)
     assert not _runs_kernel(Kernels("xla"), 1)
     x, q, s, block = _inputs(2, 4, 64, 32, Scheme("fp8"), jnp.float32)
@@ -148,7 +152,7 @@ def _random_quantized(key, d: int, e: int, scheme: Scheme):
 @pytest.mark.parametrize("shape", QWEN3_8B, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_qwen3_8b_shapes_on_gpu(shape, scheme):
     if scheme.kind == "fp8" and not FP8_OK:
-        pytest.skip("float8 tiles need compute capability 8.9")
+        pytest.skip("float8 tiles do not lower through Triton on a GPU yet")
     d, e = shape
     q, s = _random_quantized(jax.random.key(d + e), d, e, scheme)
     block = scheme.blocks(d, e)

@@ -18,6 +18,8 @@ Products accumulate in float32 and come back in ``out_dtype`` (the activations' 
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
@@ -42,6 +44,11 @@ def quantized_matmul(x: Float[Array, "*b D"], q: jax.Array, scale: Float[Array, 
         out = run(x, q, scale, block, out_dtype=out_dtype, kernels=kernels)
         if out is not None:
             return out
+    if math.prod(x.shape[:-1]) == 1 and jax.default_backend() in kernels.tuning.pad_single_row_on:
+        # As models.layers.matmul: a one-row product runs XLA's matrix-vector path, well below the bandwidth on
+        # GPUs; two rows read the weights once as well.
+        two = jnp.pad(x.reshape(1, d), ((0, 1), (0, 0)))
+        return reference(two, q, scale, block, out_dtype)[:1].reshape(*x.shape[:-1], e)
     return reference(x, q, scale, block, out_dtype)
 
 
