@@ -42,5 +42,6 @@ def test_quickstart_notebook_executes():
     assert "falling back to the embedded SmolLM2 pair" in text
     assert "4/4 outputs identical to autoregressive decoding" in text
     assert "12/12 identical to the calls above" in text  # continuous batching
+    assert "2/2 identical to its autoregressive decoding" in text  # the int8 target
     images = [o for c in nb.cells for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(images) == 1
