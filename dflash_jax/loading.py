@@ -492,7 +492,7 @@ def dflash2_from_dflash(drafter: Drafter, block_size: int, *, conv_kernel_size: 
     gradient needs them non-zero: it is ``Σ P[a] ⊙ S[b]`` against the hidden state).
     """
     cfg = drafter.config
-    if cfg.kind != "dflash":
+    if type(drafter.model) is not DFlashDrafter:  # a plain DFlash module, not a subclass of another kind
         raise ConfigError(f"{drafter.name} is a {cfg.kind} drafter; a DFlash2 warm start takes a DFlash drafter")
     new_cfg = dataclasses.replace(cfg, kind="dflash2", block_size=block_size, conv_kernel_size=conv_kernel_size,
                                   conv_group_size=conv_group_size, selector_top_k=selector_top_k,

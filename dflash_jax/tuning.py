@@ -48,9 +48,9 @@ class KernelTuning:
     moe_kernel_max_tokens: int = 64
     moe_grouped_on: tuple[str, ...] = ()
     # Quantized linear layers: the fused dequantize-and-multiply kernel (GPU) for calls of at most
-    # ``quant_kernel_max_tokens`` tokens (more: the XLA reference, e.g. verify and prefill). On an H100 (Qwen3-8B
-    # shape, int8) the kernel's one-token step beat XLA's (6.4 against 8.1 ms) but a 16-token verify lost to it
-    # (static cycle 7.5 against 6.0 ms): benchmarks/README.md.
+    # ``quant_kernel_max_tokens`` tokens (more: the XLA reference, e.g. verify and prefill). The kernel beat XLA
+    # on the one-token step and lost to it on a 16-token verify, where XLA fuses the conversion into its GEMM
+    # (docs/usage.md, "Quantized targets").
     quant_kernel: bool = True
     quant_kernel_max_tokens: int = 1
     # GPU kernels' split-KV concurrency target (programs per SM; 0 = the kernel's own default).

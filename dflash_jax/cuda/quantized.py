@@ -116,8 +116,9 @@ def unsupported_reason(x, q, scale, block: tuple[int, int], *, interpret: bool =
     if bd < _MIN_TILE:
         return f"scale blocks of {block[0]} rows have no power-of-two tile of ≥ {_MIN_TILE} rows inside them"
     if not interpret and jnp.dtype(q.dtype) == jnp.float8_e4m3fn:
-        # On an H100 the Triton lowering of this kernel's float8 tiles fails (a masked load's fill value is not
-        # cast to float8): until that is fixed, float8 weights take the XLA reference on GPUs.
+        # Compiled for a GPU, the Triton lowering of this kernel's float8 tiles fails (an i32 fill value is not
+        # cast to float8; interpret mode does not lower them): until that is fixed, float8 weights take the XLA
+        # reference on GPUs.
         return "float8 tiles do not lower through Pallas on Triton here yet"
     return None
 

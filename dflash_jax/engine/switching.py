@@ -199,7 +199,6 @@ class SwitchPolicy:
         self.backoff, self.until_probe = snap["backoff"], snap["until_probe"]
         self.mode = snap["mode"]
         self.probing = False
-        self.cycles = self.probe_cycles
 
     def _fall_back(self) -> None:
         """Fallback segments until the next probe: a probe's cost ≤ PROBE_SHARE of the time between two, times

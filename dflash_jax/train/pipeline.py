@@ -368,12 +368,14 @@ class Pipeline:
                          d.config.layers.num_layers, s.num_layers)
                 d = deepen_drafter(d, s.num_layers, seed=s.seed)
             return d
-        dflash2 = {k: getattr(s, k) for k in ("conv_kernel_size", "conv_group_size", "selector_top_k",
-                                               "selector_rank")} if s.kind == "dflash2" else {}
+        # Every kind's fields are passed (as markov_rank is): a kind reads its own, and their defaults are the
+        # config's, so the other kinds' configs stay as they were.
         return random_drafter(self.target, num_layers=s.num_layers, block_size=s.block_size,
                               mask_token_id=s.mask_token_id, num_features=s.num_features,
                               target_layer_ids=s.target_layer_ids, seed=s.seed, dtype="float32", kind=s.kind,
-                              markov_rank=s.markov_rank, **dflash2)
+                              markov_rank=s.markov_rank, conv_kernel_size=s.conv_kernel_size,
+                              conv_group_size=s.conv_group_size, selector_top_k=s.selector_top_k,
+                              selector_rank=s.selector_rank)
 
     # ---- stage: train -----------------------------------------------------------------------------
     def train(self, *, progress: bool = True, stop_after_s: float | None = None) -> Drafter:
