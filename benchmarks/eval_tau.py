@@ -23,6 +23,13 @@ them), written after each batch (and the AR answers, for replay): an interrupted
     # the DFlash drafter over its whole vocabulary and over the 8,192 / 16,384 most frequent tokens
     python3 benchmarks/eval_tau.py --target $M --drafter DFlash=dflash_jax/assets/smollm2-135m-dflash \
         --draft-vocab 0,8192,16384 --method decode --batch-size 180 --prompt-dir runs/device --out $OUT/tau_vocab.json
+    # each drafter against the target as stored and with int8 / fp8 weights (load_target's quantization)
+    python3 benchmarks/eval_tau.py --target $M --drafter DFlash=dflash_jax/assets/smollm2-135m-dflash \
+        --quantization none,int8,fp8 --method decode --batch-size 180 --prompt-dir runs/device --out $OUT/tau_quant.json
+
+With ``--quantization`` the target is loaded once per quantization (one at a time) and every drafter variant is
+scored against it, labelled ``LABEL/int8`` etc.; replay's AR answers are kept per quantization too (a quantized
+target answers differently), under ``answers["<set>/int8"]``.
 """
 
 from __future__ import annotations
@@ -48,11 +55,12 @@ from dflash_jax.train.data import EVALUATION_SETS, evaluation_prompts, pack_rows
 from dflash_jax.train.trainer import Trainer, TrainSettings  # noqa: E402
 
 
-def load(spec: str, target, dtype: str):
-    """A pair name (its drafter) or a drafter directory, for ``target``."""
+def load(spec: str, target, dtype: str, quantization: str):
+    """A pair name (its drafter, as the pair loaded with the target's ``quantization`` gives it: a reduced draft
+    vocabulary then reads the quantized head's rows) or a drafter directory, for ``target``."""
     if Path(spec).is_dir():
         return load_drafter(spec, target, dtype=dtype)
-    return load_pair(spec, dtype=dtype)[1]
+    return load_pair(spec, dtype=dtype, quantization=quantization)[1]
 
 
 def save(results: dict, out: Path) -> None:
@@ -71,7 +79,8 @@ def add_cycles(entry: dict, committed: list[int]) -> None:
 
 
 def ar_answers(target, results: dict, out: Path, name: str, ids: list[list[int]], args) -> list[list[int]]:
-    """Greedy AR answers to every prompt of a set (kept in ``results["answers"]``, resumable by batch)."""
+    """Greedy AR answers to every prompt of a set (kept in ``results["answers"][name]``, resumable by batch;
+    ``name`` is the set's, ``<set>/<quantization>`` for a quantized target)."""
     done = results.setdefault("answers", {}).setdefault(name, [])
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     by_index = dict(done)
@@ -136,6 +145,10 @@ def main() -> int:
     ap.add_argument("--block-sizes", default="0",
                     help="comma-separated verify widths to decode at (--method decode; 0: the drafter's own), "
                          "labelled LABEL/bN")
+    ap.add_argument("--quantization", default="none",
+                    help="comma-separated target quantizations to score each drafter against (none: as stored; "
+                         "int8; fp8: load_target's quantization), labelled LABEL/int8 etc.; the target is loaded "
+                         "once per quantization, one at a time")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out = Path(args.out)
@@ -145,27 +158,44 @@ def main() -> int:
                        "commit": os.environ.get("BENCH_COMMIT") or subprocess.run(
                            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
                        "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "method": args.method}
-    target = load_target(args.target, dtype=args.dtype)
-    prompts = read_prompt_dir(args.prompt_dir) if args.prompt_dir else evaluation_prompts()
-    set_ids = {name: [target.tokenizer.encode(p) for p in prompts[name][: args.limit or None]]
-               for name in args.sets.split(",")}
     sizes = [int(n) for n in args.draft_vocab.split(",")]
     widths = [int(n) for n in args.block_sizes.split(",")]
     if widths != [0] and args.method != "decode":
         ap.error("--block-sizes needs --method decode")
+    quantizations = [q.strip().lower() for q in args.quantization.split(",")]
+    for q in quantizations:
+        if q not in ("none", "int8", "fp8"):
+            ap.error(f"--quantization takes none, int8, fp8 (comma-separated), got {q!r}")
+    prompts = read_prompt_dir(args.prompt_dir) if args.prompt_dir else evaluation_prompts()
+    set_ids = None
+    for quantization in quantizations:
+        target = None  # the previous quantization's target is released before the next one loads
+        target = load_target(args.target, dtype=args.dtype, quantization=quantization)
+        if set_ids is None:  # one tokenizer whatever the weights
+            set_ids = {name: [target.tokenizer.encode(p) for p in prompts[name][: args.limit or None]]
+                       for name in args.sets.split(",")}
+        score(target, quantization, set_ids, sizes, widths, args, results, out)
+    return 0
+
+
+def score(target, quantization: str, set_ids: dict[str, list[list[int]]], sizes: list[int], widths: list[int], args,
+          results: dict, out: Path) -> None:
+    """Every drafter variant (draft vocabulary × verify width) against ``target``, loaded with ``quantization``."""
+    suffix = "" if quantization == "none" else f"/{quantization}"
     for label, spec, size, width in ((*d.split("=", 1), n, w) for d in args.drafter for n in sizes for w in widths):
-        drafter = load(spec, target, args.dtype)
+        drafter = load(spec, target, args.dtype, quantization)
         if size:
             ids = draft_vocab.top_ids(draft_vocab.resolve_ranking("embedded:smollm2-135m"), size,
                                       target.config.vocab_size)
             drafter, label = restrict_draft_vocab(drafter, target, ids), f"{label}/v{size}"
-        label = f"{label}/b{width}" if width else label
-        runs = results.setdefault(label, {"drafter": spec, **({"block_size": width} if width else {})})
+        label = (f"{label}/b{width}" if width else label) + suffix
+        runs = results.setdefault(label, {"drafter": spec, **({"block_size": width} if width else {}),
+                                          **({"quantization": quantization} if suffix else {})})
         for name, ids in set_ids.items():
             entry = runs.setdefault(name, {"prompts": len(ids), "done": 0, "cycles": 0, "tau": 0.0,
                                            "acceptance_histogram": [0] * ((width or drafter.config.verify_width) + 1)})
             if args.method == "replay" and entry["done"] < len(ids):
-                answers = ar_answers(target, results, out, name, ids, args)
+                answers = ar_answers(target, results, out, name + suffix, ids, args)
                 rows = pack_rows(ids, answers, max(len(p) + len(a) for p, a in zip(ids, answers)))
                 trainer = Trainer(target, drafter, TrainSettings(batch_size=8, max_anchors=64),
                                   Path(out.parent, f".replay-{out.stem}"))
@@ -177,7 +207,6 @@ def main() -> int:
             decode_sets(target, drafter, label, runs, set_ids, args, results, out, width or None)
         for name in set_ids:
             print(f"{label} {name}: tau {runs[name]['tau']:.3f} over {runs[name]['prompts']} prompts", flush=True)
-    return 0
 
 
 if __name__ == "__main__":
