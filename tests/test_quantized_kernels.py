@@ -21,9 +21,6 @@ from dflash_jax.tuning import KernelTuning, Kernels
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
-# float8 tiles: checked in interpret mode; compiled on a GPU their Triton lowering fails on an H100 (a masked
-# load's fill value is not cast to float8), so the kernel declines float8 there (cuda.unsupported_reason).
-FP8_OK = not ON_GPU
 
 
 @pytest.fixture(autouse=True)
@@ -66,8 +63,6 @@ CASES = [
                          if isinstance(c, tuple) else None)
 def test_kernel_matches_reference(case):
     t, d, e, scheme, dtype, tuning = case
-    if scheme.kind == "fp8" and not FP8_OK:
-        pytest.skip("float8 tiles do not lower through Triton on a GPU yet")
     x, q, s, block = _inputs(t, t, d, e, scheme, dtype)
     assert cuda.unsupported_reason(x, q, s, block, interpret=INTERPRET, **tuning) is None
     got = fast_jit(cuda.quantized_matmul, block=block, interpret=INTERPRET, **tuning)(x, q, s)
@@ -85,20 +80,23 @@ def test_leading_axes_and_output_dtype():
     _check(got, op.reference(x, q, s, block, jnp.float32), jnp.bfloat16)
 
 
-def _runs_kernel(kernels: Kernels, t: int) -> bool:
-    x, q, s, block = _inputs(0, t, 64, 32, Scheme("int8"), jnp.float32)
+def _runs_kernel(kernels: Kernels, t: int, kind: str = "int8") -> bool:
+    x, q, s, block = _inputs(0, t, 64, 32, Scheme(kind), jnp.float32)
     jaxpr = jax.make_jaxpr(lambda x, q, s: op.quantized_matmul(x, q, s, block, kernels=kernels))(x, q, s)
     return "pallas_call" in str(jaxpr)
 
 
 def test_dispatch():
-    """impl "cuda" runs the kernel up to ``quant_kernel_max_tokens`` tokens (default 1: the one-token step); the
-    knob turns it off; "xla" never."""
+    """impl "cuda" runs the kernel up to ``quant_kernel_max_tokens`` tokens (default 1: the one-token step), int8
+    or float8; the knobs turn it off (``quant_kernel_float8``: for float8 only); "xla" never."""
     assert _runs_kernel(Kernels("cuda"), 1) and not _runs_kernel(Kernels("cuda"), 2)
     wide = Kernels("cuda", KernelTuning(quant_kernel_max_tokens=64))
     assert _runs_kernel(wide, 64) and not _runs_kernel(wide, 65)
     assert not _runs_kernel(Kernels("cuda", KernelTuning(quant_kernel=False)), 1)
     assert not _runs_kernel(Kernels("xla"), 1)
+    assert _runs_kernel(Kernels("cuda"), 1, "fp8")
+    no_float8 = Kernels("cuda", KernelTuning(quant_kernel_float8=False))
+    assert _runs_kernel(no_float8, 1) and not _runs_kernel(no_float8, 1, "fp8")
     x, q, s, block = _inputs(2, 4, 64, 32, Scheme("fp8"), jnp.float32)
     got = jax.jit(lambda x, q, s: op.quantized_matmul(x, q, s, block, kernels=Kernels("cuda")))(x, q, s)
     _check(got, op.reference(x, q, s, block, jnp.float32), jnp.float32)
@@ -119,14 +117,32 @@ def test_unsupported_reasons():
         assert "GPU" in cuda.unsupported_reason(x, sds((256, 96), jnp.int8), s, (256, 1))
 
 
+def test_float8_needs_sm89(monkeypatch):
+    """Compiled, float8 tiles are declined on GPUs older than Ada / Hopper (Triton converts e4m3 from sm_89 on)."""
+    sds = jax.ShapeDtypeStruct
+    x, s = sds((4, 256), jnp.bfloat16), sds((1, 96), jnp.float32)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for cc, float8_ok in (((8, 0), False), ((8, 9), True), ((9, 0), True)):
+        monkeypatch.setattr(cuda, "compute_capability", lambda cc=cc: cc)
+        assert cuda.unsupported_reason(x, sds((256, 96), jnp.int8), s, (256, 1)) is None
+        why = cuda.unsupported_reason(x, sds((256, 96), jnp.float8_e4m3fn), s, (256, 1))
+        assert (why is None) if float8_ok else "sm_89" in why
+
+
 @pytest.mark.parametrize("t", [1, 16])
 def test_lowers_to_triton(t):
-    """Through Pallas' Triton rules for a GPU at a Qwen3-8B gate projection (int8 per channel, FP8 blocks)."""
+    """Through Pallas' Triton rules for a GPU at a Qwen3-8B gate projection (int8 per channel, FP8 blocks), and
+    on ragged shapes (masked weight loads: a float8 tile's fill value has no integer → float8 cast in those rules,
+    hence the kernel's uint8 bytes)."""
     sds = jax.ShapeDtypeStruct
-    for dtype, block, scales in ((jnp.int8, (4096, 1), (1, 12288)), (jnp.float8_e4m3fn, (128, 128), (32, 96))):
-        args = (sds((t, 4096), jnp.bfloat16), sds((4096, 12288), dtype), sds(scales, jnp.float32))
-        text = jax.jit(lambda x, q, s: cuda.quantized_matmul(x, q, s, block)).trace(*args).lower(  # noqa: B023
-            lowering_platforms=("cuda",)).as_text()
+    for dtype, (d, e), block, scales, tiles in (
+            (jnp.int8, (4096, 12288), (4096, 1), (1, 12288), {}),
+            (jnp.float8_e4m3fn, (4096, 12288), (128, 128), (32, 96), {}),
+            (jnp.float8_e4m3fn, (200, 72), (200, 1), (1, 72), dict(block_d=32, block_e=16)),
+            (jnp.float8_e4m3fn, (300, 200), (128, 128), (3, 2), dict(block_d=64, block_e=32))):
+        args = (sds((t, d), jnp.bfloat16), sds((d, e), dtype), sds(scales, jnp.float32))
+        text = jax.jit(lambda x, q, s: cuda.quantized_matmul(x, q, s, block, **tiles)).trace(  # noqa: B023
+            *args).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text and "dflash_quantized_matmul" in text
 
 
@@ -151,8 +167,6 @@ def _random_quantized(key, d: int, e: int, scheme: Scheme):
 @pytest.mark.parametrize("scheme", [Scheme("int8"), Scheme("fp8"), Scheme("fp8", (128, 128))], ids=str)
 @pytest.mark.parametrize("shape", QWEN3_8B, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_qwen3_8b_shapes_on_gpu(shape, scheme):
-    if scheme.kind == "fp8" and not FP8_OK:
-        pytest.skip("float8 tiles do not lower through Triton on a GPU yet")
     d, e = shape
     q, s = _random_quantized(jax.random.key(d + e), d, e, scheme)
     block = scheme.blocks(d, e)

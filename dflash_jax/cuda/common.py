@@ -31,6 +31,18 @@ def num_sms() -> int:
     return DEFAULT_SMS
 
 
+def compute_capability() -> tuple[int, int] | None:
+    """(major, minor) of the first device where it is a GPU that says (None elsewhere: interpret mode)."""
+    try:
+        dev = jax.devices()[0]
+        if dev.platform == "gpu":
+            major, _, minor = str(getattr(dev, "compute_capability", "")).partition(".")
+            return int(major), int(minor or 0)
+    except Exception:  # noqa: BLE001 — no backend, or a device that does not say
+        pass
+    return None
+
+
 def highest_precision_requested() -> bool:
     """Whether JAX's default matmul precision (read at trace time) asks for full float32."""
     p = jax.config.jax_default_matmul_precision

@@ -34,8 +34,10 @@ partial sums ``[splits, T, E]`` are added by XLA (a few percent of the weight by
 ``benchmarks/bench_quantized_step.py --sweep`` times alternatives on the GPU.
 
 float8 tiles need ``sm_89`` or newer (Triton converts e4m3 in registers from Ada / Hopper on); int8 runs on any
-GPU the other kernels run on. Float32 activations follow JAX's default matmul precision (TF32, or IEEE under
-"highest"), as in :mod:`dflash_jax.cuda`.
+GPU the other kernels run on. A float8 tile at a ragged edge of the kernel (D or E not a multiple of the tile) is
+loaded with no fill value and its lanes outside the kernel are zeroed after the conversion: Pallas' Triton rules
+cast a load's fill value to the pointee type and have no integer → float8 cast. Float32 activations follow JAX's
+default matmul precision (TF32, or IEEE under "highest"), as in :mod:`dflash_jax.cuda`.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from dflash_jax.cuda.common import SUPPORTED_DTYPES, cdiv, highest_precision_requested, next_pow2, num_sms
+from dflash_jax.cuda.common import (SUPPORTED_DTYPES, cdiv, compute_capability, highest_precision_requested,
+                                    next_pow2, num_sms)
 from dflash_jax.kernels.common import log_once, mesh_sizes, native
 from dflash_jax.tuning import Kernels
 
@@ -70,6 +73,7 @@ class _Config:
     gemv: bool
     per_step_scale: bool  # several row blocks: each step's product scaled before it is added
     scalar_scale: bool  # bo > 1: one scale per (row block, program) instead of one per column
+    float8: bool  # float8_e4m3fn weights (masked tiles loaded without a fill value: module docstring)
     bo: int
     bi: int
     num_warps: int
@@ -115,16 +119,14 @@ def unsupported_reason(x, q, scale, block: tuple[int, int], *, interpret: bool =
         return f"scale blocks of {block[1]} columns have no power-of-two tile of ≥ {_MIN_TILE} columns inside them"
     if bd < _MIN_TILE:
         return f"scale blocks of {block[0]} rows have no power-of-two tile of ≥ {_MIN_TILE} rows inside them"
-    if not interpret and jnp.dtype(q.dtype) == jnp.float8_e4m3fn:
-        # Compiled for a GPU, the Triton lowering of this kernel's float8 tiles fails (an i32 fill value is not
-        # cast to float8; interpret mode does not lower them): until that is fixed, float8 weights take the XLA
-        # reference on GPUs.
-        return "float8 tiles do not lower through Pallas on Triton here yet"
+    cc = None if interpret else compute_capability()
+    if jnp.dtype(q.dtype) == jnp.float8_e4m3fn and cc is not None and cc < (8, 9):
+        return f"float8 tiles need sm_89 or newer (this GPU is sm_{cc[0]}{cc[1]})"
     return None
 
 
-def _make_config(t: int, d: int, e: int, block: tuple[int, int], dtype, *, block_e, block_d, num_splits, gemv,
-                 num_warps, num_stages, programs_per_sm: int) -> _Config:
+def _make_config(t: int, d: int, e: int, block: tuple[int, int], dtype, q_dtype, *, block_e, block_d, num_splits,
+                 gemv, num_warps, num_stages, programs_per_sm: int) -> _Config:
     bi, bo = block
     be, bd = _blocks(d, e, block, block_e, block_d)
     gemv = t == 1 if gemv is None else bool(gemv and t == 1)
@@ -135,7 +137,8 @@ def _make_config(t: int, d: int, e: int, block: tuple[int, int], dtype, *, block
     num_splits = max(1, min(num_splits, cdiv(d, bd)))
     chunk = cdiv(cdiv(d, num_splits), bd) * bd
     return _Config(rows=rows, block_e=be, block_d=bd, splits=cdiv(d, chunk), chunk_d=chunk, gemv=gemv,
-                   per_step_scale=cdiv(d, bi) > 1, scalar_scale=bo > 1, bo=bo, bi=bi, num_warps=num_warps or 4,
+                   per_step_scale=cdiv(d, bi) > 1, scalar_scale=bo > 1,
+                   float8=jnp.dtype(q_dtype) == jnp.float8_e4m3fn, bo=bo, bi=bi, num_warps=num_warps or 4,
                    num_stages=num_stages or 4,
                    ieee_f32=jnp.dtype(dtype) == jnp.float32 and highest_precision_requested())
 
@@ -169,21 +172,25 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, *, c: _Config, t: int, d: int, e: int):
             return s_ref[kb, e0 // c.bo]
         return _load(s_ref.at[kb, pl.ds(e0, c.block_e)], emask)
 
-    def weights(d0, dmask):
+    def weights(d0, dmask, dtype):
+        """The weight tile [block_d, block_e] in ``dtype``, zeros outside the kernel."""
         wmask = _and(None if dmask is None else dmask[:, None], None if emask is None else emask[None, :])
-        return _load(q_ref.at[pl.ds(d0, c.block_d), pl.ds(e0, c.block_e)], wmask)
+        tile = q_ref.at[pl.ds(d0, c.block_d), pl.ds(e0, c.block_e)]
+        if c.float8 and wmask is not None:  # no float8 fill value (module docstring): zeroed once converted
+            return jnp.where(wmask, plgpu.load(tile, mask=wmask).astype(dtype), 0)
+        return _load(tile, wmask).astype(dtype)
 
     def step(i, acc):
         d0 = d_lo + i * c.block_d
         dmask = _tail_mask(d0, c.block_d, d)
         if c.gemv:  # one token: multiply-adds into [block_d, block_e], summed over D after the loop
             xv = _load(x_ref.at[jnp.int32(0), pl.ds(d0, c.block_d)], dmask).astype(jnp.float32)
-            part = xv[:, None] * weights(d0, dmask).astype(jnp.float32)
+            part = xv[:, None] * weights(d0, dmask, jnp.float32)
         else:
             xt = _load(x_ref.at[pl.ds(r0, c.rows), pl.ds(d0, c.block_d)],
                        _and(None if rmask is None else rmask[:, None], None if dmask is None else dmask[None, :]))
             prec = lax.Precision.HIGHEST if c.ieee_f32 else lax.Precision.DEFAULT
-            part = lax.dot_general(xt, weights(d0, dmask).astype(compute), (((1,), (0,)), ((), ())),
+            part = lax.dot_general(xt, weights(d0, dmask, compute), (((1,), (0,)), ((), ())),
                                    precision=prec, preferred_element_type=jnp.float32)
         if c.per_step_scale:
             s = scale(d0 // c.bi)
@@ -215,7 +222,7 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, block: tuple[
     out_dtype = x.dtype if out_dtype is None else out_dtype
     x2 = x.reshape(-1, d)
     t = x2.shape[0]
-    c = _make_config(t, d, e, tuple(block), x.dtype, block_e=block_e, block_d=block_d, num_splits=num_splits,
+    c = _make_config(t, d, e, tuple(block), x.dtype, q.dtype, block_e=block_e, block_d=block_d, num_splits=num_splits,
                      gemv=gemv, num_warps=num_warps, num_stages=num_stages, programs_per_sm=programs_per_sm)
     rows = 1 if c.gemv else c.rows
     # One split writes the output directly; several write float32 partial sums that XLA adds.
@@ -234,14 +241,17 @@ def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, block: tuple[
 def quantized_matmul_kernel(x, q, scale, block, *, out_dtype, kernels: Kernels) -> jax.Array | None:
     """The entry of the kernel dispatch (op ``"quantized_matmul"``): :func:`quantized_matmul` (interpret mode off
     a GPU) for calls of at most ``kernels.tuning.quant_kernel_max_tokens`` tokens, or None where the reference
-    must run (more tokens, shapes the kernel does not take, or under a mesh: the op does not know how its
-    kernel is split, and a custom call over sharded operands would gather them)."""
+    must run (more tokens, float8 weights with ``kernels.tuning.quant_kernel_float8`` off, shapes the kernel does
+    not take, or under a mesh: the op does not know how its kernel is split, and a custom call over sharded
+    operands would gather them)."""
     interpret = not native("cuda")
     t = 1
     for n in x.shape[:-1]:
         t *= n
     if t > kernels.tuning.quant_kernel_max_tokens:
         return None  # prefill: the XLA path (not worth a log line)
+    if jnp.dtype(q.dtype) == jnp.float8_e4m3fn and not kernels.tuning.quant_kernel_float8:
+        return None  # turned off by the caller: not worth a log line either
     why = "under a device mesh" if mesh_sizes() else unsupported_reason(x, q, scale, block, interpret=interpret)
     if why is not None:
         log_once(f"quantized matmul: the XLA reference instead of the GPU kernel ({why})")
