@@ -322,6 +322,12 @@ class DecodeSettings:
                    batch_size=None if o["batch_size"] is None else int(o["batch_size"]), seed=int(seed),
                    chat_template=bool(o["chat_template"]), tuning=tuning, cost_table=o["cost_table"], rows=rows)
 
+    def autoregressive(self) -> "DecodeSettings":
+        """What :func:`dflash_jax.generate` would have been given for the same call: the same rows, sampling,
+        stops, seed and tuning, without the drafter (its programs are ``generate``'s own)."""
+        return dataclasses.replace(self, block_size=1, verify_mode=verify_modes.STATIC, draft_vocab=None,
+                                   sampling=dataclasses.replace(self.sampling, draft_sampling=False))
+
     def with_rows(self, rows: RowValues) -> "DecodeSettings":
         """The same settings for other prompts' values (e.g. one batch of a run): the compiled sampling
         branches stay the run's."""

@@ -203,10 +203,11 @@ def test_the_policy_falls_back_where_drafting_loses(tiny):
     assert out.token_ids == ref.token_ids and out.stats["ar_fallback_steps"] == 0
 
 
-def test_a_later_run_starts_from_what_earlier_runs_observed(tiny):
+def test_a_later_run_starts_from_what_earlier_runs_observed(tiny, monkeypatch):
     """The drafter handle keeps the fallback's running estimate per batch shape: after a run where drafting lost,
     the next run of that shape starts on the fallback — no drafted probe first — and counts down to the earlier
-    run's next probe; its tokens are still AR's. With ``remember_acceptance=False`` each run probes first."""
+    run's next probe; a whole call with no probe due runs ``generate``'s programs (not the switching loop); its
+    tokens are still AR's. With ``remember_acceptance=False`` each run probes first."""
     target, prompts, ref = tiny
     kw = dict(stop_token_ids=[7, 21], cost_table=table(len(prompts)))
     wrong = oracle_drafter(target, prompts, ref.token_ids, block_size=L, corrupt=1.0)
@@ -216,8 +217,11 @@ def test_a_later_run_starts_from_what_earlier_runs_observed(tiny):
     (snap,) = wrong.observed.values()
     assert snap["mode"] == AUTOREGRESSIVE and snap["until_probe"] > 4  # more fallback segments than a short run has
     short = [t[:16] for t in ref.token_ids]
-    second = speculative_generate(target, wrong, prompts, 16, tuning=tuning(), **kw)  # 4 segments of 4 steps
+    with monkeypatch.context() as m:  # the drafted loop and the fallback's segments are not run at all
+        m.setattr(switching.SwitchingDecoder, "__call__", lambda *a: pytest.fail("the switching loop ran"))
+        second = speculative_generate(target, wrong, prompts, 16, tuning=tuning(), **kw)  # 4 segments of 4 steps
     assert second.token_ids == short and second.stats["ar_fallback_steps"] == second.stats["cycles"]
+    assert second.stats["fallback_segments"] == 4 and {a for row in second.acceptance_lengths for a in row} == {1}
     assert wrong.observed[next(iter(wrong.observed))]["until_probe"] == snap["until_probe"] - 4  # counted down
     fresh = speculative_generate(target, wrong, prompts, 16, tuning=tuning(remember_acceptance=False), **kw)
     assert fresh.token_ids == short and fresh.stats["ar_fallback_steps"] < fresh.stats["cycles"]  # a probe first

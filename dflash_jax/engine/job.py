@@ -344,6 +344,8 @@ def collect(job: Job, packed, stats: dict | None = None) -> GenerationOutput:
 
 def run(job: Job) -> GenerationOutput:
     """Run prefill and decode with a sync between them (for the timing stats) and collect."""
+    if job.drafter is not None and job.decoder.skips_call(int(job.host.max_new.max())):
+        return _run_autoregressive(job)
     t1 = time.perf_counter()
     state, packed = job.programs.prefill(*job.pre_args)
     packed.block_until_ready()
@@ -356,4 +358,17 @@ def run(job: Job) -> GenerationOutput:
     total, b = out.stats["new_tokens"], len(job.ids)
     out.stats["tokens_per_s"] = total / max(prefill_s + decode_s, 1e-9)
     out.stats["decode_tokens_per_s"] = (total - b) / max(decode_s, 1e-9)
+    return out
+
+
+def _run_autoregressive(job: Job) -> GenerationOutput:
+    """A speculative call its fallback would run on autoregressive steps from start to end
+    (:meth:`dflash_jax.engine.switching.Decoder.skips_call`), run by ``generate``'s own programs: its output
+    is ``generate``'s, its stats say how many steps fell back."""
+    ar = prepare(job.target, None, job.ids, job.settings.autoregressive())
+    out = run(ar)
+    rows = sum(len(a) for a in out.acceptance_lengths)
+    job.decoder.skipped(out.stats["cycles"], rows)
+    out.stats.update(compile_s=job.compile_s + ar.compile_s, verify_mode=job.spec.verify_mode.name,
+                     verify_tokens=rows, mean_window=1.0, **job.record.stats())
     return out

@@ -200,6 +200,21 @@ class SwitchPolicy:
         self.mode = snap["mode"]
         self.probing = False
 
+    def skips_call(self, segments: int) -> bool:
+        """Whether a whole call of at most ``segments`` fallback segments should run without drafting at all:
+        no drafted step can pay at this batch, or the policy is on the fallback (from earlier runs of the shape)
+        with no probe due within them. Such a call runs ``generate``'s own programs: not even its prefill
+        writes the drafter's context, which only a drafted segment would read."""
+        if not self.fallback.can_pay:
+            return True
+        return self.mode == AUTOREGRESSIVE and not self.probing and self.until_probe >= segments
+
+    def skipped(self, segments: int) -> None:
+        """A call ran ``segments`` segments' worth of autoregressive steps without this policy: count them
+        towards the next probe."""
+        if self.mode == AUTOREGRESSIVE:
+            self.until_probe = max(0, self.until_probe - segments)
+
     def _fall_back(self) -> None:
         """Fallback segments until the next probe: a probe's cost ≤ PROBE_SHARE of the time between two, times
         the backoff."""
@@ -245,6 +260,14 @@ class Decoder:
     def compile(self) -> None:
         """Compile now whatever a run may use later (a batch run compiles every program before its first batch)."""
 
+    def skips_call(self, max_new: int) -> bool:
+        """Whether this whole call should run ``generate``'s programs instead (:meth:`SwitchPolicy.skips_call`),
+        its rows committing at most ``max_new`` tokens each."""
+        return False
+
+    def skipped(self, steps: int, row_steps: int) -> None:
+        """Such a call ran ``steps`` autoregressive steps (``row_steps``: summed over its rows)."""
+
 
 class SwitchingDecoder(Decoder):
     """The decode loop in segments, each drafted or autoregressive as ``policy`` says (module docstring)."""
@@ -280,6 +303,19 @@ class SwitchingDecoder(Decoder):
                 self._finish(seg, after)
             if ran < n or left <= 0:
                 return state, packed
+
+    def skips_call(self, max_new: int) -> bool:
+        return self.policy.skips_call(-(-max_new // self.ar_steps))
+
+    def skipped(self, steps: int, row_steps: int) -> None:
+        segments = -(-steps // self.ar_steps)
+        self.record.ar_steps += steps
+        self.record.row_ar_steps += row_steps
+        self.record.segments += segments
+        self.record.switches += self.last_mode == DRAFT
+        self.last_mode = AUTOREGRESSIVE
+        self.policy.skipped(segments)
+        self._remember()
 
     def _finish(self, seg: "_Segment", after: np.ndarray) -> None:
         """Record a segment and tell the policy what a drafted one observed."""
