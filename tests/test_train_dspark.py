@@ -20,7 +20,8 @@ from flax import nnx
 from conftest import random_prompts, tiny_target
 from dflash_jax import load_drafter, random_drafter, speculative_generate
 from dflash_jax.checkpoints.export import export_drafter
-from dflash_jax.loading import Drafter, dspark_from_dflash, with_confidence_temperatures
+from dflash_jax.config import ConfigError
+from dflash_jax.loading import Drafter, dspark_from_dflash, restrict_draft_vocab, with_confidence_temperatures
 from dflash_jax.models.drafter import DSparkDrafter
 from dflash_jax.train import sts
 from dflash_jax.train.data import pack_rows
@@ -104,7 +105,7 @@ def test_loss_parts_match_a_direct_computation(target, warm, trained, probe):
     trainer, _, params0 = trained
     batch, (t_hidden, (ids, pos, labels, ok, prev), h, *_) = probe
     copy = jax.tree.map(jnp.asarray, params0)  # warm's weights, as the step's input (the step donates it)
-    _, _, m = trainer._step_fn(copy, trainer.tx.init(copy), trainer.t_state, batch, jnp.float32(0.0))
+    _, _, m = trainer._step_fn(copy, trainer.tx.init(copy), trainer.frozen, batch, jnp.float32(0.0))
     assert (prev[..., 0] == ids[..., 0]).all() and (prev[..., 1:] == labels[..., :-1]).all()
     assert (ids[..., 1:] == warm.config.mask_token_id).all()
     assert (pos == batch["anchors"][..., None] + np.arange(G)).all()
@@ -238,6 +239,24 @@ def test_replayed_acceptance_equals_speculative_decoding(target, warm, rows, tra
     zc, acc = sts.cycle_calibration(acceptance, z, data["prompt_lengths"], data["lengths"])
     assert len(zc) >= len(anchors) - 2 * len(prompts) and (np.cumprod(acc, 1) == acc).all()
     assert walked_tau(replayed) == pytest.approx(np.mean([a for r in replayed for a in r]))
+
+
+def test_a_reduced_vocabulary_drafter_replays_but_does_not_train(target, warm, rows, trained, tmp_path):
+    """A drafter over a reduced draft vocabulary (a pair's on a CPU) replays as it drafts — here a permutation of
+    the whole vocabulary, so its cycles and confidences are the unrestricted drafter's only if the replay reads
+    its token map and head rows — and training it is refused with a clear error."""
+    data = rows[1]
+    drafter = bigram_drafter(warm, data)
+    perm = np.random.default_rng(3).permutation(target.config.vocab_size)
+    trainer = Trainer(target, restrict_draft_vocab(drafter, target, perm), trained[0].s, tmp_path,
+                      compiler_options=UNOPTIMISED)
+    acceptance, z = trainer.replay(trainer.params, data)
+    want_acceptance, want_z = trained[0].replay(nnx.to_pure_dict(nnx.state(drafter.model, nnx.Param)), data)
+    np.testing.assert_array_equal(acceptance, want_acceptance)
+    np.testing.assert_allclose(z, want_z, atol=1e-5)
+    assert acceptance.max() >= 3
+    with pytest.raises(ConfigError, match="reduced draft vocabulary is not supported"):
+        trainer.fit(data, progress=False)
 
 
 def test_pipeline_pieces(target, trunk, trained, rows, tmp_path):
