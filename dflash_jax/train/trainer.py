@@ -26,6 +26,8 @@ from tqdm.auto import tqdm
 from dflash_jax import drafters
 from dflash_jax.config import ConfigError
 from dflash_jax.loading import Drafter, Target
+from dflash_jax.train import sts
+from dflash_jax.train.data import pack_rows
 from dflash_jax.train.objective import (cosine_with_warmup, default_gamma, loss_weights, objective_for,
                                         repeated_blocks, sample_anchors, walked_cycles, walked_tau)
 
@@ -67,6 +69,16 @@ class TrainSettings:
         if self.max_steps is not None:
             return int(self.max_steps)
         return max(1, int(math.ceil(self.epochs * num_rows / self.batch_size)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Replayed:
+    """Greedy decoding's cycles replayed along known answers (``Trainer.replay_answers``). N complete cycles
+    (every draft has a label in its row), G drafts per cycle."""
+
+    cycles: list[list[int]]  # per row, the tokens each cycle commits (``walked_cycles``)
+    z: np.ndarray | None = None  # [N, G] confidence logits; None for a drafter without confidences
+    accepted: np.ndarray | None = None  # [N, G] draft k accepted (all drafts up to k right)
 
 
 def make_optimizer(s: TrainSettings) -> optax.GradientTransformation:
@@ -236,8 +248,23 @@ class Trainer:
     def replayed_cycles(self, params, rows: dict[str, np.ndarray]) -> list[list[int]]:
         """Per row, the cycles greedy speculative decoding of its prompt would run (``walked_cycles``), from
         every anchor's acceptance computed in training-shaped batches (no decoding loop)."""
-        acceptance = self.replay(params, rows)[0]
-        return [walked_cycles(acc, p, n) for acc, p, n in zip(acceptance, rows["prompt_lengths"], rows["lengths"])]
+        return self.replayed(rows, params).cycles
+
+    def replayed(self, rows: dict[str, np.ndarray], params=None) -> Replayed:
+        """The cycles greedy decoding runs along ``rows`` (greedy answers), replayed with ``params`` (default: the
+        trainer's): each row's cycles and, for a drafter that scores its drafts, the complete cycles'
+        confidences as STS data (``sts.cycle_calibration``)."""
+        acceptance, z = self.replay(self.params if params is None else params, rows)
+        cycles = [walked_cycles(a, p, n) for a, p, n in zip(acceptance, rows["prompt_lengths"], rows["lengths"])]
+        if z is None:
+            return Replayed(cycles)
+        return Replayed(cycles, *sts.cycle_calibration(acceptance, z, rows["prompt_lengths"], rows["lengths"]))
+
+    def replay_answers(self, prompts: list[list[int]], answers: list[list[int]], params=None) -> Replayed:
+        """``replayed`` along the greedy ``answers`` to ``prompts`` (what greedy speculative decoding, being
+        lossless, commits)."""
+        return self.replayed(pack_rows(prompts, answers, max(len(p) + len(a) for p, a in zip(prompts, answers))),
+                             params)
 
     def replay(self, params, rows: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
         """Every anchor's acceptance [N, T] (tokens a greedy cycle anchored there commits) and, for drafters
