@@ -3,8 +3,9 @@
 ``--method decode`` runs speculative decoding at full verify width (only: the pipeline's eval stage also
 decodes every prompt autoregressively to count identical rows). ``--method replay`` decodes each prompt once
 autoregressively — greedy speculative decoding is lossless, so every drafter's run commits exactly these
-tokens — and replays each drafter's cycles along those answers (``Trainer.replayed_cycles``: every anchor's acceptance in training-shaped
-batches, then the walk decoding takes; tested against real decoding in tests/test_train.py). The cycles are
+tokens — and replays each drafter's cycles along those answers (``Trainer.replay_answers``: every anchor's
+acceptance in training-shaped batches, then the walk decoding takes; tested against real decoding in
+tests/test_train.py). The cycles are
 decoding's except the last one of a row, which stops at ``max_new_tokens`` (on the real SmolLM2 pair, 24 of 24
 rows gave static decoding's cycles). The AR answers are shared by every drafter scored. Either way a whole set
 is GPU work: on this project's 2-core CPU one batch of 32 AR answers of 256 tokens took ~9 minutes.
@@ -12,8 +13,19 @@ is GPU work: on this project's 2-core CPU one batch of 32 AR answers of 256 toke
 Results go to ``--out`` in the eval stage's ``eval.json`` shape per drafter (``plot_suffix_decay.py`` reads
 them), written after each batch (and the AR answers, for replay): an interrupted run resumes where it stopped.
 
+With ``--method replay``, a drafter that scores its drafts (DSpark, DFlash2) also gets the eval stage's survival
+calibration per set (``sts.reliability``: ECE of the predicted survival pooled and per draft position, before
+and after its own temperatures, predicted against realised τ) and a reliability diagram
+``<out>_reliability_<label>_<set>.png`` beside ``--out``. ``--fit-sts SET`` fits STS temperatures on that set's
+cycles (``sts.fit_sts``) and reports the ECE they give on every other set, out of sample (``sts_fit`` in the
+drafter's entry, diagrams ``…_<set>_sts.png``): whether the raw confidences need STS. The complete cycles'
+confidences are kept beside the run's replay scratch (``.replay-<out>/``), so a resumed run re-reports them.
+
     python benchmarks/eval_tau.py --drafter DFlash=smollm2-135m --drafter DSpark=smollm2-135m-dspark \
         --sets general --method replay --out benchmarks/results/general_tau.json
+    # survival calibration of a scoring drafter on a few prompts (CPU): STS fitted on HumanEval, ECE on general
+    python benchmarks/eval_tau.py --drafter DSpark=smollm2-135m-dspark --sets humaneval,general --limit 8 \
+        --max-new-tokens 64 --fit-sts humaneval --out /tmp/cal.json
     # on the GPU machine (tools/remote_gpu/README.md, session 6): all three sets, full width, ~85 s a drafter
     python3 benchmarks/eval_tau.py --target $M --drafter DSpark=dflash_jax/assets/smollm2-135m-dspark \
         --method decode --batch-size 180 --prompt-dir runs/device --out $OUT/tau.json
@@ -49,9 +61,11 @@ from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dflash_jax import draft_vocab, generate, load_drafter, load_pair, load_target, speculative_generate  # noqa: E402
+from dflash_jax import (draft_vocab, drafters, generate, load_drafter, load_pair, load_target,  # noqa: E402
+                        speculative_generate)
 from dflash_jax.loading import restrict_draft_vocab  # noqa: E402
-from dflash_jax.train.data import EVALUATION_SETS, evaluation_prompts, pack_rows  # noqa: E402
+from dflash_jax.train import sts  # noqa: E402
+from dflash_jax.train.data import EVALUATION_SETS, evaluation_prompts  # noqa: E402
 from dflash_jax.train.trainer import Trainer, TrainSettings  # noqa: E402
 
 
@@ -123,7 +137,87 @@ def decode_sets(target, drafter, label: str, runs: dict, set_ids: dict[str, list
     bar.close()
 
 
-def main() -> int:
+def replay_sets(target, drafter, label: str, runs: dict, set_ids: dict[str, list[list[int]]], args, results: dict,
+                out: Path, suffix: str = "") -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Replays the drafter's cycles along the AR answers of every set not done yet (its cycles into
+    ``runs[set]``). Returns, for a drafter that scores its drafts, each set's complete cycles' confidence logits
+    and acceptance (``Replayed.z``, ``Replayed.accepted``), kept in the scratch directory for a resumed run."""
+    scored = drafters.kind_of(drafter.model).has_confidence
+    trainer, calibration = None, {}
+    for name, ids in set_ids.items():
+        entry = runs[name]
+        kept = scratch(out) / f"{label.replace('/', '-')}_{Path(name).stem}.npz"
+        if entry["done"] < len(ids) or (scored and not kept.is_file()):
+            answers = ar_answers(target, results, out, name + suffix, ids, args)  # suffix: the target's quantization
+            trainer = trainer or Trainer(target, drafter, TrainSettings(batch_size=8, max_anchors=64), scratch(out))
+            replayed = trainer.replay_answers(ids, answers)
+            if entry["done"] < len(ids):
+                add_cycles(entry, [c for row in replayed.cycles for c in row])
+                entry["done"] = len(ids)
+            if scored:
+                np.savez(kept, z=replayed.z, accepted=replayed.accepted)
+            save(results, out)
+        if scored:
+            with np.load(kept) as f:
+                calibration[name] = (f["z"], f["accepted"])
+    return calibration
+
+
+def scratch(out: Path) -> Path:
+    """The replay's working directory beside ``--out`` (the trainer's, and the kept calibration cycles)."""
+    return Path(out.parent, f".replay-{out.stem}")
+
+
+def diagram(out: Path, label: str, name: str, tail: str = "") -> Path:
+    """Drafter ``label``'s reliability diagram on set ``name``, beside ``--out`` (a label's ``/`` becomes ``-``)."""
+    return out.parent / f"{out.stem}_reliability_{label.replace('/', '-')}_{Path(name).stem}{tail}.png"
+
+
+def calibrate(label: str, runs: dict, data: dict[str, tuple[np.ndarray, np.ndarray]], temperatures,
+              fit_set: str | None, out: Path) -> None:
+    """Each set's survival calibration (``data``: its complete cycles' confidence logits and acceptance) at the
+    drafter's ``temperatures`` into ``runs[set]["calibration"]``, with its reliability diagram; with ``fit_set``,
+    STS temperatures fitted on that set's cycles and the calibration they give on the others (out of sample)
+    into ``runs["sts_fit"]``."""
+    for name, (z, accepted) in data.items():
+        plot = diagram(out, label, name)
+        runs[name]["calibration"] = {**sts.reliability(z, accepted, temperatures, plot,
+                                                       f"{label}: survival calibration on {name}"),
+                                     **({"plot": str(plot)} if len(z) else {})}
+    if fit_set is None:
+        return
+    if not len(data[fit_set][0]):
+        raise SystemExit(f"--fit-sts {fit_set}: {label} ran no complete cycle on it (more prompts or tokens)")
+    fit = sts.fit_sts(*data[fit_set])
+    runs["sts_fit"] = {"set": fit_set, "temperatures": fit["temperatures"], fit_set: fit}
+    for name, (z, accepted) in data.items():
+        if name != fit_set:
+            runs["sts_fit"][name] = sts.reliability(z, accepted, fit["temperatures"], diagram(out, label, name, "_sts"),
+                                                    f"{label}: STS fitted on {fit_set}, on {name}")
+
+
+def report_calibration(label: str, runs: dict, sets) -> None:
+    """Prints each set's survival ECE (pooled, then per draft position) and predicted against realised τ."""
+    fmt = lambda xs: " ".join(f"{x:.3f}" for x in xs)  # noqa: E731
+    for name in sets:
+        c = runs[name].get("calibration")
+        if c and c["cycles"]:
+            print(f"{label} {name}: survival ECE {c['overall_ece_before']:.3f} at T = 1, {c['overall_ece_after']:.3f} "
+                  f"at the drafter's temperatures over {c['cycles']} complete cycles; predicted tau "
+                  f"{c['predicted_tau_before']:.2f} / {c['predicted_tau_after']:.2f} against {c['realised_tau']:.2f}"
+                  f"\n  per draft at T = 1: {fmt(c['ece_before'])}\n  at its T:         {fmt(c['ece_after'])}",
+                  flush=True)
+    fit = runs.get("sts_fit")
+    if fit:
+        print(f"{label} STS fitted on {fit['set']}: T = {fmt(fit['temperatures'])}", flush=True)
+        for name in sets:
+            c = fit[name]
+            where = "in sample" if name == fit["set"] else "out of sample"
+            print(f"  {name} ({where}, {c['cycles']} cycles): ECE {c['overall_ece_before']:.3f} at T = 1, "
+                  f"{c['overall_ece_after']:.3f} at the fitted T; per draft {fmt(c['ece_after'])}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", action="append", required=True, help="LABEL=pair name or drafter directory")
     ap.add_argument("--target", default="smollm2-135m")
@@ -149,8 +243,11 @@ def main() -> int:
                     help="comma-separated target quantizations to score each drafter against (none: as stored; "
                          "int8; fp8: load_target's quantization), labelled LABEL/int8 etc.; the target is loaded "
                          "once per quantization, one at a time")
+    ap.add_argument("--fit-sts", metavar="SET",
+                    help="--method replay: fit STS temperatures on SET's cycles (one of --sets) for every drafter "
+                         "that scores its drafts, and report the ECE they give on the other sets")
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     out = Path(args.out)
     results = json.loads(out.read_text()) if out.is_file() else {}
     results["info"] = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
@@ -167,6 +264,8 @@ def main() -> int:
         if q not in ("none", "int8", "fp8"):
             ap.error(f"--quantization takes none, int8, fp8 (comma-separated), got {q!r}")
     prompts = read_prompt_dir(args.prompt_dir) if args.prompt_dir else evaluation_prompts()
+    if args.fit_sts and (args.method != "replay" or args.fit_sts not in args.sets.split(",")):
+        ap.error("--fit-sts names one of --sets, with --method replay")
     set_ids = None
     for quantization in quantizations:
         target = None  # the previous quantization's target is released before the next one loads
@@ -192,21 +291,18 @@ def score(target, quantization: str, set_ids: dict[str, list[list[int]]], sizes:
         runs = results.setdefault(label, {"drafter": spec, **({"block_size": width} if width else {}),
                                           **({"quantization": quantization} if suffix else {})})
         for name, ids in set_ids.items():
-            entry = runs.setdefault(name, {"prompts": len(ids), "done": 0, "cycles": 0, "tau": 0.0,
-                                           "acceptance_histogram": [0] * ((width or drafter.config.verify_width) + 1)})
-            if args.method == "replay" and entry["done"] < len(ids):
-                answers = ar_answers(target, results, out, name + suffix, ids, args)
-                rows = pack_rows(ids, answers, max(len(p) + len(a) for p, a in zip(ids, answers)))
-                trainer = Trainer(target, drafter, TrainSettings(batch_size=8, max_anchors=64),
-                                  Path(out.parent, f".replay-{out.stem}"))
-                cycles = trainer.replayed_cycles(trainer.params, rows)
-                add_cycles(entry, [c for row in cycles for c in row])
-                entry["done"] = len(ids)
+            runs.setdefault(name, {"prompts": len(ids), "done": 0, "cycles": 0, "tau": 0.0,
+                                   "acceptance_histogram": [0] * ((width or drafter.config.verify_width) + 1)})
+        if args.method == "replay":
+            calibration = replay_sets(target, drafter, label, runs, set_ids, args, results, out, suffix)
+            if calibration:
+                calibrate(label, runs, calibration, sts.drafter_temperatures(drafter.config), args.fit_sts, out)
                 save(results, out)
         if args.method == "decode":
             decode_sets(target, drafter, label, runs, set_ids, args, results, out, width or None)
         for name in set_ids:
             print(f"{label} {name}: tau {runs[name]['tau']:.3f} over {runs[name]['prompts']} prompts", flush=True)
+        report_calibration(label, runs, set_ids)
 
 
 if __name__ == "__main__":

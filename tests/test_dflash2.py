@@ -114,11 +114,15 @@ def t_conv(x, delta, base):
     return out
 
 
-def t_drafter(w, cfg, emb, head, feats, anchor, ctx_len):
+def t_drafter(w, cfg, emb, head, feats, anchor, ctx_len, windows=True):
     """One row: hidden states of the block [anchor, MASK…] at positions ctx_len … ctx_len + L − 1, after the
-    trunk (context K/V from the features, convolutions around both sublayers), then the final norm."""
+    trunk (context K/V from the features, convolutions around both sublayers), then the final norm. A
+    ``sliding_attention`` layer (``is_causal`` false) lets a query see the keys less than ``sliding_window``
+    positions away on either side (vLLM: flash-attention's window (W − 1, 0) made symmetric for non-causal
+    layers); ``windows=False`` ignores the windows."""
     dc = cfg["dflash_config"]
     pos = torch.arange(ctx_len, ctx_len + BLOCK)
+    key_pos = torch.cat([torch.arange(ctx_len), pos])
     ctx = t_rms(feats @ w["fc.weight"].T, w["hidden_norm.weight"])
     x = emb[torch.tensor([anchor] + [dc["mask_token_id"]] * (BLOCK - 1))] * dc["input_embedding_scale"]
     for i in range(2):
@@ -133,10 +137,14 @@ def t_drafter(w, cfg, emb, head, feats, anchor, ctx_len):
         (kc, vc), (kb, vb) = kv(ctx), kv(hc)
         k = torch.cat([t_rope(kc, torch.arange(ctx_len)), t_rope(kb, pos)])
         v = torch.cat([vc, vb])
+        assert cfg.get("is_causal") is False
+        seen = torch.ones(BLOCK, len(key_pos), dtype=torch.bool)  # non-causal: the whole context and block
+        if windows and cfg["layer_types"][i] == "sliding_attention":
+            seen = (pos[:, None] - key_pos[None, :]).abs() < cfg["sliding_window"]
         heads = []
-        for n in range(NH):  # non-causal: every query sees the whole context and the whole block
+        for n in range(NH):
             kk, vv = k[:, n // (NH // NKV)], v[:, n // (NH // NKV)]
-            heads.append(torch.softmax(q[:, n] @ kk.T / H ** 0.5, -1) @ vv)
+            heads.append(torch.softmax((q[:, n] @ kk.T / H ** 0.5).masked_fill(~seen, -torch.inf), -1) @ vv)
         attn = torch.cat(heads, -1) @ a("self_attn.o_proj.weight").T
         x = x + t_conv(attn, delta[:, 1], a("attention_conv.base_kernel")[1])
         h = t_rms(x, a("post_attention_layernorm.weight"))
@@ -174,9 +182,21 @@ def t_selector(w, cfg, head, hidden, anchor):
     return ids, unary, edges, drafts, conf
 
 
-def test_public_checkpoint_matches_the_torch_rendering(target, public):
+# A non-causal sliding-window layer (as in the published checkpoint) beside a full one; the window is smaller than
+# context + block (6 + 8 positions), so it hides context from every query and the block's far end from its start.
+SLIDING = {"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True, "sliding_window": 5}
+
+
+@pytest.mark.parametrize("layers", [None, SLIDING], ids=["full", "sliding"])
+def test_public_checkpoint_matches_the_torch_rendering(target, public, layers, tmp_path):
     path, cfg, tensors = public
+    if layers:
+        cfg = {**cfg, **layers}
+        path = write_checkpoint(tmp_path / "sliding", cfg, tensors)
     drafter = load_drafter(path, target)
+    c = drafter.config
+    assert [c.layer_window(i) for i in range(2)] == ([5, None] if layers else [None, None])
+    assert not any(c.layer_causal(i) for i in range(2))
     assert isinstance(drafter.model, DFlash2Drafter) and drafter.config.kind == "dflash2"
     kind = drafters.kind_of(drafter.model)
     assert kind.sequential and kind.has_confidence and kind.trunk_width(BLOCK) == BLOCK
@@ -217,6 +237,10 @@ def test_public_checkpoint_matches_the_torch_rendering(target, public):
     for row in range(b):
         hidden = t_drafter(w, cfg, emb, head, torch.from_numpy(feats[row]).double(), int(anchors[row]), s)
         np.testing.assert_allclose(np.asarray(out["hidden"][row]), hidden.numpy(), rtol=1e-4, atol=1e-4)
+        if layers:  # the window matters: without it every position's hidden state is another
+            unwindowed = t_drafter(w, cfg, emb, head, torch.from_numpy(feats[row]).double(), int(anchors[row]), s,
+                                   windows=False)
+            assert ((unwindowed - hidden).abs().amax(-1) > 1e-2).all()
         ids, unary, edges, drafts, conf = t_selector(w, cfg, head, hidden, int(anchors[row]))
         np.testing.assert_array_equal(np.asarray(out["ids"][row]), ids.numpy())
         np.testing.assert_allclose(np.asarray(out["unary"][row]), unary.numpy(), rtol=1e-4, atol=1e-4)

@@ -327,9 +327,9 @@ def test_time_budget_probe_times_one_compiled_shape(tmp_path):
     trainer._build()
     step_fn, widths = trainer._step_fn, []
 
-    def counting_step(params, opt_state, t_state, batch, lr):
+    def counting_step(params, opt_state, frozen, batch, lr):
         widths.append(batch["tokens"].shape[1])
-        return step_fn(params, opt_state, t_state, batch, lr)
+        return step_fn(params, opt_state, frozen, batch, lr)
 
     trainer._step_fn = counting_step
     total = trainer._plan(data, s.total_steps(16))

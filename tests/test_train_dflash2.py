@@ -158,7 +158,7 @@ def test_loss_matches_a_direct_computation(target, trained, probe):
     trainer = trained[0]
     batch, ((ids, _, labels, ok), hidden) = probe
     copy = jax.tree.map(jnp.copy, trainer.params)  # the step donates its input (the drafter shares it)
-    _, _, m = trainer._step_fn(copy, trainer.tx.init(copy), trainer.t_state, batch, jnp.float32(0.0))
+    _, _, m = trainer._step_fn(copy, trainer.tx.init(copy), trainer.frozen, batch, jnp.float32(0.0))
     sel = trainer.drafter.model.candidate_selector
     pcb, scb = np.asarray(sel.predecessor_codebook[...]), np.asarray(sel.successor_codebook[...])
     wh = np.asarray(sel.hidden_projection.kernel[...])
@@ -188,7 +188,7 @@ def test_loss_matches_a_direct_computation(target, trained, probe):
         np.testing.assert_allclose(float(m[k]), x, rtol=2e-4, err_msg=k)
     assert 0 < want["recall"] < 1 and (~found & ok).any()  # labels both among the top-K and put in
     # The teacher-forced τ is decoding's: the walk over the same blocks (the replay's program) commits as much.
-    accepted, z = jax.device_get(trainer._accept_fn(trainer.params, trainer.t_state, batch))
+    accepted, z = jax.device_get(trainer._accept_fn(trainer.params, trainer.frozen, batch))
     assert accepted[v].mean() == pytest.approx(want["tau"]) and z.shape == (*v.shape, L - 1)
 
 

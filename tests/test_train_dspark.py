@@ -20,7 +20,8 @@ from flax import nnx
 from conftest import random_prompts, tiny_target
 from dflash_jax import load_drafter, random_drafter, speculative_generate
 from dflash_jax.checkpoints.export import export_drafter
-from dflash_jax.loading import Drafter, dspark_from_dflash, with_confidence_temperatures
+from dflash_jax.config import ConfigError
+from dflash_jax.loading import Drafter, dspark_from_dflash, restrict_draft_vocab, with_confidence_temperatures
 from dflash_jax.models.drafter import DSparkDrafter
 from dflash_jax.train import sts
 from dflash_jax.train.data import pack_rows
@@ -104,7 +105,7 @@ def test_loss_parts_match_a_direct_computation(target, warm, trained, probe):
     trainer, _, params0 = trained
     batch, (t_hidden, (ids, pos, labels, ok, prev), h, *_) = probe
     copy = jax.tree.map(jnp.asarray, params0)  # warm's weights, as the step's input (the step donates it)
-    _, _, m = trainer._step_fn(copy, trainer.tx.init(copy), trainer.t_state, batch, jnp.float32(0.0))
+    _, _, m = trainer._step_fn(copy, trainer.tx.init(copy), trainer.frozen, batch, jnp.float32(0.0))
     assert (prev[..., 0] == ids[..., 0]).all() and (prev[..., 1:] == labels[..., :-1]).all()
     assert (ids[..., 1:] == warm.config.mask_token_id).all()
     assert (pos == batch["anchors"][..., None] + np.arange(G)).all()
@@ -240,6 +241,24 @@ def test_replayed_acceptance_equals_speculative_decoding(target, warm, rows, tra
     assert walked_tau(replayed) == pytest.approx(np.mean([a for r in replayed for a in r]))
 
 
+def test_a_reduced_vocabulary_drafter_replays_but_does_not_train(target, warm, rows, trained, tmp_path):
+    """A drafter over a reduced draft vocabulary (a pair's on a CPU) replays as it drafts — here a permutation of
+    the whole vocabulary, so its cycles and confidences are the unrestricted drafter's only if the replay reads
+    its token map and head rows — and training it is refused with a clear error."""
+    data = rows[1]
+    drafter = bigram_drafter(warm, data)
+    perm = np.random.default_rng(3).permutation(target.config.vocab_size)
+    trainer = Trainer(target, restrict_draft_vocab(drafter, target, perm), trained[0].s, tmp_path,
+                      compiler_options=UNOPTIMISED)
+    acceptance, z = trainer.replay(trainer.params, data)
+    want_acceptance, want_z = trained[0].replay(nnx.to_pure_dict(nnx.state(drafter.model, nnx.Param)), data)
+    np.testing.assert_array_equal(acceptance, want_acceptance)
+    np.testing.assert_allclose(z, want_z, atol=1e-5)
+    assert acceptance.max() >= 3
+    with pytest.raises(ConfigError, match="reduced draft vocabulary is not supported"):
+        trainer.fit(data, progress=False)
+
+
 def test_pipeline_pieces(target, trunk, trained, rows, tmp_path):
     """``kind: dspark`` in the YAML; warm start from an exported DFlash drafter; STS written into the
     exported config; the eval stage's calibration report and reliability diagram."""
@@ -268,3 +287,74 @@ def test_pipeline_pieces(target, trunk, trained, rows, tmp_path):
     assert (tmp_path / "run" / "eval_reliability_set.png").stat().st_size > 1000
     with_t = with_confidence_temperatures(trainer.drafter, [2.0] * G)
     assert with_t.config.confidence_temperatures == (2.0,) * G
+
+
+def test_eval_tau_calibration_report(target, warm, rows, trained, tmp_path, capsys):
+    """benchmarks/eval_tau.py --method replay --fit-sts a: per set, the survival calibration of the complete
+    cycles its own replay ran equals sts.calibration_report of the cycles the module's trainer replays (at the
+    drafter's temperatures); those cycles are the τ cycles' complete ones; STS fitted on set a gives the
+    report on set b out of sample; a resumed run replays nothing and reports the same."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("eval_tau", Path(__file__).parents[1] / "benchmarks" / "eval_tau.py")
+    eval_tau = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(eval_tau)
+    prompts, data = rows
+    temps = [0.5, 2.0, 1.0, 1.5]
+    drafter = with_confidence_temperatures(bigram_drafter(warm, data), temps)
+    answers = [r[p:n].tolist() for r, p, n in zip(data["tokens"], data["prompt_lengths"], data["lengths"])]
+    half = len(prompts) // 2
+    set_ids = {"a": prompts[:half], "b": prompts[half:]}
+    # The AR answers as a finished earlier run left them: the script generates none.
+    results = {"answers": {"a": [[i, a] for i, a in enumerate(answers[:half])],
+                           "b": [[i, a] for i, a in enumerate(answers[half:])]}}
+    runs = {name: {"prompts": len(ids), "done": 0, "cycles": 0, "tau": 0.0, "acceptance_histogram": [0] * (G + 2)}
+            for name, ids in set_ids.items()}
+    args, out = argparse.Namespace(max_new_tokens=NEW, batch_size=8, fit_sts="a"), tmp_path / "cal.json"
+    label = "DSpark/x"
+    got = eval_tau.replay_sets(target, drafter, label, runs, set_ids, args, results, out)
+    eval_tau.calibrate(label, runs, got, sts.drafter_temperatures(drafter.config), "a", out)
+
+    params = nnx.to_pure_dict(nnx.state(drafter.model, nnx.Param))
+    want = {}
+    for name, sl in (("a", slice(None, half)), ("b", slice(half, None))):
+        part = {k: v[sl] for k, v in data.items()}
+        acceptance, z = trained[0].replay(params, part)
+        want[name] = sts.cycle_calibration(acceptance, z, part["prompt_lengths"], part["lengths"])
+        np.testing.assert_allclose(got[name][0], want[name][0], atol=1e-5)
+        np.testing.assert_array_equal(got[name][1], want[name][1])
+        cycles = [walked_cycles(a, p, n) for a, p, n in zip(acceptance, part["prompt_lengths"], part["lengths"])]
+        assert runs[name]["tau"] == pytest.approx(walked_tau(cycles))
+        # The calibration cycles are the τ cycles whose G drafts all have labels (anchor p <= n - 1 - G), with the
+        # same acceptance (up to G: a row's last cycle can lose its bonus token to the row's end).
+        complete = [min(a, G) for c, p, n in zip(cycles, part["prompt_lengths"], part["lengths"])
+                    for a, at in zip(c, p + np.cumsum([0] + c[:-1])) if at <= n - 1 - G]
+        assert sum(map(len, cycles)) == runs[name]["cycles"] > len(complete)
+        np.testing.assert_array_equal(np.bincount(np.minimum(got[name][1].sum(1) + 1, G), minlength=G + 1),
+                                      np.bincount(complete, minlength=G + 1))
+        report, expected = runs[name]["calibration"], sts.calibration_report(*want[name], temps)
+        assert set(report) == set(expected) | {"plot"} and Path(report["plot"]).stat().st_size > 1000
+        for key, value in expected.items():
+            assert report[key] == pytest.approx(value, abs=1e-6), key
+        assert report["overall_ece_before"] != report["overall_ece_after"]
+    assert len({a for row in cycles for a in row}) >= 3  # acceptance lengths vary: the report has something to say
+    fit = runs["sts_fit"]
+    fitted = sts.fit_sts(*want["a"])
+    assert fit["set"] == "a" and fit["temperatures"] == pytest.approx(fitted["temperatures"])
+    out_of_sample = sts.calibration_report(*want["b"], fitted["temperatures"])
+    for key, value in out_of_sample.items():
+        assert fit["b"][key] == pytest.approx(value, abs=1e-6), key
+    assert fit["a"]["overall_ece_after"] == pytest.approx(fitted["overall_ece_after"], abs=1e-6)
+    assert eval_tau.diagram(out, label, "b", "_sts").stat().st_size > 1000
+    eval_tau.report_calibration(label, runs, set_ids)
+    printed = capsys.readouterr().out
+    assert f"{label} b: survival ECE {runs['b']['calibration']['overall_ece_before']:.3f} at T = 1" in printed
+    assert "b (out of sample" in printed
+
+    # Resumed: every set done and its cycles kept, so nothing is replayed and nothing counted twice.
+    eval_tau.Trainer = None  # a replay would fail
+    before = json.loads(json.dumps(runs))
+    again = eval_tau.replay_sets(target, drafter, label, runs, set_ids, args, results, out)
+    assert runs == before and all((again[n][1] == got[n][1]).all() for n in set_ids)

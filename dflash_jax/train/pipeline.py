@@ -411,8 +411,8 @@ class Pipeline:
         rows, held_out = val_sets.get("val_tau"), True
         if rows is None:  # no held-out rows: the first sts_rows training rows (in-sample)
             rows, held_out = {k: v[: self.cfg.drafter.sts_rows] for k, v in data.items()}, False
-        acceptance, z = trainer.replay(trainer.params, rows)
-        z, accepted = sts.cycle_calibration(acceptance, z, rows["prompt_lengths"], rows["lengths"])
+        replayed = trainer.replayed(rows)
+        z, accepted = replayed.z, replayed.accepted
         if not len(z):
             log.warning("STS: no complete cycle in the calibration rows; confidences left unscaled")
             return drafter
@@ -493,17 +493,14 @@ class Pipeline:
         reliability diagram ``eval_reliability_<set>.png``."""
         if self._replayer is None or self._replayer.drafter is not drafter:
             self._replayer = Trainer(self.target, drafter, self.cfg.train, self.out)  # its replay only
-        rows = data_mod.pack_rows(prompts, answers, max(len(p) + len(a) for p, a in zip(prompts, answers)))
-        acceptance, z = self._replayer.replay(self._replayer.params, rows)
-        z, accepted = sts.cycle_calibration(acceptance, z, rows["prompt_lengths"], rows["lengths"])
-        g = drafter.config.verify_width - 1  # drafts per cycle
-        temps = drafter.config.confidence_temperatures or (1.0,) * g
-        report = sts.calibration_report(z, accepted, temps)
-        if len(z):
-            sts.plot_reliability(z, accepted, temps, self.out / f"eval_reliability_{Path(name).stem}.png",
-                                 f"{self.cfg.name}: survival calibration on {Path(name).stem}")
+        replayed = self._replayer.replay_answers(prompts, answers)
+        stem = Path(name).stem
+        report = sts.reliability(replayed.z, replayed.accepted, sts.drafter_temperatures(drafter.config),
+                                 self.out / f"eval_reliability_{stem}.png",
+                                 f"{self.cfg.name}: survival calibration on {stem}")
+        if report["cycles"]:
             log.warning("%s: survival ECE %.3f before STS, %.3f after (%d cycles)", name,
-                        report["overall_ece_before"], report["overall_ece_after"], len(z))
+                        report["overall_ece_before"], report["overall_ece_after"], report["cycles"])
         return report
 
 

@@ -70,6 +70,22 @@ def calibration_report(z: np.ndarray, accepted: np.ndarray, temperatures, bins: 
     return out
 
 
+def drafter_temperatures(config) -> tuple[float, ...]:
+    """The temperatures a drafter's confidences are used at (``config``: its ``DrafterConfig``): its STS ones
+    (DSpark, once calibrated), else 1 per draft (DFlash2's selector probabilities are used as they are)."""
+    return tuple(config.confidence_temperatures or (1.0,) * (config.verify_width - 1))
+
+
+def reliability(z: np.ndarray, accepted: np.ndarray, temperatures, plot: str | Path | None = None,
+                title: str = "") -> dict:
+    """``calibration_report`` of cycles' confidences ``z`` [N, G] at ``temperatures``, and its reliability
+    diagram written to ``plot`` (where given and there are cycles)."""
+    report = calibration_report(z, accepted, temperatures)
+    if plot is not None and len(z):
+        plot_reliability(z, accepted, temperatures, plot, title)
+    return report
+
+
 def cycle_calibration(acceptance: np.ndarray, z: np.ndarray, prompt_lengths: np.ndarray, lengths: np.ndarray
                       ) -> tuple[np.ndarray, np.ndarray]:
     """The cycles greedy decoding of each row runs (the walk of ``objective.walked_cycles``), as STS data:

@@ -26,6 +26,8 @@ from tqdm.auto import tqdm
 from dflash_jax import drafters
 from dflash_jax.config import ConfigError
 from dflash_jax.loading import Drafter, Target
+from dflash_jax.train import sts
+from dflash_jax.train.data import pack_rows
 from dflash_jax.train.objective import (cosine_with_warmup, default_gamma, loss_weights, objective_for,
                                         repeated_blocks, sample_anchors, walked_cycles, walked_tau)
 
@@ -67,6 +69,16 @@ class TrainSettings:
         if self.max_steps is not None:
             return int(self.max_steps)
         return max(1, int(math.ceil(self.epochs * num_rows / self.batch_size)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Replayed:
+    """Greedy decoding's cycles replayed along known answers (``Trainer.replay_answers``). N complete cycles
+    (every draft has a label in its row), G drafts per cycle."""
+
+    cycles: list[list[int]]  # per row, the tokens each cycle commits (``walked_cycles``)
+    z: np.ndarray | None = None  # [N, G] confidence logits; None for a drafter without confidences
+    accepted: np.ndarray | None = None  # [N, G] draft k accepted (all drafts up to k right)
 
 
 def make_optimizer(s: TrainSettings) -> optax.GradientTransformation:
@@ -135,9 +147,9 @@ class Trainer:
         dc.check_target(target.config)
         if dc.verify_width < 2:
             raise ConfigError(f"block size must be >= 2, got {dc.block_size}")
-        objective = objective_for(dc.kind)
-        if objective.check is not None:
-            objective.check(dc)
+        # The kind must have an objective; what it cannot train (its ``check``) is refused by ``fit`` only: the
+        # replay of such a drafter (a pair's, drafting over a reduced vocabulary) is exact.
+        objective_for(dc.kind)
         if not 0.0 < settings.repeat_anchor_weight <= 1.0:
             raise ConfigError(f"repeat_anchor_weight must be in (0, 1], got {settings.repeat_anchor_weight}")
         if settings.ce_chunk_rows is not None and settings.ce_chunk_rows < 1:
@@ -153,9 +165,12 @@ class Trainer:
         self.block_size = dc.verify_width
         self.weights = jnp.asarray(loss_weights(self.block_size, settings.gamma or default_gamma(self.block_size)))
         self.compute_dtype = jnp.bfloat16 if settings.compute_dtype in ("bfloat16", "bf16") else jnp.float32
-        self.d_graph, params = nnx.split(drafter.model, nnx.Param)
+        # The drafter's parameters (trained) and its other variables (a reduced draft vocabulary's token map and
+        # head rows: a pair's drafter replays as it drafts), which the programs take with the target's state.
+        self.d_graph, params, d_rest = nnx.split(drafter.model, nnx.Param, ...)
         self.params = jax.tree.map(lambda x: x.astype(jnp.float32), nnx.to_pure_dict(params))
-        self.t_graph, self.t_state = nnx.split(target.model)
+        self.t_graph, t_state = nnx.split(target.model)
+        self.frozen = (t_state, d_rest)
         self.compiler_options = compiler_options
         self._step_fn = None
         self._accept_fn = None
@@ -169,13 +184,17 @@ class Trainer:
         objective = objective_for(self.drafter.config.kind)
         loss, replay, verify_width = objective.loss, objective.replay, self.block_size
 
-        def loss_fn(params, t_state, batch):
-            drafter = nnx.merge(d_graph, jax.tree.map(lambda x: x.astype(cdt), params))
-            target = nnx.merge(t_graph, t_state)
+        def models(params, frozen):
+            t_state, d_rest = frozen
+            drafter = nnx.merge(d_graph, jax.tree.map(lambda x: x.astype(cdt), params), d_rest)
+            return drafter, nnx.merge(t_graph, t_state)
+
+        def loss_fn(params, frozen, batch):
+            drafter, target = models(params, frozen)
             return loss(drafter, target, batch, weights=weights, ce_chunk_rows=ce_chunk_rows)
 
-        def step(params, opt_state, t_state, batch, lr):
-            grads, metrics = jax.grad(loss_fn, has_aux=True)(params, t_state, batch)
+        def step(params, opt_state, frozen, batch, lr):
+            grads, metrics = jax.grad(loss_fn, has_aux=True)(params, frozen, batch)
             opt_state[1].hyperparams["learning_rate"] = lr
             updates, opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, metrics
@@ -191,11 +210,9 @@ class Trainer:
 
         self._step_fn = run
 
-        def accept(params, t_state, batch):
+        def accept(params, frozen, batch):
             """(acceptance [Bs, A], DSpark's confidence logits [Bs, A, G] or None)."""
-            drafter = nnx.merge(d_graph, jax.tree.map(lambda x: x.astype(cdt), params))
-            target = nnx.merge(t_graph, t_state)
-            return replay(drafter, target, batch, verify_width)
+            return replay(*models(params, frozen), batch, verify_width)
 
         accept_jitted = jax.jit(accept, compiler_options=self.compiler_options)
 
@@ -231,8 +248,23 @@ class Trainer:
     def replayed_cycles(self, params, rows: dict[str, np.ndarray]) -> list[list[int]]:
         """Per row, the cycles greedy speculative decoding of its prompt would run (``walked_cycles``), from
         every anchor's acceptance computed in training-shaped batches (no decoding loop)."""
-        acceptance = self.replay(params, rows)[0]
-        return [walked_cycles(acc, p, n) for acc, p, n in zip(acceptance, rows["prompt_lengths"], rows["lengths"])]
+        return self.replayed(rows, params).cycles
+
+    def replayed(self, rows: dict[str, np.ndarray], params=None) -> Replayed:
+        """The cycles greedy decoding runs along ``rows`` (greedy answers), replayed with ``params`` (default: the
+        trainer's): each row's cycles and, for a drafter that scores its drafts, the complete cycles'
+        confidences as STS data (``sts.cycle_calibration``)."""
+        acceptance, z = self.replay(self.params if params is None else params, rows)
+        cycles = [walked_cycles(a, p, n) for a, p, n in zip(acceptance, rows["prompt_lengths"], rows["lengths"])]
+        if z is None:
+            return Replayed(cycles)
+        return Replayed(cycles, *sts.cycle_calibration(acceptance, z, rows["prompt_lengths"], rows["lengths"]))
+
+    def replay_answers(self, prompts: list[list[int]], answers: list[list[int]], params=None) -> Replayed:
+        """``replayed`` along the greedy ``answers`` to ``prompts`` (what greedy speculative decoding, being
+        lossless, commits)."""
+        return self.replayed(pack_rows(prompts, answers, max(len(p) + len(a) for p, a in zip(prompts, answers))),
+                             params)
 
     def replay(self, params, rows: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
         """Every anchor's acceptance [N, T] (tokens a greedy cycle anchored there commits) and, for drafters
@@ -252,7 +284,7 @@ class Trainer:
                 anchors = plens[:, None] + a0 + np.arange(a_max)
                 valid = anchors <= lengths[:, None] - 2
                 anchors = np.where(valid, anchors, plens[:, None]).astype(np.int32)
-                got, z = jax.device_get(self._accept_fn(params, self.t_state, {
+                got, z = jax.device_get(self._accept_fn(params, self.frozen, {
                     "tokens": tokens, "lengths": lengths, "anchors": anchors, "valid": valid}))
                 for i in range(min(bs, n - r0)):
                     acceptance[r0 + i, anchors[i, valid[i]]] = got[i, valid[i]]
@@ -280,7 +312,7 @@ class Trainer:
             times = []
             for _ in range(6):  # the first call compiles; time the rest
                 t = time.perf_counter()
-                params, opt_state, m = self._step_fn(params, opt_state, self.t_state, batch, jnp.float32(0.0))
+                params, opt_state, m = self._step_fn(params, opt_state, self.frozen, batch, jnp.float32(0.0))
                 jax.block_until_ready(m)
                 times.append(time.perf_counter() - t)
             step_s = float(np.median(times[2:]))
@@ -316,6 +348,9 @@ class Trainer:
         reached, so that one planned schedule can span several time-limited processes (e.g. device calls
         capped at 10 minutes): the next ``fit`` resumes there and the result equals an unbroken run.
         """
+        objective = objective_for(self.drafter.config.kind)
+        if objective.check is not None:
+            objective.check(self.drafter.config)
         if self._step_fn is None:
             self._build()
         data, val_sets, total = self._prepare_fit(data, resume)
@@ -348,7 +383,7 @@ class Trainer:
             for step in range(start, end):
                 batch = batch_for_step(data, step, self.s, self.block_size)
                 lr = jnp.float32(self.schedule(step))
-                params, opt_state, metrics = self._step_fn(params, opt_state, self.t_state, batch, lr)
+                params, opt_state, metrics = self._step_fn(params, opt_state, self.frozen, batch, lr)
                 summed = metrics if summed is None else _add_metrics(summed, metrics)
                 counted += 1
                 tokens_seen += int(batch["valid"].sum()) * (self.block_size - 1)
