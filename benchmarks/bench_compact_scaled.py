@@ -282,9 +282,10 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--flat-logits", action="store_true",
                     help="keep the random target as drawn (bf16 rounding then leads rows away from AR's text)")
-    ap.add_argument("--tier-draft-span", default="2",
+    ap.add_argument("--tier-draft-span", default="none",
                     help="Tuning.tier_draft_span: a compact tier of n tokens per row drafts min(L, span·n) positions "
-                         "(none: the whole block at every tier)")
+                         "(none, the library's default: the whole block at every tier; the scripted drafter's "
+                         "acceptance does not depend on the width, a trained one's does: benchmarks/README.md)")
     ap.add_argument("--cost-table", type=Path,
                     help="a costs file, or an earlier run's JSON (its table at each batch), instead of timing them")
     ap.add_argument("--out", type=Path, required=True)
