@@ -368,7 +368,7 @@ def _run_autoregressive(job: Job) -> GenerationOutput:
     ar = prepare(job.target, None, job.ids, job.settings.autoregressive())
     out = run(ar)
     rows = sum(len(a) for a in out.acceptance_lengths)
-    job.decoder.skipped(out.stats["cycles"], rows)
+    job.decoder.skipped(out.stats["cycles"], rows, out.stats["decode_s"])
     out.stats.update(compile_s=job.compile_s + ar.compile_s, verify_mode=job.spec.verify_mode.name,
                      verify_tokens=rows, mean_window=1.0, **job.record.stats())
     return out

@@ -9,7 +9,11 @@ drafted step costs more than :data:`ARM_BREAKEVEN` autoregressive ones, :func:`d
     autoregressive: 1 / (ms of an autoregressive step)
 
 τ̂ is the tokens a row committed per drafted step, averaged over recent segments (an estimate that follows the
-text), and the drafted steps' cost is the table's cost of the tiers they ran. While drafting loses, the loop runs
+text), and the drafted steps' cost is the table's cost of the tiers they ran. Each segment is also timed here
+(from its dispatch to its counts on the host); once both kinds were timed, the autoregressive step's cost is the
+drafted one's times the ratio timed, so a table measured on another machine cannot keep a batch drafting at a
+loss: where the table says drafting pays by less than :data:`AR_CHECK`, one short fallback segment times the
+other side early. While drafting loses, the loop runs
 the plain autoregressive program (:func:`dflash_jax.decode.loop.fallback`: the step ``generate`` runs, whose
 captured features write the drafter's context once per segment) and, from time to time, one drafted *probe*
 segment to see whether the text has become easier (:class:`SwitchPolicy` says when). Every token is still the
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +59,11 @@ PROBE_SHARE = 0.05
 MAX_BACKOFF = 8
 # A row's own τ counts against the batch's as if the batch's had been seen over this many of its steps.
 ROW_PRIOR_STEPS = 16
+# Where drafting seems to pay less than this many times over by the cost table, one short fallback segment of
+# AR_CHECK_STEPS steps times an autoregressive step on this machine: a table timed on another machine can be off by
+# more than that (a CPU of another make), and the drafted segments are timed anyway.
+AR_CHECK = 2.0
+AR_CHECK_STEPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,12 +135,25 @@ class SwitchPolicy:
         self.row_tokens: np.ndarray | None = None  # [B] each row's tokens from drafted steps so far
         self.row_steps: np.ndarray | None = None  # [B] and its drafted steps
         self.left: np.ndarray | None = None  # [B] tokens each active row may still commit (0: done)
-        self.step_ms: float | None = None  # ms of a drafted step, running
+        self.step_ms: float | None = None  # ms of a drafted step, running (the cost table's)
+        # Wall ms per step as timed here, running: drafted segments' and fallback segments'. Their ratio corrects
+        # the table's autoregressive cost (:attr:`ar_ms`).
+        self.drafted_wall_ms: float | None = None
+        self.ar_wall_ms: float | None = None
+        self.checking = False  # the next autoregressive segment is a short timing check (drafting goes on after)
         self.mode = DRAFT if fallback.can_pay else AUTOREGRESSIVE
         self.backoff = 1  # grows while probes lose
         self.until_probe = 0  # fallback segments left before the next probe (AUTOREGRESSIVE)
         self.probing = True  # the next drafted segment is a probe (or the first): probe_cycles long
         self.cycles = probe_cycles  # the next drafted segment's length
+
+    @property
+    def ar_ms(self) -> float:
+        """An autoregressive step's cost in the table's drafted-step units: the table's own, or — once both
+        kinds of segment were timed here — the drafted cost times the ratio timed."""
+        if self.ar_wall_ms is None or self.drafted_wall_ms is None or self.step_ms is None:
+            return self.fallback.ar_ms
+        return self.step_ms * self.ar_wall_ms / self.drafted_wall_ms
 
     @property
     def row_tau(self) -> np.ndarray:
@@ -142,20 +165,24 @@ class SwitchPolicy:
     def value(self, optimism: float = 0.0) -> float:
         """Drafting's speed ÷ the fallback's (> 1: drafting pays), from the running estimates; ``optimism``: the
         τs read that many standard errors up."""
-        fb = self.fallback
+        ar_ms = self.ar_ms
         up = max(0.0, 1.0 + optimism / np.sqrt(max(self.seen, 1)))
         if self.pooled or self.left is None or not (self.left > 0).any():
-            return up * self.tau * fb.ar_ms / self.step_ms
+            return up * self.tau * ar_ms / self.step_ms
         active = self.left > 0
         left = self.left[active]
-        return up * (left.max() * fb.ar_ms) / ((left / self.row_tau[active]).max() * self.step_ms)
+        return up * (left.max() * ar_ms) / ((left / self.row_tau[active]).max() * self.step_ms)
 
-    def drafted(self, tokens: np.ndarray, steps: np.ndarray, left: np.ndarray, step_ms: float) -> None:
+    def drafted(self, tokens: np.ndarray, steps: np.ndarray, left: np.ndarray, step_ms: float,
+                wall_ms: float | None = None) -> None:
         """A drafted segment: per row, the tokens it committed in its ``steps`` active steps and the budget it has
-        ``left`` (0 once done); ``step_ms``: what a step of the segment cost."""
+        ``left`` (0 once done); ``step_ms``: what a step of the segment cost by the table; ``wall_ms``: what one
+        took here (None: not timed)."""
         ran = steps > 0
         if not ran.any():
             return
+        if wall_ms is not None:
+            self.drafted_wall_ms = _running(self.drafted_wall_ms, wall_ms)
         stale = self.mode == AUTOREGRESSIVE or self.tau is None  # a probe: the running figures are stale
         w = 1.0 if stale else SMOOTHING
         tau = float(tokens[ran].sum() / steps[ran].sum())
@@ -181,13 +208,27 @@ class SwitchPolicy:
             self.cycles = min(2 * self.cycles, self.max_cycles)  # clearly paying: fewer returns to the host
         else:
             self.cycles = self.probe_cycles  # not clear yet: decide again soon
+        # Paying by the table, but not by so much that the table cannot be wrong here: time the other side once.
+        self.checking = (self.mode == DRAFT and wall_ms is not None and self.ar_wall_ms is None
+                         and self.value() < AR_CHECK)
+
+    def fell_back(self, wall_ms: float | None) -> None:
+        """A fallback segment ran (``wall_ms``: what a step of it took here; None: not timed). After a timing check,
+        drafting goes on only if it still pays with the autoregressive step as timed."""
+        if wall_ms is not None:
+            self.ar_wall_ms = _running(self.ar_wall_ms, wall_ms)
+        if self.mode == DRAFT and self.checking:
+            self.checking = False
+            if self.value(optimism=LEAVE_OPTIMISM) < 1.0 - LEAVE_MARGIN:
+                self.mode = AUTOREGRESSIVE
+                self._fall_back()
 
     def snapshot(self) -> dict:
         """What a later run of the same batch shape starts from (:meth:`resume`): the batch's running τ and
         drafted step cost, the mode, the probes' backoff and countdown. Rows' own figures are left out: a later
         run's rows hold other text."""
         return dict(tau=self.tau, seen=self.seen, step_ms=self.step_ms, mode=self.mode, backoff=self.backoff,
-                    until_probe=self.until_probe)
+                    until_probe=self.until_probe, drafted_wall_ms=self.drafted_wall_ms, ar_wall_ms=self.ar_wall_ms)
 
     def resume(self, snap: dict | None) -> None:
         """Start from an earlier run's :meth:`snapshot` (None: from nothing — a first drafted probe). A run that
@@ -198,6 +239,7 @@ class SwitchPolicy:
         self.tau, self.seen, self.step_ms = snap["tau"], snap["seen"], snap["step_ms"]
         self.backoff, self.until_probe = snap["backoff"], snap["until_probe"]
         self.mode = snap["mode"]
+        self.drafted_wall_ms, self.ar_wall_ms = snap.get("drafted_wall_ms"), snap.get("ar_wall_ms")
         self.probing = False
 
     def skips_call(self, segments: int) -> bool:
@@ -209,9 +251,11 @@ class SwitchPolicy:
             return True
         return self.mode == AUTOREGRESSIVE and not self.probing and self.until_probe >= segments
 
-    def skipped(self, segments: int) -> None:
-        """A call ran ``segments`` segments' worth of autoregressive steps without this policy: count them
-        towards the next probe."""
+    def skipped(self, segments: int, wall_ms: float | None = None) -> None:
+        """A call ran ``segments`` segments' worth of autoregressive steps without this policy (``wall_ms`` a
+        step): count them towards the next probe."""
+        if wall_ms is not None:
+            self.ar_wall_ms = _running(self.ar_wall_ms, wall_ms)
         if self.mode == AUTOREGRESSIVE:
             self.until_probe = max(0, self.until_probe - segments)
 
@@ -219,11 +263,13 @@ class SwitchPolicy:
         """Fallback segments until the next probe: a probe's cost ≤ PROBE_SHARE of the time between two, times
         the backoff."""
         probe_ms = self.probe_cycles * self.step_ms
-        segment_ms = self.fallback_steps * self.fallback.ar_ms
+        segment_ms = self.fallback_steps * self.ar_ms
         self.until_probe = self.backoff * max(1, int(np.ceil(probe_ms / (PROBE_SHARE * segment_ms))))
 
     def next_segment(self) -> str:
         """What the next segment runs (a fallback segment counts down to the next probe)."""
+        if self.checking and self.fallback.can_pay:
+            return AUTOREGRESSIVE  # the timing check (its segment is short; drafting resumes after it)
         if self.mode == DRAFT or not self.fallback.can_pay:
             return self.mode
         if self.until_probe <= 0:
@@ -231,6 +277,10 @@ class SwitchPolicy:
             return DRAFT
         self.until_probe -= 1
         return AUTOREGRESSIVE
+
+
+def _running(old: float | None, new: float) -> float:
+    return new if old is None else SMOOTHING * new + (1 - SMOOTHING) * old
 
 
 @dataclasses.dataclass
@@ -265,8 +315,8 @@ class Decoder:
         its rows committing at most ``max_new`` tokens each."""
         return False
 
-    def skipped(self, steps: int, row_steps: int) -> None:
-        """Such a call ran ``steps`` autoregressive steps (``row_steps``: summed over its rows)."""
+    def skipped(self, steps: int, row_steps: int, seconds: float) -> None:
+        """Such a call ran ``steps`` autoregressive steps (``row_steps``: summed over its rows) in ``seconds``."""
 
 
 class SwitchingDecoder(Decoder):
@@ -288,14 +338,19 @@ class SwitchingDecoder(Decoder):
         while True:
             if self.segment is None:
                 mode = self.policy.next_segment()
-                self.segment = _Segment(mode, before.shape[0], mode == DRAFT and self.policy.probing)
+                self.segment = _Segment(mode, before.shape[0], mode == DRAFT and self.policy.probing,
+                                        check=mode == AUTOREGRESSIVE and self.policy.checking)
             seg = self.segment
-            length = self.ar_steps if seg.mode == AUTOREGRESSIVE else (
-                self.policy.probe_cycles if seg.probe else self.policy.cycles)
+            if seg.mode == AUTOREGRESSIVE:
+                length = AR_CHECK_STEPS if seg.check else self.ar_steps
+            else:
+                length = self.policy.probe_cycles if seg.probe else self.policy.cycles
             n = min(left, length - seg.ran)
             program = self.job.programs.decode if seg.mode == DRAFT else self._fallback_program()
+            t0 = time.perf_counter()  # after any compile: the segment's own time, to its counts on the host
             state, packed = program(self.job.params, state, np.int32(n))
             after = np.asarray(self._counts_program()(state))
+            seg.seconds += time.perf_counter() - t0
             ran = seg.add(before, after)
             before = after
             left -= ran
@@ -307,14 +362,14 @@ class SwitchingDecoder(Decoder):
     def skips_call(self, max_new: int) -> bool:
         return self.policy.skips_call(-(-max_new // self.ar_steps))
 
-    def skipped(self, steps: int, row_steps: int) -> None:
+    def skipped(self, steps: int, row_steps: int, seconds: float) -> None:
         segments = -(-steps // self.ar_steps)
         self.record.ar_steps += steps
         self.record.row_ar_steps += row_steps
         self.record.segments += segments
         self.record.switches += self.last_mode == DRAFT
         self.last_mode = AUTOREGRESSIVE
-        self.policy.skipped(segments)
+        self.policy.skipped(segments, 1e3 * seconds / steps if steps else None)
         self._remember()
 
     def _finish(self, seg: "_Segment", after: np.ndarray) -> None:
@@ -328,6 +383,7 @@ class SwitchingDecoder(Decoder):
         if seg.mode == AUTOREGRESSIVE:
             self.record.ar_steps += seg.ran
             self.record.row_ar_steps += int(seg.cycles.sum())
+            self.policy.fell_back(seg.wall_ms)
             self._remember()
             return
         done = after[:, 2] > 0
@@ -341,7 +397,7 @@ class SwitchingDecoder(Decoder):
         # stop token or the budget, so counting it reads τ low (at the end of every run, which a later run of the
         # shape would then start from).
         keep = ~done
-        self.policy.drafted(np.where(keep, seg.tokens, 0), np.where(keep, seg.cycles, 0), left, step_ms)
+        self.policy.drafted(np.where(keep, seg.tokens, 0), np.where(keep, seg.cycles, 0), left, step_ms, seg.wall_ms)
         self._remember()
 
     def _remember(self) -> None:
@@ -387,11 +443,17 @@ class _Segment:
     """What one segment ran so far, summed over the calls it spans (rows refilled between two calls count from
     their refill: each call's counts are taken against its own start)."""
 
-    def __init__(self, mode: str, rows: int, probe: bool = False):
-        self.mode, self.probe, self.ran = mode, probe, 0
+    def __init__(self, mode: str, rows: int, probe: bool = False, check: bool = False):
+        self.mode, self.probe, self.check, self.ran = mode, probe, check, 0
+        self.seconds = 0.0  # wall time of its calls, each from dispatch to its counts on the host
         self.tokens = np.zeros(rows, np.int64)
         self.cycles = np.zeros(rows, np.int64)
         self.tiers = np.zeros(0)
+
+    @property
+    def wall_ms(self) -> float | None:
+        """Wall ms per loop iteration (None: none ran)."""
+        return 1e3 * self.seconds / self.ran if self.ran else None
 
     def add(self, before: np.ndarray, after: np.ndarray) -> int:
         """Add one call's counts; → the loop iterations it ran (a row active at the last was active at every one)."""
