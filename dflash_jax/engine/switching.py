@@ -64,6 +64,10 @@ ROW_PRIOR_STEPS = 16
 # more than that (a CPU of another make), and the drafted segments are timed anyway.
 AR_CHECK = 2.0
 AR_CHECK_STEPS = 8
+# Programs (their cache keys) warm in this process. On a CPU a program's first runs also set up its kernels —
+# each branch of a drafted program's on its first use, taking several times a later run's time for a while — so a
+# drafted program is timed from its second call on, the fallback's (one branch) from its second segment on.
+_WARM: set[tuple] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +222,7 @@ class SwitchPolicy:
         if wall_ms is not None:
             self.ar_wall_ms = _running(self.ar_wall_ms, wall_ms)
         if self.mode == DRAFT and self.checking:
-            self.checking = False
+            self.checking = False  # (untimed: the next timed drafted segment asks again)
             if self.value(optimism=LEAVE_OPTIMISM) < 1.0 - LEAVE_MARGIN:
                 self.mode = AUTOREGRESSIVE
                 self._fall_back()
@@ -329,6 +333,7 @@ class SwitchingDecoder(Decoder):
         self.last_mode: str | None = None
         self.segment: _Segment | None = None  # the segment under way (a call may end inside one)
         self.ar_steps = policy.fallback_steps
+        self.ran_drafted = False  # this call ran the drafted program (warm from the next call on)
 
     def __call__(self, state, max_cycles):
         left = int(np.asarray(max_cycles))
@@ -347,6 +352,12 @@ class SwitchingDecoder(Decoder):
                 length = self.policy.probe_cycles if seg.probe else self.policy.cycles
             n = min(left, length - seg.ran)
             program = self.job.programs.decode if seg.mode == DRAFT else self._fallback_program()
+            key = self.job.key + ((seg.mode, self.ar_steps) if seg.mode == AUTOREGRESSIVE else ())
+            seg.timed &= key in _WARM
+            if seg.mode == AUTOREGRESSIVE:
+                _WARM.add(key)
+            else:
+                self.ran_drafted = True
             t0 = time.perf_counter()  # after any compile: the segment's own time, to its counts on the host
             state, packed = program(self.job.params, state, np.int32(n))
             after = np.asarray(self._counts_program()(state))
@@ -357,6 +368,8 @@ class SwitchingDecoder(Decoder):
             if seg.ran >= length or ran < n:  # whole, or the loop returned (rows done)
                 self._finish(seg, after)
             if ran < n or left <= 0:
+                if self.ran_drafted:
+                    _WARM.add(self.job.key)
                 return state, packed
 
     def skips_call(self, max_new: int) -> bool:
@@ -446,14 +459,15 @@ class _Segment:
     def __init__(self, mode: str, rows: int, probe: bool = False, check: bool = False):
         self.mode, self.probe, self.check, self.ran = mode, probe, check, 0
         self.seconds = 0.0  # wall time of its calls, each from dispatch to its counts on the host
+        self.timed = True  # no call was its program's first run in this process
         self.tokens = np.zeros(rows, np.int64)
         self.cycles = np.zeros(rows, np.int64)
         self.tiers = np.zeros(0)
 
     @property
     def wall_ms(self) -> float | None:
-        """Wall ms per loop iteration (None: none ran)."""
-        return 1e3 * self.seconds / self.ran if self.ran else None
+        """Wall ms per loop iteration (None: none ran, or its program was not warm yet)."""
+        return 1e3 * self.seconds / self.ran if self.ran and self.timed else None
 
     def add(self, before: np.ndarray, after: np.ndarray) -> int:
         """Add one call's counts; → the loop iterations it ran (a row active at the last was active at every one)."""
