@@ -64,6 +64,10 @@ ROW_PRIOR_STEPS = 16
 # more than that (a CPU of another make), and the drafted segments are timed anyway.
 AR_CHECK = 2.0
 AR_CHECK_STEPS = 8
+# The timed ratio of the two steps' costs replaces the table's only where they differ by more than this factor:
+# short drafted segments carry their return to the host, which the table's steps do not, and a table timed on
+# this machine should keep deciding.
+TIMING_TRUST = 1.25
 # Programs (their cache keys) warm in this process. On a CPU a program's first runs also set up its kernels —
 # each branch of a drafted program's on its first use, taking several times a later run's time for a while — so a
 # drafted program is timed from its second call on, the fallback's (one branch) from its second segment on.
@@ -154,10 +158,13 @@ class SwitchPolicy:
     @property
     def ar_ms(self) -> float:
         """An autoregressive step's cost in the table's drafted-step units: the table's own, or — once both
-        kinds of segment were timed here — the drafted cost times the ratio timed."""
+        kinds of segment were timed here and the ratio timed is off the table's by more than
+        :data:`TIMING_TRUST` — the drafted cost times the ratio timed."""
+        table = self.fallback.ar_ms
         if self.ar_wall_ms is None or self.drafted_wall_ms is None or self.step_ms is None:
-            return self.fallback.ar_ms
-        return self.step_ms * self.ar_wall_ms / self.drafted_wall_ms
+            return table
+        timed = self.step_ms * self.ar_wall_ms / self.drafted_wall_ms
+        return timed if max(timed / table, table / timed) > TIMING_TRUST else table
 
     @property
     def row_tau(self) -> np.ndarray:
