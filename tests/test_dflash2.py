@@ -23,7 +23,7 @@ from dflash_jax.checkpoints.safetensors_io import CheckpointError, read_safetens
 from dflash_jax.config import ConfigError
 from dflash_jax.costs import CostTable
 from dflash_jax.drafters.dflash2 import selector_walk
-from dflash_jax.loading import Drafter
+from dflash_jax.loading import Drafter, with_confidence_temperatures
 from dflash_jax.models.drafter import DFlash2Drafter
 from dflash_jax.tuning import Tuning
 
@@ -319,6 +319,30 @@ def test_malformed_checkpoints_are_refused(target, public, tmp_path):
     del missing["dflash_config"]["selector_rank"]
     with pytest.raises(ConfigError, match="needs dflash_config.selector_rank"):
         load_drafter(write_checkpoint(tmp_path / "keys", missing, tensors), target)
+
+
+def test_sts_temperatures_scale_the_confidences(target, public, tmp_path):
+    """STS, fitted after training as DSpark's: each confidence becomes σ(logit(c_k) / T_k), the drafts stay; the
+    temperatures round-trip through export; a wrong count is refused."""
+    drafter = load_drafter(public[0], target)
+    g = drafter.config.verify_width - 1
+    temps = tuple(0.5 + 0.25 * k for k in range(g))
+    scaled = with_confidence_temperatures(drafter, temps)
+    hidden = jax.random.normal(jax.random.key(0), (2, g, D), jnp.float32)
+    anchor = jnp.asarray([3, 5], jnp.int32)
+    greedy = lambda row, key: (jnp.argmax(row, -1).astype(jnp.int32), None)  # noqa: E731
+    d0, _, c0 = drafters.kind_of(drafter.model).draft(target.model, hidden, anchor, greedy, None)
+    d1, _, c1 = drafters.kind_of(scaled.model).draft(target.model, hidden, anchor, greedy, None)
+    np.testing.assert_array_equal(d1, d0)
+    c = np.clip(np.asarray(c0, np.float64), 1e-6, 1 - 1e-6)
+    want = 1 / (1 + np.exp(-(np.log(c) - np.log1p(-c)) / np.asarray(temps)))
+    np.testing.assert_allclose(c1, want, rtol=1e-4, atol=1e-6)
+    assert not np.allclose(c1, c0)
+    out = export_drafter(scaled.model, tmp_path / "sts")
+    assert json.loads((out / "config.json").read_text())["dflash_config"]["confidence_temperatures"] == list(temps)
+    assert load_drafter(out, target).config.confidence_temperatures == temps
+    with pytest.raises(ConfigError, match=f"confidence_temperatures must be {g} positive numbers"):
+        with_confidence_temperatures(drafter, temps[:-1])
 
 
 # -- decoding ---------------------------------------------------------------------------------------------

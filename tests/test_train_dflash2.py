@@ -251,7 +251,7 @@ def test_replay_equals_speculative_decoding_and_export_round_trip(target, traine
 
 def test_pipeline_pieces(target, trunk, trained, rows, tmp_path):
     """``kind: dflash2`` in the YAML: a warm start from an exported DFlash drafter (deepened), the eval stage's
-    calibration report of the selector's confidences; the shipped recipe parses."""
+    calibration report of the selector's confidences, STS fitted on replayed cycles; the shipped recipe parses."""
     from dflash_jax.train.objective import objective_for
     from dflash_jax.train.pipeline import Pipeline, load_run_config
 
@@ -262,7 +262,7 @@ def test_pipeline_pieces(target, trunk, trained, rows, tmp_path):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     c = _new_drafter(tmp_path / "c.yaml", target).config
     assert (c.kind, c.block_size, c.layers.num_layers, c.conv_kernel_size) == ("dflash2", L, 2, 3)
-    assert not objective_for("dflash2").calibrates  # no STS: the kind has no temperatures to apply
+    assert objective_for("dflash2").calibrates  # STS after training: the kind applies the temperatures
     dspark = dspark_from_dflash(trunk, L - 1, RANK)
     export_drafter(dspark.model, tmp_path / "dspark")
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(
@@ -277,6 +277,10 @@ def test_pipeline_pieces(target, trunk, trained, rows, tmp_path):
     assert report["cycles"] > 10 and len(report["ece_before"]) == L - 1
     assert report["ece_before"] == report["ece_after"]  # temperatures 1: the confidences as decoding uses them
     assert (tmp_path / "run" / "eval_reliability_set.png").stat().st_size > 1000
+    fitted = pipe.calibrate(trainer, rows[1], trainer.drafter)  # STS on the rows' replayed cycles
+    fit = json.loads((tmp_path / "run" / "sts.json").read_text())
+    assert fitted.config.confidence_temperatures == tuple(fit["temperatures"]) and len(fit["temperatures"]) == L - 1
+    assert fit["overall_ece_after"] <= fit["overall_ece_before"] + 1e-9
     recipe = load_run_config(Path(__file__).parents[1] / "configs" / "smollm2-135m-dflash2.yaml")
     r = recipe.drafter
     assert (r.kind, r.block_size, r.init_from) == ("dflash2", 16, "dflash_jax/assets/smollm2-135m-dflash")

@@ -28,7 +28,9 @@ def _fields(value, layers: ModelConfig) -> dict:
     missing = [k for k in REQUIRED if value(k) is None]
     if missing:
         raise ConfigError(f"a DFlash2 drafter config needs dflash_config.{', dflash_config.'.join(missing)}")
-    return {k: int(value(k)) for k in REQUIRED}
+    temps = value("confidence_temperatures")  # this project's STS fit (absent from the public checkpoints)
+    return {**{k: int(value(k)) for k in REQUIRED},
+            "confidence_temperatures": tuple(float(t) for t in temps) if temps else None}
 
 
 def _check(c: DrafterConfig) -> None:
@@ -41,6 +43,10 @@ def _check(c: DrafterConfig) -> None:
         raise ConfigError(f"DFlash2 selector_top_k {c.selector_top_k} must be in [1, vocabulary size {vocab}]")
     if c.selector_rank < 1:
         raise ConfigError(f"DFlash2 selector_rank must be >= 1, got {c.selector_rank}")
+    temps = c.confidence_temperatures
+    if temps is not None and (len(temps) != c.verify_width - 1 or any(not t > 0 for t in temps)):
+        raise ConfigError(f"DFlash2 confidence_temperatures must be {c.verify_width - 1} positive numbers (one per "
+                          f"draft position), got {list(temps)}")
 
 
 def _to_hf(c: DrafterConfig, out: dict) -> None:
@@ -53,6 +59,8 @@ def _to_hf(c: DrafterConfig, out: dict) -> None:
         dc["output_multiplier"] = c.output_multiplier
     if c.final_logit_softcapping:
         dc["final_logit_softcapping"] = c.final_logit_softcapping
+    if c.confidence_temperatures is not None:
+        dc["confidence_temperatures"] = list(c.confidence_temperatures)
     out["is_causal"] = c.causal_sliding  # the published checkpoint: non-causal sliding-window layers
     if "sliding_attention" in c.layer_types:
         out["use_sliding_window"] = True
@@ -87,14 +95,23 @@ def selector_walk(scores: Float[Array, "B G K K"], pick: Pick, key: jax.Array | 
     return idx.swapaxes(0, 1), (q.swapaxes(0, 1) if key is not None else None), conf.swapaxes(0, 1)
 
 
+def scaled_confidence(conf: Float[Array, "B G"], temperatures) -> Float[Array, "B G"]:
+    """STS on the selector's probabilities: ``σ(logit(c_k) / T_k)`` (``temperatures`` None: as they are)."""
+    if not temperatures:
+        return conf
+    c = jnp.clip(conf, 1e-6, 1 - 1e-6)
+    t = jnp.asarray(temperatures[: conf.shape[1]], jnp.float32)
+    return jax.nn.sigmoid((jnp.log(c) - jnp.log1p(-c)) / t)
+
+
 @register
 class DFlash2(DrafterKind):
     """``[anchor, MASK × (L-1)]`` in (as DFlash: verify width L), positions 1 … L-1 give K candidates each, the
     selector's walk picks the drafts. When drafts are sampled, ``q_k`` is the distribution the walk drew draft k
     from — over the K candidates, given the candidate chosen before it, zero elsewhere in the target vocabulary —
     which keeps the ratio test of :func:`dflash_jax.decode.sampling.accept_sampled` exact. Confidences: the
-    selector's probability of each row's best candidate (:func:`selector_walk`), an uncalibrated survival
-    estimate."""
+    selector's probability of each row's best candidate (:func:`selector_walk`), scaled by the STS temperatures
+    where the config has them (:func:`scaled_confidence`; fitted after training, as DSpark's)."""
 
     name = "dflash2"
     schema = DrafterSchema(kind="dflash2", architecture="DFlash2DraftModel", detect=_detect, fields=_fields,
@@ -120,6 +137,7 @@ class DFlash2(DrafterKind):
         ids, unary = drafter.candidates(hidden, target)  # [B, G, K] target ids, best first
         scores = drafter.candidate_selector.edge_scores(ids, unary, hidden, anchor)
         idx, q_k, conf = selector_walk(scores, pick, key)
+        conf = scaled_confidence(conf, drafter.config.confidence_temperatures)
         drafts = jnp.take_along_axis(ids, idx[..., None], axis=-1)[..., 0]
         q = None
         if q_k is not None:  # onto the target vocabulary: zero outside the K candidates

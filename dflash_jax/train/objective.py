@@ -512,13 +512,16 @@ def dflash2_acceptance(drafter: DFlash2Drafter, target: TargetModel, batch: dict
                        ) -> tuple[Int[Array, "Bs A"], Float[Array, "Bs A G"]]:
     """``anchor_acceptance`` for DFlash2, drafting as decoding does (the kind's own top-K and greedy walk over
     each block, not teacher-forced), plus each draft's confidence as a logit, ``log c − log(1 − c)`` of the
-    walk's probability c of its choice (what the eval stage's calibration report reads)."""
+    walk's probability c of its choice before any STS temperatures (what STS fits and the calibration report
+    reads; the kind's confidences carry the temperatures, undone here)."""
     block_ids, labels, label_ok, hidden = forward_blocks(drafter, target, batch, block_size)
     bs, a, l, d = hidden.shape
     drafts, _, conf = drafters.kind_of(drafter).draft(target, hidden[:, :, 1:].reshape(bs * a, l - 1, d),
                                                       block_ids[..., 0].reshape(-1), _greedy, None)
     c = jnp.clip(conf.reshape(bs, a, l - 1), 1e-6, 1 - 1e-6)
-    return _leading((drafts.reshape(bs, a, l - 1) == labels) & label_ok) + 1, jnp.log(c) - jnp.log1p(-c)
+    temps = jnp.asarray(drafter.config.confidence_temperatures or (1.0,) * (l - 1), jnp.float32)[: l - 1]
+    return (_leading((drafts.reshape(bs, a, l - 1) == labels) & label_ok) + 1,
+            (jnp.log(c) - jnp.log1p(-c)) * temps)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -540,7 +543,7 @@ class Objective:
     replay: Callable
     check: Callable[[DrafterConfig], None] | None = None
     warm_start: Callable[[Drafter, Any], Drafter] | None = None
-    calibrates: bool = False  # STS temperatures are fitted after training (the kind applies them: DSpark)
+    calibrates: bool = False  # STS temperatures are fitted after training (the kind applies them: DSpark, DFlash2)
 
 
 OBJECTIVES: dict[str, Objective] = {}
@@ -593,7 +596,7 @@ OBJECTIVES["dflash"] = Objective(loss=dflash_loss, acceptance=dflash_acceptance,
 OBJECTIVES["dspark"] = Objective(loss=dspark_loss, acceptance=_dspark_acceptance, replay=_dspark_replay,
                                  check=_dspark_check, warm_start=_dspark_warm_start, calibrates=True)
 OBJECTIVES["dflash2"] = Objective(loss=dflash2_loss, acceptance=_dflash2_acceptance, replay=dflash2_acceptance,
-                                  check=_dflash2_check, warm_start=_dflash2_warm_start)
+                                  check=_dflash2_check, warm_start=_dflash2_warm_start, calibrates=True)
 
 
 def cosine_with_warmup(peak_lr: float, total_steps: int, warmup_frac: float = 0.04):

@@ -489,7 +489,7 @@ class Pipeline:
                           answers: list[list[int]]) -> dict:
         """A scoring drafter's survival calibration on an evaluation set (out of sample: STS saw none of it):
         the cycles greedy decoding ran on it, replayed with their confidences; ECE before and after its
-        temperatures (a DSpark drafter's STS ones; 1 for DFlash2, whose confidences are used as they are) and a
+        temperatures (its STS ones; 1 where none were fitted, e.g. a public checkpoint's) and a
         reliability diagram ``eval_reliability_<set>.png``."""
         if self._replayer is None or self._replayer.drafter is not drafter:
             self._replayer = Trainer(self.target, drafter, self.cfg.train, self.out)  # its replay only

@@ -72,7 +72,7 @@ def calibration_report(z: np.ndarray, accepted: np.ndarray, temperatures, bins: 
 
 def drafter_temperatures(config) -> tuple[float, ...]:
     """The temperatures a drafter's confidences are used at (``config``: its ``DrafterConfig``): its STS ones
-    (DSpark, once calibrated), else 1 per draft (DFlash2's selector probabilities are used as they are)."""
+    (DSpark, DFlash2, once calibrated), else 1 per draft."""
     return tuple(config.confidence_temperatures or (1.0,) * (config.verify_width - 1))
 
 
