@@ -10,10 +10,10 @@ drafted step costs more than :data:`ARM_BREAKEVEN` autoregressive ones, :func:`d
 
 τ̂ is the tokens a row committed per drafted step, averaged over recent segments (an estimate that follows the
 text), and the drafted steps' cost is the table's cost of the tiers they ran. Each segment is also timed here
-(from its dispatch to its counts on the host); once both kinds were timed, the autoregressive step's cost is the
-drafted one's times the ratio timed, so a table measured on another machine cannot keep a batch drafting at a
-loss: where the table says drafting pays by less than :data:`AR_CHECK`, one short fallback segment times the
-other side early. While drafting loses, the loop runs
+(from its dispatch to its counts on the host); once both kinds were timed and the ratio of their costs is off the
+table's by more than :data:`TIMING_TRUST`, the autoregressive step's cost is the drafted one's times the ratio
+timed, so a table measured on another machine cannot keep a batch drafting at a loss: where the table says
+drafting pays by less than :data:`AR_CHECK`, one short fallback segment times the other side early. While drafting loses, the loop runs
 the plain autoregressive program (:func:`dflash_jax.decode.loop.fallback`: the step ``generate`` runs, whose
 captured features write the drafter's context once per segment) and, from time to time, one drafted *probe*
 segment to see whether the text has become easier (:class:`SwitchPolicy` says when). Every token is still the
