@@ -386,9 +386,7 @@ class SwitchingDecoder(Decoder):
         segments = -(-steps // self.ar_steps)
         self.record.ar_steps += steps
         self.record.row_ar_steps += row_steps
-        self.record.segments += segments
-        self.record.switches += self.last_mode == DRAFT
-        self.last_mode = AUTOREGRESSIVE
+        self.record.segments += segments  # (no switch: the call had no segment before it)
         self.policy.skipped(segments, 1e3 * seconds / steps if steps else None)
         self._remember()
 

@@ -211,7 +211,7 @@ class Trainer:
         self._step_fn = run
 
         def accept(params, frozen, batch):
-            """(acceptance [Bs, A], DSpark's confidence logits [Bs, A, G] or None)."""
+            """(acceptance [Bs, A], a scoring drafter's confidence logits [Bs, A, G] or None)."""
             return replay(*models(params, frozen), batch, verify_width)
 
         accept_jitted = jax.jit(accept, compiler_options=self.compiler_options)
