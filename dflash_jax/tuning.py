@@ -47,14 +47,15 @@ class KernelTuning:
     moe_kernels_on: tuple[str, ...] = ("gpu", "tpu")
     moe_kernel_max_tokens: int = 64
     moe_grouped_on: tuple[str, ...] = ()
-    # Quantized linear layers: the fused dequantize-and-multiply kernel (GPU) for calls of at most
-    # ``quant_kernel_max_tokens`` tokens (more: the XLA reference, e.g. verify and prefill). The kernel beat XLA
-    # on the one-token step and lost to it on a 16-token verify, where XLA fuses the conversion into its GEMM
-    # (docs/usage.md, "Quantized targets").
+    # Quantized linear layers: the fused dequantize-and-multiply kernel (GPU and TPU) for calls of at most
+    # ``quant_kernel_max_tokens`` tokens (more: the XLA reference, e.g. verify and prefill). The GPU kernel beat
+    # XLA on the one-token step and lost to it on a 16-token verify, where XLA fuses the conversion into its GEMM
+    # (docs/usage.md, "Quantized targets"); the TPU kernel is untimed.
     quant_kernel: bool = True
     quant_kernel_max_tokens: int = 1
     # float8 weights through that kernel too (off: they take the XLA reference, int8 still the kernel). Off until
-    # its float8 tiles are checked against the reference on a GPU (benchmarks/README.md, "Quantized targets").
+    # its float8 tiles are checked against the reference on a GPU (benchmarks/README.md, "Quantized targets") and
+    # on a TPU.
     quant_kernel_float8: bool = False
     # GPU kernels' split-KV concurrency target (programs per SM; 0 = the kernel's own default).
     programs_per_sm: int = 0

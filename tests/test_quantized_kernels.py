@@ -1,9 +1,11 @@
-"""The GPU dequantize-and-multiply kernel (dflash_jax.cuda.quantized) against the jnp reference
-(dflash_jax.kernels.quantized.reference), and its dispatch.
+"""The dequantize-and-multiply kernels — GPU (dflash_jax.cuda.quantized) and TPU (dflash_jax.pallas.quantized) —
+against the jnp reference (dflash_jax.kernels.quantized.reference), and their dispatch.
 
-One file for both places: on a CPU backend the kernel runs in Pallas interpret mode on small, ragged shapes
+One file for both places: on a CPU backend the GPU kernel runs in Pallas interpret mode on small, ragged shapes
 (several tiles, steps and D splits each); on a GPU it is compiled through Triton and the Qwen3-8B layer shapes
-are added (``python -m pytest -q tests/test_quantized_kernels.py`` on the GPU machine).
+are added (``python -m pytest -q tests/test_quantized_kernels.py`` on the GPU machine). The TPU kernel runs in
+TPU interpret mode on small shapes (several column tiles, D steps and row blocks a step) and is lowered to Mosaic
+for platform "tpu" at the Qwen3-8B shapes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pytest
 from conftest import fast_jit
 from dflash_jax.cuda import quantized as cuda
 from dflash_jax.kernels import quantized as op
+from dflash_jax.pallas import quantized as tpu
 from dflash_jax.quant import Scheme, quantize
 from dflash_jax.tuning import KernelTuning, Kernels
 
@@ -80,8 +83,8 @@ def test_leading_axes_and_output_dtype():
     _check(got, op.reference(x, q, s, block, jnp.float32), jnp.bfloat16)
 
 
-def _runs_kernel(kernels: Kernels, t: int, kind: str = "int8") -> bool:
-    x, q, s, block = _inputs(0, t, 64, 32, Scheme(kind), jnp.float32)
+def _runs_kernel(kernels: Kernels, t: int, kind: str = "int8", d: int = 64, e: int = 32) -> bool:
+    x, q, s, block = _inputs(0, t, d, e, Scheme(kind), jnp.float32)
     jaxpr = jax.make_jaxpr(lambda x, q, s: op.quantized_matmul(x, q, s, block, kernels=kernels))(x, q, s)
     return "pallas_call" in str(jaxpr)
 
@@ -177,3 +180,95 @@ def test_qwen3_8b_shapes_on_gpu(shape, scheme):
         got = jax.jit(lambda x, q, s: cuda.quantized_matmul(x, q, s, block, out_dtype=out_dtype))(x, q, s)  # noqa
         want = jax.jit(lambda x, q, s: op.reference(x, q, s, block, out_dtype))(x, q, s)  # noqa: B023
         _check(got, want, jnp.bfloat16)
+
+
+# ------------------------------------------------------------------------------- TPU (Mosaic) kernel
+
+# (T, D, E, scheme, activation dtype, tiles): D = E = 256 by default tiles of 128 columns (two column tiles) and
+# one D step; block_d=128 gives two D steps (the accumulator across steps), block_d=256 with 128-row scale
+# blocks two row blocks a step.
+TPU_CASES = [
+    (1, 256, 256, Scheme("int8"), jnp.float32, {}),  # per output channel: scaled once at the end
+    (5, 256, 256, Scheme("int8"), jnp.bfloat16, dict(block_d=128)),
+    (5, 256, 256, Scheme("int8", (128, 1)), jnp.bfloat16, dict(block_d=256)),  # group-wise: 2 row blocks a step
+    (1, 256, 256, Scheme("int8", (128, 1)), jnp.float32, dict(block_d=128)),  # a row block a step
+    (3, 512, 128, Scheme("int8", (256, 1)), jnp.float32, dict(block_d=128)),  # steps inside a row block
+    (5, 256, 256, Scheme("fp8", (128, 128)), jnp.float32, {}),  # HF FP8 blocks: one scale per tile
+    (1, 256, 256, Scheme("fp8", (128, 128)), jnp.bfloat16, dict(block_e=256, block_d=128)),  # 2 per tile row
+    (3, 256, 256, Scheme("int8", (None, 16)), jnp.float32, {}),  # column blocks: 8 scales a tile, at the end
+]
+
+
+@pytest.mark.parametrize("case", TPU_CASES, ids=lambda c: f"t{c[0]}-{c[1]}x{c[2]}-{c[3].kind}-{c[3].block}-"
+                         f"{jnp.dtype(c[4]).name}" if isinstance(c, tuple) else None)
+def test_tpu_kernel_matches_reference(case):
+    t, d, e, scheme, dtype, tiles = case
+    x, q, s, block = _inputs(t, t, d, e, scheme, dtype)
+    assert tpu.unsupported_reason(x, q, s, block, interpret=True, **tiles) is None
+    got = fast_jit(tpu.quantized_matmul, block=block, interpret=True, **tiles)(x, q, s)
+    want = fast_jit(op.reference, block=block, out_dtype=dtype)(x, q, s)
+    _check(got, want, dtype)
+
+
+def test_tpu_leading_axes_and_output_dtype():
+    """x [B, T, D], float32 output from bfloat16 activations (T = 6 padded to 16 rows inside)."""
+    x, q, s, block = _inputs(1, 6, 256, 128, Scheme("int8"), jnp.bfloat16)
+    x = x.reshape(2, 3, 256)
+    got = fast_jit(tpu.quantized_matmul, block=block, out_dtype=jnp.float32, interpret=True, block_d=128)(x, q, s)
+    assert got.shape == (2, 3, 128) and got.dtype == jnp.float32
+    _check(got, op.reference(x, q, s, block, jnp.float32), jnp.bfloat16)
+
+
+def test_tpu_dispatch():
+    """impl "pallas" runs the TPU kernel (interpret mode here) under the same knobs as the GPU one, and the
+    reference for shapes it does not take (D, E not multiples of 128)."""
+    wide = Kernels("pallas", KernelTuning(quant_kernel_max_tokens=64))
+    assert _runs_kernel(Kernels("pallas"), 1, d=256, e=256) and not _runs_kernel(Kernels("pallas"), 2, d=256, e=256)
+    assert _runs_kernel(wide, 64, d=256, e=256) and not _runs_kernel(wide, 65, d=256, e=256)
+    assert not _runs_kernel(Kernels("pallas", KernelTuning(quant_kernel=False)), 1, d=256, e=256)
+    assert not _runs_kernel(Kernels("pallas"), 1, "fp8", d=256, e=256)
+    assert not _runs_kernel(wide, 4, d=64, e=32)  # ragged: the reference
+    float8 = Kernels("pallas", KernelTuning(quant_kernel_float8=True, quant_kernel_max_tokens=64))
+    for d, e in ((256, 256), (64, 32)):
+        x, q, s, block = _inputs(3, 4, d, e, Scheme("fp8", (128, 128)), jnp.float32)
+        got = jax.jit(lambda x, q, s: op.quantized_matmul(x, q, s, block, kernels=float8))(x, q, s)  # noqa: B023
+        _check(got, op.reference(x, q, s, block, jnp.float32), jnp.float32)
+
+
+def test_tpu_unsupported_reasons():
+    sds = jax.ShapeDtypeStruct
+    x, s = sds((4, 256), jnp.bfloat16), sds((1, 384), jnp.float32)
+    int8 = sds((256, 384), jnp.int8)
+    assert tpu.unsupported_reason(x, int8, s, (256, 1), interpret=True) is None
+    assert "int8 or float8" in tpu.unsupported_reason(x, sds((256, 384), jnp.bfloat16), s, (256, 1), interpret=True)
+    assert "activations" in tpu.unsupported_reason(sds((4, 256), jnp.float16), int8, s, (256, 1), interpret=True)
+    assert "multiple of 128" in tpu.unsupported_reason(sds((4, 200), jnp.bfloat16), sds((200, 384), jnp.int8),
+                                                       s, (200, 1), interpret=True)
+    assert "rows" in tpu.unsupported_reason(x, int8, sds((4, 384), jnp.float32), (64, 1), interpret=True)
+    assert "column" in tpu.unsupported_reason(x, int8, sds((1, 2), jnp.float32), (256, 256), interpret=True)
+    assert "block_d" in tpu.unsupported_reason(x, int8, sds((2, 384), jnp.float32), (128, 1), interpret=True,
+                                               block_d=256 + 128)
+    assert "VMEM" in tpu.unsupported_reason(sds((64, 8192), jnp.float32), sds((8192, 8192), jnp.int8),
+                                            sds((1, 8192), jnp.float32), (8192, 1), block_d=8192, block_e=8192)
+    if jax.default_backend() != "tpu":
+        assert "TPU backend" in tpu.unsupported_reason(x, int8, s, (256, 1))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        tpu.quantized_matmul(jnp.zeros((1, 64)), jnp.zeros((64, 32), jnp.int8), jnp.ones((1, 32)), (64, 1))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_tpu_lowers_to_mosaic(dtype):
+    """Qwen3-8B gate projection and LM head shapes lower to Mosaic MLIR for platform 'tpu' (block-shape tiling
+    rules, the lowering of every primitive). Interpret mode checks none of this; Mosaic's own layout passes (in
+    libtpu) are not available here."""
+    sds = jax.ShapeDtypeStruct
+    for t in (1, 16):
+        for wdtype, (d, e), block, scales in (
+                (jnp.int8, (4096, 12288), (4096, 1), (1, 12288)),
+                (jnp.int8, (4096, 12288), (128, 1), (32, 12288)),
+                (jnp.float8_e4m3fn, (4096, 12288), (128, 128), (32, 96)),
+                (jnp.int8, (4096, 151936), (4096, 1), (1, 151936))):
+            args = (sds((t, d), dtype), sds((d, e), wdtype), sds(scales, jnp.float32))
+            text = jax.jit(lambda x, q, s: tpu.quantized_matmul(x, q, s, block)).trace(  # noqa: B023
+                *args).lower(lowering_platforms=("tpu",)).as_text()
+            assert "tpu_custom_call" in text and "dflash_quantized_matmul" in text

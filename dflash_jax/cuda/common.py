@@ -1,10 +1,13 @@
 """Helpers shared by the GPU kernels (Pallas lowered to Triton): integer arithmetic of tilings, the device's SM
-count, the dtypes they take and the precision JAX asks for."""
+count, the dtypes they take and the precision JAX asks for (kept in :mod:`dflash_jax.kernels.common`, which the TPU
+kernels read too)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from dflash_jax.kernels.common import highest_precision_requested  # noqa: F401 — the GPU kernels import it here
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 DEFAULT_SMS = 132  # Hopper SXM parts; used when the device does not say (interpret mode)
@@ -41,9 +44,3 @@ def compute_capability() -> tuple[int, int] | None:
     except Exception:  # noqa: BLE001 — no backend, or a device that does not say
         pass
     return None
-
-
-def highest_precision_requested() -> bool:
-    """Whether JAX's default matmul precision (read at trace time) asks for full float32."""
-    p = jax.config.jax_default_matmul_precision
-    return str(p).lower() in ("highest", "float32") or "F32_F32_F32" in str(p).upper()

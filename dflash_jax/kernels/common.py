@@ -1,5 +1,6 @@
-"""What the kernel operations share: logging once, the per-shard run of a kernel under a mesh with its fallback
-to the reference, the compile probe of the TPU kernels, and the loop-free bucket search.
+"""What the kernel operations share: logging once, the float32 precision JAX asks for, the per-shard run of a
+kernel under a mesh with its fallback to the reference, the compile probe of the TPU kernels, and the loop-free
+bucket search.
 
 A leaf of the kernel layer: imports nothing from :mod:`dflash_jax` but :mod:`dflash_jax.tuning`.
 """
@@ -36,6 +37,12 @@ def warn_once(message: str) -> None:
 def native(impl: str) -> bool:
     """Whether ``impl``'s kernels compile for the default backend (else they run in Pallas interpret mode)."""
     return KERNEL_FOR_BACKEND.get(jax.default_backend()) == impl
+
+
+def highest_precision_requested() -> bool:
+    """Whether JAX's default matmul precision (read at trace time) asks for full float32."""
+    p = jax.config.jax_default_matmul_precision
+    return str(p).lower() in ("highest", "float32") or "F32_F32_F32" in str(p).upper()
 
 
 def mesh_sizes() -> dict[str, int]:

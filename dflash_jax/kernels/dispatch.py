@@ -58,6 +58,7 @@ REGISTRY: dict[tuple[str, str], str] = {
     ("moe_experts", "pallas"): "dflash_jax.pallas.moe:experts_kernel",
     ("delta_rule", "cuda"): "dflash_jax.cuda.delta_rule:kernel_block",
     ("quantized_matmul", "cuda"): "dflash_jax.cuda.quantized:quantized_matmul_kernel",
+    ("quantized_matmul", "pallas"): "dflash_jax.pallas.quantized:quantized_matmul_kernel",
 }
 
 # Ops whose kernel a KernelTuning field turns off (A/B runs): op → field name.
