@@ -5,7 +5,7 @@ One file for both places: on a CPU backend the GPU kernel runs in Pallas interpr
 (several tiles, steps and D splits each); on a GPU it is compiled through Triton and the Qwen3-8B layer shapes
 are added (``python -m pytest -q tests/test_quantized_kernels.py`` on the GPU machine). The TPU kernel runs in
 TPU interpret mode on small shapes (several column tiles, D steps and row blocks a step) and is lowered to Mosaic
-for platform "tpu" at the Qwen3-8B shapes.
+for platform "tpu" at the Qwen3-8B shapes; on a TPU it is also compiled and run at those shapes.
 """
 
 from __future__ import annotations
@@ -272,3 +272,19 @@ def test_tpu_lowers_to_mosaic(dtype):
             text = jax.jit(lambda x, q, s: tpu.quantized_matmul(x, q, s, block)).trace(  # noqa: B023
                 *args).lower(lowering_platforms=("tpu",)).as_text()
             assert "tpu_custom_call" in text and "dflash_quantized_matmul" in text
+
+
+@pytest.mark.skipif(jax.default_backend() != "tpu", reason="compiled by Mosaic on a TPU only (interpret-mode cases "
+                    "and the lowering above)")
+@pytest.mark.parametrize("scheme", [Scheme("int8"), Scheme("int8", (128, 1)), Scheme("fp8", (128, 128))], ids=str)
+@pytest.mark.parametrize("shape", QWEN3_8B, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_qwen3_8b_shapes_on_tpu(shape, scheme):
+    d, e = shape
+    q, s = _random_quantized(jax.random.key(d + e), d, e, scheme)
+    block = scheme.blocks(d, e)
+    out_dtype = jnp.float32 if e > 100_000 else jnp.bfloat16  # the LM head's logits
+    for t in (1, 2, 16, 64):
+        x = jax.random.normal(jax.random.key(t), (t, d), jnp.float32).astype(jnp.bfloat16)
+        got = jax.jit(lambda x, q, s: tpu.quantized_matmul(x, q, s, block, out_dtype=out_dtype))(x, q, s)  # noqa
+        want = jax.jit(lambda x, q, s: op.reference(x, q, s, block, out_dtype))(x, q, s)  # noqa: B023
+        _check(got, want, jnp.bfloat16)
