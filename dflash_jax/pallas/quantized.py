@@ -8,8 +8,9 @@ float8_e4m3fn, ``scale [ceil(D / bi), ceil(E / bo)]`` float32, ``block = (bi, bo
 
 Why: a decode step is bound by the weights it reads; whether XLA fuses the reference's conversion into its dot
 or writes the converted kernel out first is its choice. Here weight tiles are DMA'd into VMEM as stored (1 byte
-a value), converted to the activations' dtype in registers (exact: every int8 and e4m3 value is a bfloat16
-number; TPUs without float8 MXUs multiply the converted tile) and multiplied on the MXU into float32.
+a value), converted to the activations' dtype inside the kernel (vector registers and VMEM, never HBM; exact:
+every int8 and e4m3 value is a bfloat16 number, so TPUs without float8 MXUs multiply the converted tile) and
+multiplied on the MXU into float32.
 
 Layout: grid ``(E / be, D / bd)``, ("parallel", "arbitrary"): D, the reduction, is the last (sequential) axis.
 Step (j, k) gets the activations ``[Tp, bd]`` (T padded up to the dtype's sublane tile with zero rows, cut off
@@ -26,7 +27,7 @@ last two dims are whole dims (Mosaic's block rule).
 
 Shapes taken: D and E multiples of 128 (tiles divide them: a ragged kernel would need its padded copy at every
 call), ``bi`` a multiple of 128 when there are several row blocks, and a tile of whole column blocks when bo > 1.
-Tiles: ``be`` the largest multiple of 128 (and of bo) dividing E, at most 1024 and at most E / 2 where E allows
+Tiles: ``be`` the largest multiple of lcm(128, bo) dividing E, at most 1024 and at most E / 2 where E allows
 (two column tiles for the two TensorCores of "parallel" chips); ``bd`` the largest multiple of 128 dividing D
 (a multiple or divisor of bi) with a weight tile of at most 1 MiB. Reasoned, not swept; ``block_e`` /
 ``block_d`` override them.
