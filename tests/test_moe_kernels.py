@@ -265,7 +265,8 @@ def test_quantized_experts_dispatch(monkeypatch):
     and act ride along."""
     calls = []
     real = cuda_moe.pair_experts
-    monkeypatch.setattr(cuda_moe, "pair_experts", lambda *a, **kw: calls.append(kw["quant"] is not None) or real(*a, **kw))
+    monkeypatch.setattr(cuda_moe, "pair_experts",
+                        lambda *a, **kw: calls.append(kw["quant"] is not None) or real(*a, **kw))
     fp8 = Scheme("fp8", (128, 128))
     x, w, idx, values, clean, poisoned, biases, blocks = _quant_inputs(5, np.array([[1, 3]]), 4, 128, 64,
                                                                        jnp.bfloat16, fp8, fp8, bias=True)
@@ -320,7 +321,8 @@ def test_quantized_pair_kernels_lower_for_gpu(n, scheme, shape):
     s = lambda rows, cols: jax.ShapeDtypeStruct((e, *scheme.scale_shape(rows, cols)), jnp.float32)  # noqa: E731
     quant = moe.ExpertScales(s(d, f), s(d, f), s(f, d), scheme.blocks(d, f), scheme.blocks(f, d))
     assert cuda_moe.unsupported_reason(x, w, idx, q(gate), q(up), q(down), quant=quant, interpret=True) is None
-    call = lambda *a: cuda_moe.grouped_experts(*a[:6], quant=quant._replace(gate=a[6], up=a[7], down=a[8]))  # noqa: E731
+    call = lambda *a: cuda_moe.grouped_experts(  # noqa: E731
+        *a[:6], quant=quant._replace(gate=a[6], up=a[7], down=a[8]))
     text = jax.jit(call).trace(x, w, idx, q(gate), q(up), q(down), *quant[:3]).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text

@@ -38,6 +38,17 @@ XLA then puts ``ys`` back in (token, slot) order and applies the routing weights
 decode sizes); no program touches an unrouted expert. Defaults (64-wide blocks, 4 warps, 3 stages) are
 reasoned, not swept: ``benchmarks/bench_moe.py --sweep`` times alternatives.
 
+Quantized experts (``quant``, :class:`dflash_jax.kernels.moe.ExpertScales`: int8 / float8_e4m3fn values, each
+expert's float32 block scales ``[E, nbi, nbo]``) run :func:`pair_experts` at any token count its entry hands it:
+the entry (:func:`experts_kernel`) takes calls of at most E (token, expert) pairs, which read no more weight sets
+than there are experts; larger calls keep the references (prefill: compute-bound, every expert read once). The
+pair kernels then load each routed expert's tiles as stored (1 byte a value), convert them to float32 in
+registers (exact) and never write a dequantized expert; scales as :mod:`dflash_jax.cuda.quantized` applies them
+(shared: :class:`dflash_jax.cuda.quantized.Scaling`): per loop step when the expert's input rows (D for gate/up,
+F for down) have several row blocks — the step's rows inside one block — else once on the sums. Tiles are
+narrowed to fit inside scale blocks; float8 needs ``sm_89`` or newer, and its ragged tiles load without a fill
+value (that module's docstring). The sorted (tensor-core) kernels read float experts only.
+
 Float32 inputs follow JAX's default matmul precision (TF32, or IEEE under "highest"), as in
 :mod:`dflash_jax.cuda`.
 """

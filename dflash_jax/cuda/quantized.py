@@ -33,6 +33,9 @@ partial sums ``[splits, T, E]`` are added by XLA (a few percent of the weight by
 (64 columns, 128 D rows a step, 4 warps, 4 stages, ~4 programs per SM) are reasoned, not swept:
 ``benchmarks/bench_quantized_step.py --sweep`` times alternatives on the GPU.
 
+The tile fitting, float8 loads and scale application (:func:`fit_scale_blocks`, :func:`weight_reason`,
+:class:`Scaling`) serve the quantized grouped-expert kernels of :mod:`dflash_jax.cuda.moe` too.
+
 float8 tiles need ``sm_89`` or newer (Triton converts e4m3 in registers from Ada / Hopper on); int8 runs on any
 GPU the other kernels run on. A float8 tile at a ragged edge of the kernel (D or E not a multiple of the tile) is
 loaded with no fill value and its lanes outside the kernel are zeroed after the conversion: Pallas' Triton rules
