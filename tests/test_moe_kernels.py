@@ -245,8 +245,11 @@ def test_pair_kernel_quantized_matches_reference(case):
     idx, e, d, f, gate_up, down, dtype, kw = case
     x, w, idx, values, clean, poisoned, _, blocks = _quant_inputs(len(idx) + 20, np.asarray(idx), e, d, f, dtype,
                                                                   gate_up, down)
-    assert cuda_moe.unsupported_reason(x, w, idx, *values, quant=moe.ExpertScales(*poisoned, *blocks),
-                                       interpret=True, **kw) is None
+    why = cuda_moe.unsupported_reason(x, w, idx, *values, quant=moe.ExpertScales(*poisoned, *blocks),
+                                      interpret=CUDA_INTERPRET, **kw)
+    if why is not None and "sm_89" in why:
+        pytest.skip(why)  # float8 on a GPU older than Ada / Hopper
+    assert why is None
     run = fast_jit(lambda x, w, idx, vals, clean, poisoned: (
         moe.experts_gathered(x, w, idx, *vals, quant=moe.ExpertScales(*clean, *blocks)),
         cuda_moe.pair_experts(x, w, idx, *vals, quant=moe.ExpertScales(*poisoned, *blocks), interpret=CUDA_INTERPRET,
