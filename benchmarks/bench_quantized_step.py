@@ -15,8 +15,9 @@ row's caches hold ``--context`` tokens. Per quantization and batch B (``--batche
 each ``--steps`` steps in one ``lax.while_loop`` (``benchmarks/tools/step_parts.py``'s programs), median of
 ``--repeats`` calls. Floors: the bytes a step must read (the target's stored weights a step touches — of a MoE
 layer's experts the share B uniformly routed tokens touch — plus the K/V at that context) ÷ the device's HBM
-bandwidth (``step_parts.DEVICES``, or ``--hbm-gbps``). ``--quant-kernel off``: the quantized layers run the XLA
-reference instead of the fused GPU kernel (A/B).
+bandwidth (``step_parts.DEVICES``, or ``--hbm-gbps``). ``--quant-kernel off``: the quantized layers and MoE experts
+run the XLA references instead of the fused GPU kernels (A/B); ``float8``: float8 weights through the kernels too
+(``quant_kernel_float8``, off by default).
 
 ``--sweep``: the quantized matmul alone on the shape's linear layers (Qwen3-8B: 4096 × 4096, 4096 × 1024,
 4096 × 12288, 12288 × 4096, 4096 × 151936) at T = 1, 16, 64 tokens: bf16 ``x @ w`` (XLA), the XLA reference
@@ -30,6 +31,8 @@ floor.
     python benchmarks/bench_quantized_step.py --sweep --out $OUT/qstep_sweep.json
     python benchmarks/bench_quantized_step.py --shape moe --quantizations bf16,fp8-block --batches 1,16 \
         --out $OUT/qstep_moe.json
+    python benchmarks/bench_quantized_step.py --shape moe --quantizations int8,fp8-block --batches 1,16 \
+        --quant-kernel float8 --out $OUT/qstep_moe_kernel.json  # quantized experts through the MoE kernel
     # CPU smoke test (a tiny shape; its times mean nothing)
     python benchmarks/bench_quantized_step.py --small --batches 1,2 --steps 2 --repeats 1 --out /tmp/qstep.json
     python benchmarks/bench_quantized_step.py --small --sweep --repeats 1 --out /tmp/qsweep.json
@@ -227,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafter-layers", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20, help="steps per timed call")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls (median)")
-    ap.add_argument("--quant-kernel", choices=("on", "off"), default="on",
-                    help="off: quantized layers run the XLA reference (A/B against the fused kernel)")
+    ap.add_argument("--quant-kernel", choices=("on", "off", "float8"), default="on",
+                    help="off: quantized layers (and MoE experts) run the XLA reference (A/B against the fused "
+                         "kernels); float8: on, float8 weights included (quant_kernel_float8)")
     ap.add_argument("--sweep", action="store_true", help="time the quantized matmul alone instead (docstring)")
     ap.add_argument("--hbm-gbps", type=float, help="HBM bandwidth in GB/s (default: the device table's)")
     ap.add_argument("--peak-tflops", type=float, help="unused here (step_parts' device table has it)")
@@ -239,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown quantizations {sorted(unknown)}; one of {sorted(SCHEMES)}")
     name, full, small = SHAPES[args.shape]
     cfg = small if args.small else full
-    tuning = Tuning().replace(quant_kernel=args.quant_kernel == "on")
+    tuning = Tuning().replace(quant_kernel=args.quant_kernel != "off",
+                              quant_kernel_float8=args.quant_kernel == "float8")
     if args.small and jax.default_backend() == "cpu":
         tuning = tuning.with_compiler_options(CPU_FAST_COMPILE)
     hbm, _ = device_rates(args)

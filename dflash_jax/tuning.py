@@ -55,7 +55,8 @@ class KernelTuning:
     quant_kernel_max_tokens: int = 1
     # float8 weights through that kernel too (off: they take the XLA reference, int8 still the kernel). Off until
     # its float8 tiles are checked against the reference on a GPU (benchmarks/README.md, "Quantized targets") and
-    # on a TPU.
+    # on a TPU. Both switches also govern quantized MoE experts in the grouped-expert GPU kernel (cuda/moe.py),
+    # whose token limit is its own (at most as many (token, expert) pairs as experts).
     quant_kernel_float8: bool = False
     # GPU kernels' split-KV concurrency target (programs per SM; 0 = the kernel's own default).
     programs_per_sm: int = 0

@@ -21,6 +21,7 @@ from dflash_jax.cuda import moe as cuda_moe
 from dflash_jax.kernels import common, moe
 from dflash_jax.models import gpt_oss
 from dflash_jax.pallas import moe as tpu_moe
+from dflash_jax.quant import Scheme, quantize
 from dflash_jax.tuning import Kernels, KernelTuning
 
 CUDA_INTERPRET = jax.default_backend() != "gpu"
@@ -194,3 +195,137 @@ def test_auto_runs_the_kernel(monkeypatch, backend):
     out, ref = run(x, w, idx, *poisoned)
     assert calls and list(common._PROBED.values()) == ([None] if backend == "tpu" else [])
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=3e-2, rtol=3e-2)
+
+
+# --------------------------------------------------------------------------------------------------
+# Quantized experts (int8 / float8 values, per-expert float32 block scales) through the GPU pair kernels
+# --------------------------------------------------------------------------------------------------
+
+
+def _quant_inputs(seed, idx, e, d, f, dtype, gate_up: Scheme, down: Scheme, bias=False):
+    """Quantized experts (each expert's matrices by ``quantize``: fp8 values within e4m3's ±448) and their
+    scales (arrays: ExpertScales' blocks are static, made inside the programs by ``quant``), clean and with every
+    unrouted expert's scales NaN (a kernel that read one would return NaN)."""
+    rng = np.random.default_rng(seed)
+    n, _ = idx.shape
+    values, scales = [], []
+    for shape, scheme in (((d, f), gate_up), ((d, f), gate_up), ((f, d), down)):
+        qs = [quantize(rng.normal(size=shape).astype(np.float32) * 0.3, scheme) for _ in range(e)]
+        values.append(jnp.asarray(np.stack([q for q, _ in qs])))
+        scales.append(np.stack([s for _, s in qs]))
+    unrouted = np.setdiff1d(np.arange(e), idx)
+    assert unrouted.size, "every case leaves some expert unrouted"
+    poisoned = [s.copy() for s in scales]
+    for s in poisoned:
+        s[unrouted] = np.nan
+    blocks = gate_up.blocks(d, f), down.blocks(f, d)
+    quant = lambda ss: tuple(jnp.asarray(s) for s in ss)  # noqa: E731
+    x = jnp.asarray(rng.normal(size=(n, d)), dtype)
+    w = jnp.asarray(rng.random(idx.shape), dtype)
+    biases = tuple(jnp.asarray(rng.normal(size=s) * 0.3, dtype) for s in ((e, f), (e, f), (e, d))) if bias else None
+    return x, w, jnp.asarray(idx, jnp.int32), tuple(values), quant(scales), quant(poisoned), biases, blocks
+
+
+# (idx, E, D, F, gate/up scheme, down scheme, dtype, pair tuning). T = 1 and 3, top-2 of 4 experts; D / F not
+# multiples of the tiles or of the scale blocks, D splits: several steps, row blocks and tail masks each.
+QUANT_CASES = [
+    ([[3, 0]], 4, 72, 40, Scheme("int8"), Scheme("int8"), jnp.float32,
+     dict(block_f=16, block_d=16, num_splits=2, block_n=16, block_k=16)),  # per output channel
+    ([[1, 3], [3, 0], [0, 1]], 4, 256, 96, Scheme("int8", (64, 1)), Scheme("int8", (32, 1)), jnp.bfloat16,
+     dict(block_d=32, num_splits=2)),  # group-wise int8: per-step scales over D and F
+    ([[2, 1]], 4, 200, 72, Scheme("fp8", (128, 128)), Scheme("fp8", (128, 128)), jnp.bfloat16,
+     dict(block_f=16, block_d=64, block_n=32, block_k=32)),  # HF FP8 blocks, ragged edges (no fill value)
+    ([[0, 2], [2, 3], [3, 0]], 4, 128, 64, Scheme("fp8", (128, 128)), Scheme("fp8"), jnp.float32, {}),
+]
+
+
+@pytest.mark.parametrize("case", QUANT_CASES, ids=lambda c: f"t{len(c[0])}-{c[4]}-{np.dtype(c[6]).name}")
+def test_pair_kernel_quantized_matches_reference(case):
+    """The pair kernels on quantized experts against experts_gathered's quantized reference (its scaled dots)."""
+    idx, e, d, f, gate_up, down, dtype, kw = case
+    x, w, idx, values, clean, poisoned, _, blocks = _quant_inputs(len(idx) + 20, np.asarray(idx), e, d, f, dtype,
+                                                                  gate_up, down)
+    why = cuda_moe.unsupported_reason(x, w, idx, *values, quant=moe.ExpertScales(*poisoned, *blocks),
+                                      interpret=CUDA_INTERPRET, **kw)
+    if why is not None and "sm_89" in why:
+        pytest.skip(why)  # float8 on a GPU older than Ada / Hopper
+    assert why is None
+    run = fast_jit(lambda x, w, idx, vals, clean, poisoned: (
+        moe.experts_gathered(x, w, idx, *vals, quant=moe.ExpertScales(*clean, *blocks)),
+        cuda_moe.pair_experts(x, w, idx, *vals, quant=moe.ExpertScales(*poisoned, *blocks), interpret=CUDA_INTERPRET,
+                              **kw)))
+    ref, out = (np.asarray(o, np.float32) for o in run(x, w, idx, values, clean, poisoned))
+    assert np.isfinite(out).all(), "non-finite output (an unrouted expert's scales were read)"
+    # Both sum exact products (int8 / e4m3 values are bf16 numbers) in float32; in bf16 the reference also
+    # rounds its gate/up products to bf16 before the activation.
+    tol = (2e-5 if dtype == jnp.float32 else 3e-2) * max(1.0, np.abs(ref).max())
+    np.testing.assert_allclose(out, ref, atol=tol, rtol=0)
+
+
+def test_quantized_experts_dispatch(monkeypatch):
+    """experts_auto under impl "cuda" (interpret mode) hands quantized experts to the pair kernels at decode
+    sizes — float8 only with quant_kernel_float8 on — and keeps the reference past N·K > E; gpt-oss's biases
+    and act ride along."""
+    calls = []
+    real = cuda_moe.pair_experts
+    monkeypatch.setattr(cuda_moe, "pair_experts",
+                        lambda *a, **kw: calls.append(kw["quant"] is not None) or real(*a, **kw))
+    fp8 = Scheme("fp8", (128, 128))
+    x, w, idx, values, clean, poisoned, biases, blocks = _quant_inputs(5, np.array([[1, 3]]), 4, 128, 64,
+                                                                       jnp.bfloat16, fp8, fp8, bias=True)
+
+    def auto(tuning):
+        kernels = Kernels("cuda", KernelTuning(interpret=True, **tuning))
+        return lambda x, w, idx, vals, q: moe.experts_auto(x, w, idx, *vals, biases=biases, act=GPT_OSS_ACT,
+                                                           quant=moe.ExpertScales(*q, *blocks), kernels=kernels)
+
+    ref = fast_jit(lambda *a: moe.experts_gathered(*a[:3], *a[3], biases=biases, act=GPT_OSS_ACT,
+                                                   quant=moe.ExpertScales(*a[4], *blocks)))(x, w, idx, values, clean)
+    out = fast_jit(auto(dict(quant_kernel_float8=True)))(x, w, idx, values, poisoned)
+    assert calls == [True]
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=3e-2, rtol=3e-2)
+    for tuning in (dict(quant_kernel_float8=False), dict(quant_kernel=False, quant_kernel_float8=True)):
+        jax.eval_shape(auto(tuning), x, w, idx, values, clean)  # traced only: the choice is made there
+    wide = jnp.asarray([[1, 3], [3, 0], [0, 1]], jnp.int32)  # N·K = 6 > E = 4: every expert once, no kernel
+    jax.eval_shape(auto(dict(quant_kernel_float8=True)), jnp.concatenate([x] * 3), jnp.concatenate([w] * 3), wide,
+                   values, clean)
+    assert calls == [True]
+
+
+def test_quantized_unsupported_reasons():
+    sds = jax.ShapeDtypeStruct
+    e, d, f = 8, 256, 128
+    x, w, idx = sds((1, d), jnp.bfloat16), sds((1, 2), jnp.bfloat16), sds((1, 2), jnp.int32)
+    vals = lambda dt: (sds((e, d, f), dt), sds((e, d, f), dt), sds((e, f, d), dt))  # noqa: E731
+
+    def scales(gu, dn):
+        return moe.ExpertScales(*(sds((e, *Scheme("int8", gu).scale_shape(d, f)), jnp.float32),) * 2,
+                                sds((e, *Scheme("int8", dn).scale_shape(f, d)), jnp.float32), gu, dn)
+
+    reason = functools.partial(cuda_moe.unsupported_reason, x, w, idx, interpret=True)
+    assert reason(*vals(jnp.int8), quant=scales((d, 1), (f, 1))) is None
+    assert "not int8" in reason(*vals(jnp.bfloat16), quant=scales((d, 1), (f, 1)))
+    assert "columns" in reason(*vals(jnp.int8), quant=scales((d, 8), (f, 1)))  # no 16-wide tile in 8 columns
+    assert "rows" in reason(*vals(jnp.int8), quant=scales((8, 1), (f, 1)))
+    assert "do not fit" in reason(*vals(jnp.int8), quant=scales((d, 1), (f, 1))._replace(gate_up_block=(64, 1)))
+
+
+@pytest.mark.parametrize("n, scheme, shape", [
+    (1, Scheme("fp8", (128, 128)), {}), (4, Scheme("int8"), {}), (1, Scheme("int8", (128, 1)), {}),
+    (1, Scheme("fp8", (128, 128)), dict(e=8, d=200, f=72)),  # ragged float8 tiles: loads without a fill value
+])
+def test_quantized_pair_kernels_lower_for_gpu(n, scheme, shape):
+    """Qwen3-30B-A3B's experts (E=128, D=2048, F=768, top-8), quantized, lower to Triton IR: float8 and int8
+    loads (ragged float8 tiles on a small shape), scalar and per-column scale loads. Interpret mode checks none
+    of this."""
+    x, w, idx, gate, up, down = _shapes(n, jnp.bfloat16, False, **shape)
+    e, d, f = gate.shape
+    q = lambda a: jax.ShapeDtypeStruct(a.shape, scheme.dtype)  # noqa: E731
+    s = lambda rows, cols: jax.ShapeDtypeStruct((e, *scheme.scale_shape(rows, cols)), jnp.float32)  # noqa: E731
+    quant = moe.ExpertScales(s(d, f), s(d, f), s(f, d), scheme.blocks(d, f), scheme.blocks(f, d))
+    assert cuda_moe.unsupported_reason(x, w, idx, q(gate), q(up), q(down), quant=quant, interpret=True) is None
+    call = lambda *a: cuda_moe.grouped_experts(  # noqa: E731
+        *a[:6], quant=quant._replace(gate=a[6], up=a[7], down=a[8]))
+    text = jax.jit(call).trace(x, w, idx, q(gate), q(up), q(down), *quant[:3]).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text

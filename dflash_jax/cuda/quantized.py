@@ -33,6 +33,9 @@ partial sums ``[splits, T, E]`` are added by XLA (a few percent of the weight by
 (64 columns, 128 D rows a step, 4 warps, 4 stages, ~4 programs per SM) are reasoned, not swept:
 ``benchmarks/bench_quantized_step.py --sweep`` times alternatives on the GPU.
 
+The tile fitting, float8 loads and scale application (:func:`fit_scale_blocks`, :func:`weight_reason`,
+:class:`Scaling`) serve the quantized grouped-expert kernels of :mod:`dflash_jax.cuda.moe` too.
+
 float8 tiles need ``sm_89`` or newer (Triton converts e4m3 in registers from Ada / Hopper on); int8 runs on any
 GPU the other kernels run on. A float8 tile at a ragged edge of the kernel (D or E not a multiple of the tile) is
 loaded with no fill value and its lanes outside the kernel are zeroed after the conversion: Pallas' Triton rules
@@ -71,11 +74,7 @@ class _Config:
     splits: int  # D splits (programs), summed after the kernel
     chunk_d: int  # kernel rows per split (a multiple of block_d)
     gemv: bool
-    per_step_scale: bool  # several row blocks: each step's product scaled before it is added
-    scalar_scale: bool  # bo > 1: one scale per (row block, program) instead of one per column
-    float8: bool  # float8_e4m3fn weights (masked tiles loaded without a fill value: module docstring)
-    bo: int
-    bi: int
+    scaling: Scaling
     num_warps: int
     num_stages: int
     ieee_f32: bool
@@ -89,17 +88,76 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return b
 
 
+def fit_scale_blocks(rows: int, block: tuple[int, int], block_rows: int, block_cols: int) -> tuple[int, int]:
+    """(block_rows, block_cols) of a weight tile over a ``[rows, ·]`` kernel scaled in ``block = (bi, bo)``,
+    narrowed so that each tile lies inside one scale block where the scales have several: ``block_cols``
+    dividing bo > 1 (one scale per tile and row block), ``block_rows`` dividing bi < rows (each loop step in one
+    row block). Either may fall below :data:`_MIN_TILE` (:func:`weight_reason` says so)."""
+    bi, bo = block
+    if bo > 1:
+        block_cols = min(block_cols, _pow2_divisor(bo, block_cols))
+    if cdiv(rows, bi) > 1:
+        block_rows = min(block_rows, _pow2_divisor(bi, block_rows))
+    return block_rows, block_cols
+
+
 def _blocks(d: int, e: int, block: tuple[int, int], block_e: int | None, block_d: int | None) -> tuple[int, int]:
     """(block_e, block_d): powers of two ≥ 16, no wider than needed, each tile inside one scale block where the
-    scales have several (block_e dividing bo > 1; block_d dividing bi < D)."""
-    bi, bo = block
+    scales have several (:func:`fit_scale_blocks`)."""
     be = max(_MIN_TILE, min(next_pow2(block_e or 64), next_pow2(e)))
     bd = max(_MIN_TILE, min(next_pow2(block_d or 128), next_pow2(d)))
-    if bo > 1:
-        be = min(be, _pow2_divisor(bo, be))
-    if cdiv(d, bi) > 1:
-        bd = min(bd, _pow2_divisor(bi, bd))
+    bd, be = fit_scale_blocks(d, block, bd, be)
     return be, bd
+
+
+def weight_reason(q_dtype, block: tuple[int, int], block_rows: int, block_cols: int, *,
+                  interpret: bool) -> str | None:
+    """Why a kernel cannot stream quantized values of ``q_dtype`` scaled in ``block`` through tiles of
+    ``block_rows`` × ``block_cols`` (from :func:`fit_scale_blocks`) here, or None: the rules this module's kernel
+    and the quantized grouped-expert kernels (:mod:`dflash_jax.cuda.moe`) share."""
+    if jnp.dtype(q_dtype) not in WEIGHT_DTYPES:
+        return f"kernel dtype {jnp.dtype(q_dtype)} is not int8 or float8_e4m3fn"
+    if block_cols < _MIN_TILE:
+        return f"scale blocks of {block[1]} columns have no power-of-two tile of ≥ {_MIN_TILE} columns inside them"
+    if block_rows < _MIN_TILE:
+        return f"scale blocks of {block[0]} rows have no power-of-two tile of ≥ {_MIN_TILE} rows inside them"
+    cc = None if interpret else compute_capability()
+    if jnp.dtype(q_dtype) == jnp.float8_e4m3fn and cc is not None and cc < (8, 9):
+        return f"float8 tiles need sm_89 or newer (this GPU is sm_{cc[0]}{cc[1]})"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Scaling:
+    """How a kernel's quantized tiles and float32 block scales ``block = (bi, bo)`` meet (module docstring):
+    static, part of a kernel's config. Tiles come from :func:`fit_scale_blocks`."""
+
+    bi: int
+    bo: int
+    per_step: bool  # several row blocks: each step's product scaled before it is added
+    scalar: bool  # bo > 1: one scale per (row block, program) instead of one per column
+    float8: bool  # float8_e4m3fn values (masked tiles loaded without a fill value: module docstring)
+
+    @classmethod
+    def of(cls, rows: int, block: tuple[int, int], q_dtype) -> "Scaling":
+        """The scaling of a ``[rows, ·]`` kernel of ``q_dtype`` values scaled in ``block``."""
+        bi, bo = block
+        return cls(bi=bi, bo=bo, per_step=cdiv(rows, bi) > 1, scalar=bo > 1,
+                   float8=jnp.dtype(q_dtype) == jnp.float8_e4m3fn)
+
+    def weights(self, tile_ref, mask, dtype) -> jax.Array:
+        """The weight tile ``tile_ref`` converted to ``dtype`` (exact), zeros where ``mask`` is False."""
+        if self.float8 and mask is not None:  # no float8 fill value (module docstring): zeroed once converted
+            return jnp.where(mask, plgpu.load(tile_ref, mask=mask).astype(dtype), 0)
+        return _load(tile_ref, mask).astype(dtype)
+
+    def scaled(self, part: jax.Array, s_ref, lead: tuple, kb, c0, width: int, cmask) -> jax.Array:
+        """``part`` (``[..., width]`` float32 products of columns ``[c0, c0 + width)``) times row block ``kb``'s
+        scales of those columns, read from ``s_ref[*lead, kb, :]``: a scalar, or one per column."""
+        if self.scalar:
+            return part * s_ref[(*lead, kb, c0 // self.bo)]
+        s = _load(s_ref.at[(*lead, kb, pl.ds(c0, width))], cmask)
+        return part * (s if part.ndim == 1 else s[None, :])
 
 
 def unsupported_reason(x, q, scale, block: tuple[int, int], *, interpret: bool = False, block_e: int | None = None,
@@ -111,23 +169,13 @@ def unsupported_reason(x, q, scale, block: tuple[int, int], *, interpret: bool =
         return f"expected x [..., D] and a kernel [D, E], got {tuple(x.shape)} and {tuple(q.shape)}"
     if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
         return f"activations {jnp.dtype(x.dtype)} are not one of {', '.join(map(str, SUPPORTED_DTYPES))}"
-    if jnp.dtype(q.dtype) not in WEIGHT_DTYPES:
-        return f"kernel dtype {jnp.dtype(q.dtype)} is not int8 or float8_e4m3fn"
     d, e = q.shape
     be, bd = _blocks(d, e, block, block_e, block_d)
-    if be < _MIN_TILE:
-        return f"scale blocks of {block[1]} columns have no power-of-two tile of ≥ {_MIN_TILE} columns inside them"
-    if bd < _MIN_TILE:
-        return f"scale blocks of {block[0]} rows have no power-of-two tile of ≥ {_MIN_TILE} rows inside them"
-    cc = None if interpret else compute_capability()
-    if jnp.dtype(q.dtype) == jnp.float8_e4m3fn and cc is not None and cc < (8, 9):
-        return f"float8 tiles need sm_89 or newer (this GPU is sm_{cc[0]}{cc[1]})"
-    return None
+    return weight_reason(q.dtype, block, bd, be, interpret=interpret)
 
 
 def _make_config(t: int, d: int, e: int, block: tuple[int, int], dtype, q_dtype, *, block_e, block_d, num_splits,
                  gemv, num_warps, num_stages, programs_per_sm: int) -> _Config:
-    bi, bo = block
     be, bd = _blocks(d, e, block, block_e, block_d)
     gemv = t == 1 if gemv is None else bool(gemv and t == 1)
     rows = 1 if gemv else min(max(next_pow2(t), _MIN_TILE), 64)
@@ -137,8 +185,7 @@ def _make_config(t: int, d: int, e: int, block: tuple[int, int], dtype, q_dtype,
     num_splits = max(1, min(num_splits, cdiv(d, bd)))
     chunk = cdiv(cdiv(d, num_splits), bd) * bd
     return _Config(rows=rows, block_e=be, block_d=bd, splits=cdiv(d, chunk), chunk_d=chunk, gemv=gemv,
-                   per_step_scale=cdiv(d, bi) > 1, scalar_scale=bo > 1,
-                   float8=jnp.dtype(q_dtype) == jnp.float8_e4m3fn, bo=bo, bi=bi, num_warps=num_warps or 4,
+                   scaling=Scaling.of(d, block, q_dtype), num_warps=num_warps or 4,
                    num_stages=num_stages or 4,
                    ieee_f32=jnp.dtype(dtype) == jnp.float32 and highest_precision_requested())
 
@@ -164,21 +211,15 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, *, c: _Config, t: int, d: int, e: int):
     rmask = _tail_mask(r0, c.rows, t) if not c.gemv else None
     emask = _tail_mask(e0, c.block_e, e)
     steps = lax.div(jnp.minimum(c.chunk_d, d - d_lo) + c.block_d - 1, c.block_d)
-    compute = x_ref.dtype
+    compute, q = x_ref.dtype, c.scaling
 
-    def scale(kb):
-        """The scales of row block ``kb`` for this program's columns: a scalar, or [block_e]."""
-        if c.scalar_scale:
-            return s_ref[kb, e0 // c.bo]
-        return _load(s_ref.at[kb, pl.ds(e0, c.block_e)], emask)
+    def scaled(part, kb):
+        return q.scaled(part, s_ref, (), kb, e0, c.block_e, emask)
 
     def weights(d0, dmask, dtype):
         """The weight tile [block_d, block_e] in ``dtype``, zeros outside the kernel."""
         wmask = _and(None if dmask is None else dmask[:, None], None if emask is None else emask[None, :])
-        tile = q_ref.at[pl.ds(d0, c.block_d), pl.ds(e0, c.block_e)]
-        if c.float8 and wmask is not None:  # no float8 fill value (module docstring): zeroed once converted
-            return jnp.where(wmask, plgpu.load(tile, mask=wmask).astype(dtype), 0)
-        return _load(tile, wmask).astype(dtype)
+        return q.weights(q_ref.at[pl.ds(d0, c.block_d), pl.ds(e0, c.block_e)], wmask, dtype)
 
     def step(i, acc):
         d0 = d_lo + i * c.block_d
@@ -192,18 +233,16 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, *, c: _Config, t: int, d: int, e: int):
             prec = lax.Precision.HIGHEST if c.ieee_f32 else lax.Precision.DEFAULT
             part = lax.dot_general(xt, weights(d0, dmask, compute), (((1,), (0,)), ((), ())),
                                    precision=prec, preferred_element_type=jnp.float32)
-        if c.per_step_scale:
-            s = scale(d0 // c.bi)
-            part = part * (s if c.scalar_scale else s[None, :])
+        if q.per_step:
+            part = scaled(part, d0 // q.bi)
         return acc + part
 
     shape = (c.block_d, c.block_e) if c.gemv else (c.rows, c.block_e)
     acc = lax.fori_loop(0, steps, step, jnp.zeros(shape, jnp.float32))
     if c.gemv:
         acc = jnp.sum(acc, axis=0)[None, :]
-    if not c.per_step_scale:
-        s = scale(jnp.int32(0))
-        acc = acc * (s if c.scalar_scale else s[None, :])
+    if not q.per_step:
+        acc = scaled(acc, jnp.int32(0))
     omask = _and(None if rmask is None else rmask[:, None], None if emask is None else emask[None, :])
     rows = pl.ds(r0, c.rows) if not c.gemv else pl.ds(0, 1)
     out = o_ref.at[sp, rows, pl.ds(e0, c.block_e)] if c.splits > 1 else o_ref.at[rows, pl.ds(e0, c.block_e)]

@@ -32,7 +32,8 @@ with its own float32 block scales (``[E, nbi, nbo]``, the layout of :mod:`dflash
 :func:`experts_gathered` gathers the routed experts' quantized values (1 byte a weight) and scales the partial
 products as :func:`dflash_jax.kernels.quantized.reference` does; beyond decode sizes :func:`experts_auto` runs
 every expert one at a time (:func:`experts_dense_quantized`: one expert's values converted at a time, never the
-whole float stack).
+whole float stack). The GPU kernel (:mod:`dflash_jax.cuda.moe`) takes quantized experts at decode sizes; the TPU
+kernel declines them (the references run).
 """
 
 from __future__ import annotations
