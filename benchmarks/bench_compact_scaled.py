@@ -133,9 +133,10 @@ def make_predictable(target, seed: int = 0, residual_scale: float = 1e-2) -> Non
 
 
 def known_drafter(target, prompts: list[list[int]], continuations: list[list[int]], *, layers: int, block: int,
-                  corrupt: float, seed: int = 0) -> Drafter:
+                  corrupt: float, seed: int = 0, trained_widths: tuple[int, ...] | None = None) -> Drafter:
     """A :class:`KnownDrafter` whose table holds each row's prompt and AR continuation, each position replaced
-    by another token with probability ``corrupt``."""
+    by another token with probability ``corrupt``; ``trained_widths``: what its config says it was trained at
+    (its compact steps then draft only what their tier verifies, as a drafter trained at those widths would)."""
     vocab = target.config.vocab_size
     rng = np.random.default_rng(seed)
     seqs = [p + c for p, c in zip(prompts, continuations)]
@@ -145,7 +146,8 @@ def known_drafter(target, prompts: list[list[int]], continuations: list[list[int
     wrong = rng.random(table.shape) < corrupt
     table = np.where(wrong, (table + 1 + rng.integers(0, vocab - 1, table.shape)) % vocab, table)
     base = random_drafter(target, num_layers=layers, block_size=block, seed=seed)
-    model = KnownDrafter(base.model.config, table, dtype=target.model.dtype, rngs=nnx.Rngs(seed))
+    cfg = dataclasses.replace(base.model.config, trained_widths=trained_widths).validate()
+    model = KnownDrafter(cfg, table, dtype=target.model.dtype, rngs=nnx.Rngs(seed))
     return Drafter(model, f"known continuation, corrupt {corrupt}", True)
 
 
@@ -176,7 +178,7 @@ def batch_case(target, batch: int, args, table_file: Path | None) -> dict:
     kw = dict(max_new_tokens=args.max_new, stop_token_ids=[], tuning=args.tuning)
     ar, ar_s = timed(lambda: generate(target, prompts, **kw), args.repeats)
     drafter = known_drafter(target, prompts, ar.token_ids, layers=args.drafter_layers, block=args.block_size,
-                            corrupt=args.corrupt)
+                            corrupt=args.corrupt, trained_widths=args.trained_widths)
     t0 = time.perf_counter()
     if table_file is not None:
         table = earlier_table(table_file, batch)
@@ -284,8 +286,13 @@ def main() -> int:
                     help="keep the random target as drawn (bf16 rounding then leads rows away from AR's text)")
     ap.add_argument("--tier-draft-span", default="none",
                     help="Tuning.tier_draft_span: a compact tier of n tokens per row drafts min(L, span·n) positions "
-                         "(none, the library's default: the whole block at every tier; the scripted drafter's "
-                         "acceptance does not depend on the width, a trained one's does: benchmarks/README.md)")
+                         "(none, the library's default: the drafter's, whole blocks unless --trained-widths; 0: "
+                         "whole blocks)")
+    ap.add_argument("--trained-widths", default="none",
+                    help="comma-separated narrower widths the scripted drafter declares it was trained at "
+                         "(DrafterConfig.trained_widths; none: whole blocks only, as every public checkpoint). Its "
+                         "acceptance does not depend on the width, as a drafter trained at those widths would "
+                         "nearly (a whole-block one's falls there: benchmarks/README.md)")
     ap.add_argument("--cost-table", type=Path,
                     help="a costs file, or an earlier run's JSON (its table at each batch), instead of timing them")
     ap.add_argument("--out", type=Path, required=True)
@@ -295,6 +302,8 @@ def main() -> int:
     name, full, small = SHAPES[args.shape]
     args.shape_name = f"small-{name}" if args.small else name
     args.tuning = Tuning(tier_draft_span=None if args.tier_draft_span == "none" else int(args.tier_draft_span))
+    args.trained_widths = (None if args.trained_widths == "none"
+                           else tuple(int(w) for w in args.trained_widths.split(",")))
     if args.small and jax.default_backend() == "cpu":
         args.tuning = args.tuning.with_compiler_options(CPU_FAST_COMPILE)
     cfg = small if args.small else full

@@ -357,6 +357,11 @@ class DrafterConfig:
     draft_vocab_size: int | None = None  # drafts over a reduced vocabulary (ids mapped by the drafter's d2t)
     confidence_head: bool = True  # some released DSpark checkpoints carry none
     confidence_temperatures: tuple[float, ...] | None = None  # STS: one T_k per draft position
+    # Verify widths below the trained one that a parallel drafter was also trained to draft at (its block cut to
+    # ``[anchor, MASK × (w-1)]``: ``TrainSettings.block_widths``); compact steps then draft only what their tier
+    # can verify (``Tuning.tier_draft_span``). This project's key ``dflash_config.trained_widths``; None: whole
+    # blocks only (every public checkpoint).
+    trained_widths: tuple[int, ...] | None = None
     # DFlash2 only (defaults: the published checkpoint's): a grouped dynamic convolution of ``conv_kernel_size``
     # taps around each sublayer, one delta per ``conv_group_size`` channels; a candidate selector over the
     # ``selector_top_k`` best tokens of each position, pairwise scores of rank ``selector_rank``.
@@ -413,6 +418,14 @@ class DrafterConfig:
         if not 0 <= self.mask_token_id < self.layers.vocab_size:
             raise ConfigError(f"mask_token_id {self.mask_token_id} is outside the vocabulary "
                               f"(size {self.layers.vocab_size})")
+        if self.trained_widths is not None:
+            w = self.trained_widths
+            if schema.sequential:
+                raise ConfigError(f"trained_widths {list(w)}: a {self.kind} drafter drafts sequentially; only "
+                                  f"parallel drafters are trained at narrower widths")
+            if list(w) != sorted(set(w)) or not all(isinstance(x, int) and 2 <= x < self.verify_width for x in w):
+                raise ConfigError(f"trained_widths must be increasing integers in [2, {self.verify_width - 1}] "
+                                  f"(narrower than the block), got {list(w)}")
         return self
 
     def check_target(self, target: ModelConfig) -> None:
@@ -567,6 +580,11 @@ def drafter_config_from_hf(cfg: Mapping[str, Any], where: str = "drafter config.
     softcap = value("final_logit_softcapping")
     schema = _detect_drafter_schema(cfg, value, where)
     extra = schema.fields(value, layers) if schema.fields is not None else {}
+    widths = value("trained_widths")
+    if widths is not None:
+        if not isinstance(widths, (list, tuple)) or not all(isinstance(x, int) for x in widths):
+            raise ConfigError(f"{where}: dflash_config.trained_widths must be a list of integers, got {widths!r}")
+        extra["trained_widths"] = tuple(widths) or None
     return DrafterConfig(
         layers=layers,
         block_size=int(value("block_size", 16)),
@@ -618,6 +636,8 @@ def drafter_config_to_hf(c: DrafterConfig) -> dict[str, Any]:
     }
     if schema.to_hf is not None:
         schema.to_hf(c, out)
+    if c.trained_widths:
+        out["dflash_config"]["trained_widths"] = list(c.trained_widths)
     if m.rope.kind != "default":
         out["rope_scaling"] = {k: v for k, v in {
             "rope_type": m.rope.kind, "factor": m.rope.factor, "low_freq_factor": m.rope.low_freq_factor,

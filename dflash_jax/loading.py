@@ -512,11 +512,14 @@ def dflash2_from_dflash(drafter: Drafter, block_size: int, *, conv_kernel_size: 
 
 
 def with_confidence_temperatures(drafter: Drafter, temperatures) -> Drafter:
-    """The scoring ``drafter`` (DSpark, DFlash2) with STS temperatures ``T_k`` in its config (a new module and
-    handle: the config is part of the compiled programs' key, so the old handle's programs are never reused with
-    new temperatures)."""
-    cfg = dataclasses.replace(drafter.config,
-                              confidence_temperatures=tuple(float(t) for t in temperatures)).validate()
+    """The scoring ``drafter`` (DSpark, DFlash2) with STS temperatures ``T_k`` in its config."""
+    return with_config(drafter, confidence_temperatures=tuple(float(t) for t in temperatures))
+
+
+def with_config(drafter: Drafter, **fields) -> Drafter:
+    """``drafter`` with ``fields`` of its :class:`DrafterConfig` replaced, same weights (a new module and handle:
+    the config is part of the compiled programs' key, so the old handle's programs are never reused)."""
+    cfg = dataclasses.replace(drafter.config, **fields).validate()
     module_class = type(drafter.model)
     model = nnx.eval_shape(lambda: module_class(cfg, dtype=drafter.model.dtype, rngs=nnx.Rngs(0)))
     nnx.update(model, nnx.state(drafter.model))

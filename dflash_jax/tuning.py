@@ -95,6 +95,11 @@ def _env_compiler_options() -> tuple[tuple[str, Any], ...] | None:
     return _frozen_options(options)
 
 
+# A compact tier of n tokens a row drafts 2n positions by default for a drafter trained at narrower widths:
+# the anchor and n drafts alone would leave the scheduler no choice of window within the tier.
+TRAINED_WIDTHS_SPAN = 2
+
+
 @dataclasses.dataclass(frozen=True)
 class Tuning:
     """Every run-time knob; the decode settings carry one, and it is part of every program's cache key."""
@@ -122,10 +127,11 @@ class Tuning:
     # Compact's compiled tiers, in tokens per row (None: 1, 2, 4 … L; sizes above L are dropped).
     tiers_per_row: tuple[int, ...] | None = None
     # Compact steps of a parallel drafter whose windows are chosen before drafting: a tier of n tokens per row runs
-    # the drafter's trunk over min(L, tier_draft_span · n) positions and caps each row's window at one less
-    # (None: the whole block at every tier). At large batches the trunk is a quarter of a step, but its
+    # the drafter's trunk over min(L, tier_draft_span · n) positions (rounded up to a width the drafter was trained
+    # at) and caps each row's window at one less. At large batches the trunk is a quarter of a step, but its
     # non-causal pass over fewer positions drafts differently (lossless, yet a drafter trained on whole blocks
-    # accepts far less there: docs/verify-modes.md), hence off by default.
+    # accepts far less there: docs/verify-modes.md). None: the drafter's (``TRAINED_WIDTHS_SPAN`` for a drafter
+    # trained at narrower widths, ``DrafterConfig.trained_widths``; else whole blocks); 0: whole blocks always.
     tier_draft_span: int | None = None
     # The scheduler ranks candidate windows by comparing all pairs up to this many rows × drafts.
     rank_compare_all_max: int = 2048
@@ -134,6 +140,12 @@ class Tuning:
     # XLA compile options for the prefill and decode programs (sorted (name, value) pairs; None: XLA's defaults;
     # default: $DFLASH_JAX_COMPILER_OPTIONS, a JSON object, e.g. the test suite's fast CPU compiles).
     compiler_options: tuple[tuple[str, Any], ...] | None = dataclasses.field(default_factory=_env_compiler_options)
+
+    def draft_span(self, trained_widths: tuple[int, ...] | None) -> int | None:
+        """The ``tier_draft_span`` in effect for a drafter trained at ``trained_widths`` (None: whole blocks)."""
+        if self.tier_draft_span is None:
+            return TRAINED_WIDTHS_SPAN if trained_widths else None
+        return self.tier_draft_span or None
 
     def with_compiler_options(self, options: dict[str, Any] | None) -> "Tuning":
         return dataclasses.replace(self, compiler_options=_frozen_options(options))

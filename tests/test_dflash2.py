@@ -282,6 +282,11 @@ def test_published_config_parses():
     assert [c.layer_window(i) for i in range(5)] == [2048] * 5 and not any(c.layer_causal(i) for i in range(5))
     again = config.drafter_config_from_hf(config.drafter_config_to_hf(c))
     assert again == c
+    # This project's record of the narrower widths a drafter was trained at travels in dflash_config.
+    narrow = dataclasses.replace(c, trained_widths=(2, 4))
+    assert config.drafter_config_from_hf(config.drafter_config_to_hf(narrow)) == narrow
+    with pytest.raises(config.ConfigError, match="trained_widths must be a list of integers"):
+        config.drafter_config_from_hf({**cfg, "dflash_config": {**cfg["dflash_config"], "trained_widths": "4"}})
 
 
 def test_export_writes_the_public_layout_back(target, public, tmp_path):

@@ -27,8 +27,9 @@ from dflash_jax.decode import schedule, verify_modes
 from dflash_jax.decode.state import LoopSpec
 from dflash_jax.engine import calibrate, job
 from dflash_jax.engine import programs as engine_programs
+from dflash_jax.loading import with_config
 from dflash_jax.models.target import KVCache, PendingKV
-from dflash_jax.tuning import Kernels, KernelTuning, Tuning
+from dflash_jax.tuning import TRAINED_WIDTHS_SPAN, Kernels, KernelTuning, Tuning
 
 MODES = ("static", "compact", "cap-accept")
 
@@ -619,13 +620,26 @@ def test_sampled_compact_matches_target_distribution(pair, logits):
 
 def test_narrow_trunk_tiers_stay_lossless(target, reference):
     """Compact tiers whose trunk drafts fewer positions than the block (a random drafter: its drafts depend on the
-    trunk's width): the target's tokens, with the narrow tiers run and no window past a tier's width."""
-    drafter = random_drafter(target, block_size=8, num_layers=1, seed=9)
+    trunk's width), by default for a drafter that says it was trained at narrower widths: the target's tokens,
+    with the narrow tiers run and no window past a tier's width."""
+    drafter = with_config(random_drafter(target, block_size=8, num_layers=1, seed=9), trained_widths=(4,))
     out = speculative_generate(target, drafter, PROMPTS, MAX_NEW, stop_token_ids=[], verify_mode="compact",
-                               cost_table=MILD, tuning=Tuning(tier_draft_span=1))
+                               cost_table=MILD)
     assert out.token_ids == reference.token_ids
     ran = {n // len(PROMPTS): c for n, c in out.stats["tier_steps"].items()}
     assert set(ran) - {8}, ran  # some step ran a narrower tier than the whole block
+
+
+def test_trunk_widths_follow_the_drafters_trained_widths():
+    """Tuning.tier_draft_span None: span 2 for a drafter trained at narrower widths, else whole blocks; 0: whole
+    blocks always. Widths round up to one the drafter was trained at."""
+    assert Tuning().draft_span(None) is None and Tuning().draft_span((4,)) == TRAINED_WIDTHS_SPAN == 2
+    assert Tuning(tier_draft_span=0).draft_span((4,)) is None and Tuning(tier_draft_span=3).draft_span(None) == 3
+    tiers = schedule.tiers_for(4, 16)  # 1, 2, 4, 8, 16 tokens a row
+    assert schedule.trunk_widths(tiers, 4, 16, 2) == (2, 4, 8, 16, 16)
+    assert schedule.trunk_widths(tiers, 4, 16, 2, trained=(4, 8)) == (4, 4, 8, 16, 16)
+    assert schedule.trunk_widths(tiers, 4, 16, 2, trained=(3,)) == (3, 16, 16, 16, 16)
+    assert schedule.trunk_widths(tiers, 4, 16, None, trained=(4,)) is None
 
 
 @pytest.mark.auto_verify

@@ -21,7 +21,7 @@ from flax import nnx
 
 from conftest import ZLAB, fast_options, random_prompts, tiny_subprocess_env, tiny_target
 from dflash_jax import ConfigError, generate, load_drafter, random_drafter, speculative_generate
-from dflash_jax.loading import deepen_drafter, load_target
+from dflash_jax.loading import deepen_drafter, load_target, with_config
 from dflash_jax.checkpoints.export import export_drafter
 from dflash_jax.train import data as data_mod
 from dflash_jax.train.objective import (_multi_block_attention, block_inputs, dflash_loss, drafter_forward_blocks,
@@ -107,6 +107,8 @@ def test_labels_and_weights():
     assert pos.tolist() == [[[3, 4, 5, 6], [9, 10, 11, 12]]]
     assert labels[0, 0].tolist() == [104, 105, 106]  # slot k predicts token p+k (same position)
     assert ok.tolist() == [[[True, True, True], [True, False, False]]]  # positions ≥ length have no loss
+    *_, ok = block_inputs(tokens, jnp.array([12]), anchors, valid, 4, mask_token_id=7, widths=jnp.array([[2, 3]]))
+    assert ok.tolist() == [[[True, False, False], [True, True, False]]]  # nor slots past the block's width
     np.testing.assert_allclose(loss_weights(16, 7.0)[:3], np.exp(-np.arange(3) / 7.0))
     assert loss_weights(4, 4.0).shape == (3,)
 
@@ -136,6 +138,14 @@ def test_training_forward_equals_inference_forward():
     for j, p in enumerate([5, 12, 20]):
         hi = inference(dm, tm, feats[:, :p], ids[:, j], pos[:, j])
         np.testing.assert_allclose(np.asarray(hi), np.asarray(h[:, j]), atol=1e-5)
+    # Blocks trained at narrower widths (TrainSettings.block_widths): a block of width w is the inference pass
+    # over [anchor, MASK × (w-1)] alone, whatever its masked slots hold.
+    widths = jnp.array([[3, 8, 5]])
+    hw = nnx.jit(drafter_forward_blocks)(dm, tm, feats, ids, pos, anchors, widths)
+    for j, (p, w) in enumerate(zip([5, 12, 20], [3, 8, 5])):
+        hi = inference(dm, tm, feats[:, :p], ids[:, j, :w], pos[:, j, :w])
+        np.testing.assert_allclose(np.asarray(hi), np.asarray(hw[:, j, :w]), atol=1e-5)
+    assert not np.allclose(np.asarray(hw[:, 0, :3]), np.asarray(h[:, 0, :3]), atol=1e-3)  # the width mattered
 
 
 def test_chunked_cross_entropy_equals_full(tmp_path):
@@ -428,7 +438,7 @@ def test_pipeline_on_token_id_prompts(tmp_path, monkeypatch):
                         "data": {"prompts_file": str(prompts), "num_prompts": 32, "max_new_tokens": 24,
                                  "generate_batch_size": 8, "chunk_batches": 2},
                         "optim": {"batch_size": 4, "max_anchors": 8, "max_steps": 20, "save_every": 10,
-                                  "length_bucket": SHORT},
+                                  "length_bucket": SHORT, "block_widths": [2, 4, 4]},
                         "eval": {"sets": [str(prompts)], "max_new_tokens": 16, "batch_size": 8, "limit": 8},
                         "export_dtype": "float32"}}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
@@ -454,6 +464,8 @@ def test_pipeline_on_token_id_prompts(tmp_path, monkeypatch):
     assert json.loads((out / "data_summary.json").read_text())["rows"] == 32
     assert (out / "loss_curve.png").stat().st_size > 1000
     assert (out / "drafter" / "model.safetensors").is_file()
+    # Trained at widths 2 and 4 (its block): the exported config says so, and its compact steps may use it.
+    assert json.loads((out / "drafter" / "config.json").read_text())["dflash_config"]["trained_widths"] == [2]
     ev = result["eval"][str(prompts)]
     assert ev["prompts"] == 8 and ev["identical_rows"] == 8 and ev["tau"] >= 1.0
     assert verify_modes == ["static"]  # one batch of 8
@@ -633,6 +645,14 @@ def test_bad_training_input(tmp_path):
     with pytest.raises(ConfigError, match="ce_chunk_rows must be >= 1"):
         small = tiny_target("qwen3")
         Trainer(small, random_drafter(small, block_size=4), TrainSettings(ce_chunk_rows=0), tmp_path / "y")
+    for widths in ((1, 4), (2, 5), ()):
+        with pytest.raises(ConfigError, match=r"block_widths must be integers in \[2, 4\]"):
+            Trainer(small, random_drafter(small, block_size=4), TrainSettings(block_widths=widths), tmp_path / "y")
+    with pytest.raises(ConfigError, match="drafts sequentially"):
+        Trainer(small, random_drafter(small, block_size=4, kind="dspark"), TrainSettings(block_widths=(2,)),
+                tmp_path / "y")
+    with pytest.raises(ConfigError, match="trained_widths must be increasing"):
+        with_config(random_drafter(small, block_size=4), trained_widths=(4,))
     # A drafter checkpoint made for another target shape cannot be trained or loaded against this target.
     other = tiny_target("qwen3", hidden_size=48, vocab_size=256, num_layers=6)
     with pytest.raises(ConfigError, match="hidden_size"):

@@ -527,7 +527,7 @@ def _admit(state: DecodeState, rates: Float[Array, "B G"], spec: LoopSpec, draft
 
 def _trunk_widths(spec: LoopSpec, drafter: DFlashDrafter, batch: int) -> tuple[int, ...] | None:
     """The drafter trunk's width at each tier where the verify mode drafts only what a tier can verify."""
-    return spec.verify_mode.trunk_widths(spec, drafters.kind_of(drafter), batch)
+    return spec.verify_mode.trunk_widths(spec, drafters.kind_of(drafter), batch, drafter.config.trained_widths)
 
 
 def _count_tier(state: DecodeState, tier: Int[Array, ""], spec: LoopSpec) -> DecodeState:

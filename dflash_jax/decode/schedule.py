@@ -56,14 +56,19 @@ def tiers_for(batch: int, block_size: int, per_row: tuple[int, ...] | None = Non
     return tuple(batch * n for n in per_row)
 
 
-def trunk_widths(tiers: tuple[int, ...], batch: int, block_size: int, span: int | None) -> tuple[int, ...] | None:
+def trunk_widths(tiers: tuple[int, ...], batch: int, block_size: int, span: int | None,
+                 trained: tuple[int, ...] | None = None) -> tuple[int, ...] | None:
     """The drafter trunk's width (inputs ``[anchor, MASK…]``, = the longest window + 1) at each tier of ``batch``
-    rows: ``min(L, span · n)`` for a tier of n tokens per row, at least 2 (``Tuning.tier_draft_span``). None where
+    rows: ``min(L, span · n)`` for a tier of n tokens per row, at least 2 (``Tuning.tier_draft_span``), rounded up
+    to the nearest of ``trained`` (the narrower widths the drafter was trained at) and L where given. None where
     every tier would draft the whole block (or ``span`` is None)."""
     if span is None:
         return None
-    widths = tuple(min(block_size, max(2, span * (t // batch))) for t in tiers)
-    return None if all(w == block_size for w in widths) else widths
+    widths = [min(block_size, max(2, span * (t // batch))) for t in tiers]
+    if trained:
+        allowed = sorted({w for w in trained if w < block_size} | {block_size})
+        widths = [next(a for a in allowed if a >= w) for w in widths]
+    return None if all(w == block_size for w in widths) else tuple(widths)
 
 
 @jax.tree_util.register_dataclass

@@ -210,9 +210,11 @@ class VerifyMode(VerifyPolicy):
         """Draft positions a sequential drafter drafts in this mode's steps (None: all)."""
         return None
 
-    def trunk_widths(self, spec, kind, batch: int) -> tuple[int, ...] | None:
+    def trunk_widths(self, spec, kind, batch: int, trained: tuple[int, ...] | None = None
+                     ) -> tuple[int, ...] | None:
         """The drafter trunk's width at each compiled tier, where this mode's steps draft only what a tier can
-        verify (``kind``: the drafter's :class:`~dflash_jax.drafters.DrafterKind`; None: the whole block)."""
+        verify (``kind``: the drafter's :class:`~dflash_jax.drafters.DrafterKind`; ``trained``: the narrower
+        widths it was trained at, ``DrafterConfig.trained_widths``; None: the whole block)."""
         return None
 
     def stats(self, spec, view, n: int, acc_lens: list[list[int]], fallback_cycles: int = 0) -> dict:
@@ -271,13 +273,14 @@ class Scheduled(VerifyMode):
     def verify_windows(self, ops: StepOps, state, block, q, window, tier):
         raise NotImplementedError
 
-    def trunk_widths(self, spec, kind, batch: int) -> tuple[int, ...] | None:
+    def trunk_widths(self, spec, kind, batch: int, trained: tuple[int, ...] | None = None
+                     ) -> tuple[int, ...] | None:
         # Only where the windows are chosen before drafting (the running counts) and every position's drafts come
         # from one pass (a parallel drafter): a compact tier of n tokens per row then drafts min(L, span · n)
         # positions. Cap-accept caps its windows alike (it drafts whole blocks): both modes schedule the same.
         if not spec.scheduled or kind.sequential or kind.has_confidence:
             return None
-        return schedule.trunk_widths(spec.tiers, batch, spec.block_size, spec.tuning.tier_draft_span)
+        return schedule.trunk_widths(spec.tiers, batch, spec.block_size, spec.tuning.draft_span(trained), trained)
 
 
 @register

@@ -110,8 +110,11 @@ def sample_anchors(rng: np.random.Generator, lengths: np.ndarray, prompt_lengths
 
 
 def block_inputs(tokens: Int[Array, "Bs T"], lengths: Int[Array, "Bs"], anchors: Int[Array, "Bs A"],
-                 valid: Bool[Array, "Bs A"], block_size: int, mask_token_id: int):
-    """Block token ids / positions, labels and label validity for every anchor."""
+                 valid: Bool[Array, "Bs A"], block_size: int, mask_token_id: int,
+                 widths: Int[Array, "Bs A"] | None = None):
+    """Block token ids / positions, labels and label validity for every anchor. ``widths``: each anchor's block
+    width w ≤ L (``TrainSettings.block_widths``): its slots ≥ w have no label (and are hidden from the block by
+    :func:`_multi_block_attention`)."""
     k = jnp.arange(block_size)
     positions = anchors[..., None] + k  # [Bs, A, L]
     t = tokens.shape[1]
@@ -119,11 +122,15 @@ def block_inputs(tokens: Int[Array, "Bs T"], lengths: Int[Array, "Bs"], anchors:
     block_ids = jnp.where(k == 0, gathered, mask_token_id)
     labels = gathered[..., 1:]  # slot k predicts token p+k
     label_ok = valid[..., None] & (positions[..., 1:] < lengths[:, None, None])
+    if widths is not None:
+        label_ok = label_ok & (k[1:] < widths[..., None])
     return block_ids, positions, labels, label_ok
 
 
-def _multi_block_attention(q, ctx_k, ctx_v, blk_k, blk_v, anchors, valid_ctx_len=None):
-    """q/blk_k/blk_v [Bs, A, L, ·, H]; ctx_k/ctx_v [Bs, T, K, H]; context visible iff position < anchor."""
+def _multi_block_attention(q, ctx_k, ctx_v, blk_k, blk_v, anchors, widths=None):
+    """q/blk_k/blk_v [Bs, A, L, ·, H]; ctx_k/ctx_v [Bs, T, K, H]; context visible iff position < anchor; block
+    slot m visible iff m < the anchor's width (``widths [Bs, A]``; None: the whole block). A block of width w
+    then drafts exactly as ``[anchor, MASK × (w-1)]`` alone would at inference."""
     bs, a, l, n, h = q.shape
     kh = ctx_k.shape[2]
     qg = q.reshape(bs, a, l, kh, n // kh, h)
@@ -133,6 +140,9 @@ def _multi_block_attention(q, ctx_k, ctx_v, blk_k, blk_v, anchors, valid_ctx_len
     t = ctx_k.shape[1]
     ctx_mask = jnp.arange(t)[None, None, :] < anchors[:, :, None]  # [Bs, A, T]
     s_ctx = jnp.where(ctx_mask[:, None, None, :, None, :], s_ctx, NEG_INF)
+    if widths is not None:
+        blk_mask = jnp.arange(l)[None, None, :] < widths[:, :, None]  # [Bs, A, L] over the keys
+        s_blk = jnp.where(blk_mask[:, None, None, :, None, :], s_blk, NEG_INF)
     m = jnp.maximum(s_ctx.max(-1), s_blk.max(-1))[..., None]
     p_ctx, p_blk = jnp.exp(s_ctx - m), jnp.exp(s_blk - m)
     denom = p_ctx.sum(-1) + p_blk.sum(-1)  # [Bs, K, G, A, L]
@@ -145,8 +155,10 @@ def _multi_block_attention(q, ctx_k, ctx_v, blk_k, blk_v, anchors, valid_ctx_len
 
 def drafter_forward_blocks(drafter: DFlashDrafter, target: TargetModel, features: Float[Array, "Bs T F"],
                            block_ids: Int[Array, "Bs A L"], positions: Int[Array, "Bs A L"],
-                           anchors: Int[Array, "Bs A"]) -> Float[Array, "Bs A L D"]:
-    """All blocks of all sequences in one pass (the inference drafter forward, batched over anchors)."""
+                           anchors: Int[Array, "Bs A"], widths: Int[Array, "Bs A"] | None = None
+                           ) -> Float[Array, "Bs A L D"]:
+    """All blocks of all sequences in one pass (the inference drafter forward, batched over anchors); ``widths``:
+    each block's width (:func:`_multi_block_attention`)."""
     cfg = drafter.config
     if any(t != "full_attention" for t in cfg.layer_types):
         raise NotImplementedError("training drafters with sliding_attention layers is not supported")
@@ -165,7 +177,7 @@ def drafter_forward_blocks(drafter: DFlashDrafter, target: TargetModel, features
             blk_k, blk_v = att.kv(x_hat, cos, sin)
             o = _multi_block_attention(q.reshape(bs, a, l, att.n, att.h), ctx_k, ctx_v,
                                        blk_k.reshape(bs, a, l, att.k, att.h), blk_v.reshape(bs, a, l, att.k, att.h),
-                                       anchors)
+                                       anchors, widths)
             return att.o_proj(o.reshape(bs, a * l, att.n * att.h))
 
         # ``sublayer``: the branch as is, or wrapped by the kind (DFlash2's convolutions, blocks of l positions)
@@ -180,9 +192,11 @@ def forward_blocks(drafter: DFlashDrafter, target: TargetModel, batch: dict, blo
     labels, which labels exist, hidden states [Bs, A, L, D]); ``features``: the target's, when computed already."""
     if features is None:
         features = target_features(target, batch["tokens"], drafter.config.target_layer_ids)
+    widths = batch.get("widths")
     block_ids, positions, labels, label_ok = block_inputs(batch["tokens"], batch["lengths"], batch["anchors"],
-                                                          batch["valid"], block_size, drafter.config.mask_token_id)
-    hidden = drafter_forward_blocks(drafter, target, features, block_ids, positions, batch["anchors"])
+                                                          batch["valid"], block_size, drafter.config.mask_token_id,
+                                                          widths)
+    hidden = drafter_forward_blocks(drafter, target, features, block_ids, positions, batch["anchors"], widths)
     return block_ids, labels, label_ok, hidden
 
 

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from dflash_jax import drafters
 from dflash_jax.config import ConfigError, drafter_kinds, drafter_schema
 from dflash_jax.loading import (Drafter, Target, deepen_drafter, load_drafter, load_target, random_drafter,
-                                with_confidence_temperatures)
+                                with_config, with_confidence_temperatures)
 from dflash_jax.train import data as data_mod
 from dflash_jax.train import sts
 from dflash_jax.train.objective import OBJECTIVES, objective_for
@@ -399,6 +399,9 @@ class Pipeline:
         if objective_for(drafter.config.kind).calibrates and drafters.kind_of(drafter.model).has_confidence:
             drafter = self.calibrate(trainer, data, drafter)
             meta["sts"] = json.loads((self.out / "sts.json").read_text())
+        widths = self.cfg.train.trained_widths(drafter.config.verify_width)
+        if widths is not None:
+            drafter = with_config(drafter, trained_widths=widths)
         (self.out / "train_summary.json").write_text(json.dumps(meta, indent=1))
         self.train_summary = meta
         self.export(drafter)

@@ -64,6 +64,16 @@ class TrainSettings:
     # Chunks hold one chunk's float32 logits instead of every slot's, at the price of recomputing them
     # in the backward pass.
     ce_chunk_rows: int | None = None
+    # Each anchor's block is trained at a width drawn uniformly from these (a value may repeat to weight it;
+    # None: the drafter's block size only): a parallel drafter trained so drafts as well over ``[anchor,
+    # MASK × (w-1)]`` as the compact steps that verify at most w tokens a row run it (``Tuning.tier_draft_span``),
+    # instead of far worse than over the whole block. The exported config lists them (``trained_widths``).
+    block_widths: tuple[int, ...] | None = None
+
+    def trained_widths(self, verify_width: int) -> tuple[int, ...] | None:
+        """The widths below ``verify_width`` the drafter is trained at (its config's ``trained_widths``)."""
+        narrower = sorted({int(w) for w in self.block_widths or () if w < verify_width})
+        return tuple(narrower) or None
 
     def total_steps(self, num_rows: int) -> int:
         if self.max_steps is not None:
@@ -131,7 +141,11 @@ def batch_for_step(data: dict[str, np.ndarray], step: int, s: TrainSettings, blo
     repeated = data["repeated"][rows] if s.repeat_anchor_weight != 1.0 else None
     anchors, valid = sample_anchors(np.random.default_rng([s.seed, 7919, step]), lengths, prompt_lengths,
                                     s.max_anchors, repeated, s.repeat_anchor_weight)
-    return {"tokens": tokens, "lengths": lengths.astype(np.int32), "anchors": anchors, "valid": valid}
+    batch = {"tokens": tokens, "lengths": lengths.astype(np.int32), "anchors": anchors, "valid": valid}
+    if s.block_widths:
+        draw = np.random.default_rng([s.seed, 104729, step]).integers(0, len(s.block_widths), anchors.shape)
+        batch["widths"] = np.asarray(s.block_widths, np.int32)[draw]
+    return batch
 
 
 class Trainer:
@@ -157,6 +171,14 @@ class Trainer:
         if settings.val_rows < 0 or (settings.val_every is not None and settings.val_every < 1):
             raise ConfigError(f"val_rows must be >= 0 and val_every >= 1, got {settings.val_rows} and "
                               f"{settings.val_every}")
+        if settings.block_widths is not None:
+            w = settings.block_widths
+            if dc.sequential:
+                raise ConfigError(f"block_widths: a {dc.kind} drafter drafts sequentially; only parallel drafters "
+                                  f"train at narrower widths")
+            if not w or not all(isinstance(x, int) and 2 <= x <= dc.verify_width for x in w):
+                raise ConfigError(f"block_widths must be integers in [2, {dc.verify_width}] (the block size), "
+                                  f"got {list(w)}")
         self.target, self.drafter, self.s = target, drafter, settings
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
