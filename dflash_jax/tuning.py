@@ -53,11 +53,12 @@ class KernelTuning:
     # (docs/usage.md, "Quantized targets"); the TPU kernel is untimed.
     quant_kernel: bool = True
     quant_kernel_max_tokens: int = 1
-    # float8 weights through that kernel too (off: they take the XLA reference, int8 still the kernel). Off until
-    # its float8 tiles are checked against the reference on a GPU (benchmarks/README.md, "Quantized targets") and
-    # on a TPU. Both switches also govern quantized MoE experts in the grouped-expert GPU kernel (cuda/moe.py),
-    # whose token limit is its own (at most as many (token, expert) pairs as experts).
-    quant_kernel_float8: bool = False
+    # float8 weights through that kernel too (off: they take the XLA reference, int8 still the kernel). Its float8
+    # tiles match the reference in the GPU tests (tests/test_quantized_kernels.py, test_moe_kernels.py, run on a
+    # GPU); the TPU kernel's in interpret mode only. Both switches also govern quantized MoE experts in the
+    # grouped-expert GPU kernel (cuda/moe.py), whose token limit is its own (at most as many (token, expert) pairs
+    # as experts).
+    quant_kernel_float8: bool = True
     # GPU kernels' split-KV concurrency target (programs per SM; 0 = the kernel's own default).
     programs_per_sm: int = 0
     # Delta rule (linear attention): prefill chunk length.

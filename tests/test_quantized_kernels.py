@@ -91,14 +91,14 @@ def _runs_kernel(kernels: Kernels, t: int, kind: str = "int8", d: int = 64, e: i
 
 def test_dispatch():
     """impl "cuda" runs the kernel up to ``quant_kernel_max_tokens`` tokens (default 1: the one-token step), for
-    int8 (float8 with ``quant_kernel_float8`` on); ``quant_kernel`` off turns it off; "xla" never."""
+    int8 and float8 (``quant_kernel_float8`` off: int8 only); ``quant_kernel`` off turns it off; "xla" never."""
     assert _runs_kernel(Kernels("cuda"), 1) and not _runs_kernel(Kernels("cuda"), 2)
     wide = Kernels("cuda", KernelTuning(quant_kernel_max_tokens=64))
     assert _runs_kernel(wide, 64) and not _runs_kernel(wide, 65)
     assert not _runs_kernel(Kernels("cuda", KernelTuning(quant_kernel=False)), 1)
     assert not _runs_kernel(Kernels("xla"), 1)
-    assert not _runs_kernel(Kernels("cuda"), 1, "fp8")
-    float8 = Kernels("cuda", KernelTuning(quant_kernel_float8=True))
+    assert not _runs_kernel(Kernels("cuda", KernelTuning(quant_kernel_float8=False)), 1, "fp8")
+    float8 = Kernels("cuda")
     assert _runs_kernel(float8, 1) and _runs_kernel(float8, 1, "fp8")
     x, q, s, block = _inputs(2, 4, 64, 32, Scheme("fp8"), jnp.float32)
     got = jax.jit(lambda x, q, s: op.quantized_matmul(x, q, s, block, kernels=float8))(x, q, s)
@@ -226,7 +226,8 @@ def test_tpu_dispatch():
     assert _runs_kernel(Kernels("pallas"), 1, d=256, e=256) and not _runs_kernel(Kernels("pallas"), 2, d=256, e=256)
     assert _runs_kernel(wide, 64, d=256, e=256) and not _runs_kernel(wide, 65, d=256, e=256)
     assert not _runs_kernel(Kernels("pallas", KernelTuning(quant_kernel=False)), 1, d=256, e=256)
-    assert not _runs_kernel(Kernels("pallas"), 1, "fp8", d=256, e=256)
+    assert not _runs_kernel(Kernels("pallas", KernelTuning(quant_kernel_float8=False)), 1, "fp8", d=256, e=256)
+    assert _runs_kernel(Kernels("pallas"), 1, "fp8", d=256, e=256)
     assert not _runs_kernel(wide, 4, d=64, e=32)  # ragged: the reference
     float8 = Kernels("pallas", KernelTuning(quant_kernel_float8=True, quant_kernel_max_tokens=64))
     for d, e in ((256, 256), (64, 32)):
