@@ -657,3 +657,29 @@ def test_bad_training_input(tmp_path):
     other = tiny_target("qwen3", hidden_size=48, vocab_size=256, num_layers=6)
     with pytest.raises(ConfigError, match="hidden_size"):
         Trainer(other, load_drafter(ZLAB / "drafter"), TrainSettings(), tmp_path / "x")
+
+
+def test_generation_halves_a_batch_the_device_cannot_hold(monkeypatch):
+    """The data stage's generate calls (``generate_fitting``): a batch that runs out of device memory is generated
+    in halves (the recipe's batch sized for a larger device); greedy answers are the same; other errors pass."""
+    import dflash_jax
+    from dflash_jax.train import pipeline
+
+    target = tiny_target("qwen3", seed=2)
+    prompts = random_prompts(6, [3, 5, 4, 6, 3, 5], 64, seed=1)
+    whole = generate(target, prompts, max_new_tokens=6, stop_token_ids=[])
+    sizes = []
+
+    def small_device(target, prompts, **kw):
+        sizes.append(len(prompts))
+        if len(prompts) > 2:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 34.45GiB")
+        return generate(target, prompts, **kw)
+
+    monkeypatch.setattr(dflash_jax, "generate", small_device)
+    answers, made = pipeline.generate_fitting(target, prompts, temperature=[0.0] * 6, seed=0, max_new_tokens=6,
+                                              stop_token_ids=[])
+    assert answers == whole.token_ids and made == whole.stats["new_tokens"] and sizes == [6, 3, 1, 2, 3, 1, 2]
+    monkeypatch.setattr(dflash_jax, "generate", lambda *a, **k: (_ for _ in ()).throw(ValueError("bad prompt")))
+    with pytest.raises(ValueError, match="bad prompt"):
+        pipeline.generate_fitting(target, prompts, temperature=[0.0] * 6, seed=0, max_new_tokens=6)

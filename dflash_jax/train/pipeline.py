@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 import yaml
 from tqdm.auto import tqdm
@@ -163,6 +164,32 @@ def load_run_config(path: str | Path, out_dir: str | None = None) -> RunConfig:
     return cfg
 
 
+def out_of_memory(error: Exception) -> bool:
+    """Whether ``error`` is the device running out of memory (XLA's RESOURCE_EXHAUSTED)."""
+    return isinstance(error, jax.errors.JaxRuntimeError) and "RESOURCE_EXHAUSTED" in str(error)
+
+
+def generate_fitting(target: Target, prompts: list, *, temperature: list[float], seed: int, **kw
+                     ) -> tuple[list[list[int]], int]:
+    """``generate`` of ``prompts`` (their answers, new tokens), in halves where the device runs out of memory: a
+    recipe's generation batch sized for a larger device still completes on a smaller one. Greedy answers are the
+    same either way; the sampled rows of a halved batch draw from other seeds (``seed``, ``seed + 1``)."""
+    from dflash_jax import generate
+
+    try:
+        out = generate(target, prompts, temperature=temperature, seed=seed, **kw)
+        return out.token_ids, out.stats["new_tokens"]
+    except Exception as e:  # noqa: BLE001 — only the device's out-of-memory error is handled
+        if not out_of_memory(e) or len(prompts) < 2:
+            raise
+    half = len(prompts) // 2
+    log.warning("generation of %d rows ran out of device memory; generating them in halves of %d", len(prompts),
+                half)
+    a, na = generate_fitting(target, prompts[:half], temperature=temperature[:half], seed=seed, **kw)
+    b, nb = generate_fitting(target, prompts[half:], temperature=temperature[half:], seed=seed + 1, **kw)
+    return a + b, na + nb
+
+
 class Pipeline:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -262,8 +289,6 @@ class Pipeline:
         least one chunk is written); the finished chunks are merged into ``data.npz`` all the same, which the
         train stage can use, and the next call generates the rest.
         """
-        from dflash_jax import generate
-
         final = self.data_path
         if self.data_complete():
             return final
@@ -300,12 +325,12 @@ class Pipeline:
                 batch_prompts = [ids[i] for i in b] * copies
                 flags = [False] * len(b) + [True] * (len(b) * d.sampled_responses)
                 temps = [d.sample_temperature if f else 0.0 for f in flags]
-                out = generate(self.target, batch_prompts, max_new_tokens=d.max_new_tokens,
-                               temperature=temps, seed=d.seed * 1_000_003 + c * d.chunk_batches + j)
+                answers, made = generate_fitting(self.target, batch_prompts, max_new_tokens=d.max_new_tokens,
+                                                 temperature=temps, seed=d.seed * 1_000_003 + c * d.chunk_batches + j)
                 prompts += batch_prompts
-                responses += out.token_ids
+                responses += answers
                 sampled_rows += flags
-                new_tokens += out.stats["new_tokens"]
+                new_tokens += made
                 bar.update(len(b))
                 bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):,.0f}")
             max_len = d.max_prompt_tokens + d.max_new_tokens
