@@ -20,6 +20,9 @@ ap.add_argument("--markov-rank", type=int, default=64,
                 help="DSpark's Markov head rank r (2 × 49,152 × r weights: 12.6 MB in bf16 at 64, 50 MB at 256)")
 ap.add_argument("--synth-prompts", type=int, default=8000,
                 help="self-synthesised instructions the target writes on the device (prompts stage)")
+ap.add_argument("--block-widths", default=None,
+                help="training.optim.block_widths, comma-separated (DFlash / DFlash2: each anchor's block trained at a "
+                     "width drawn from these, e.g. 4,8,16,16; the run's out_dir and name get a -mixed suffix)")
 args = ap.parse_args()
 out = Path("runs/device")
 out.mkdir(parents=True, exist_ok=True)
@@ -43,6 +46,10 @@ if args.kind == "dspark":
 if args.kind == "dflash2":  # the recipe's drafter section as it is (kind, block 16, selector and convolutions)
     t["out_dir"] = "/tmp/run_dflash2"
     name = "smollm2-135m-dflash2"
+if args.block_widths:
+    t["optim"]["block_widths"] = [int(w) for w in args.block_widths.split(",")]
+    t["out_dir"] += "_mixed"
+    name += "-mixed"
 (out / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
 sets = data_mod.evaluation_prompts()
 for name, prompts in sets.items():
