@@ -65,10 +65,15 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"t{c[0]}-{c[1]}x{c[2]}-{c[3].kind}-{c[3].block}"
                          if isinstance(c, tuple) else None)
 def test_kernel_matches_reference(case):
+    _matches_reference(cuda, case, INTERPRET)
+
+
+def _matches_reference(kernel_module, case, interpret) -> None:
+    """``kernel_module.quantized_matmul`` (a GPU or TPU kernel) takes ``case`` and gives the reference's product."""
     t, d, e, scheme, dtype, tuning = case
     x, q, s, block = _inputs(t, t, d, e, scheme, dtype)
-    assert cuda.unsupported_reason(x, q, s, block, interpret=INTERPRET, **tuning) is None
-    got = fast_jit(cuda.quantized_matmul, block=block, interpret=INTERPRET, **tuning)(x, q, s)
+    assert kernel_module.unsupported_reason(x, q, s, block, interpret=interpret, **tuning) is None
+    got = fast_jit(kernel_module.quantized_matmul, block=block, interpret=interpret, **tuning)(x, q, s)
     want = fast_jit(op.reference, block=block, out_dtype=dtype)(x, q, s)
     _check(got, want, dtype)
 
@@ -171,13 +176,18 @@ def _random_quantized(key, d: int, e: int, scheme: Scheme):
 @pytest.mark.parametrize("scheme", [Scheme("int8"), Scheme("fp8"), Scheme("fp8", (128, 128))], ids=str)
 @pytest.mark.parametrize("shape", QWEN3_8B, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_qwen3_8b_shapes_on_gpu(shape, scheme):
+    _real_shape_matches_reference(cuda, shape, scheme)
+
+
+def _real_shape_matches_reference(kernel_module, shape, scheme) -> None:
+    """The compiled kernel at a model's shape, 1–64 tokens of bfloat16 activations, against the reference."""
     d, e = shape
     q, s = _random_quantized(jax.random.key(d + e), d, e, scheme)
     block = scheme.blocks(d, e)
     out_dtype = jnp.float32 if e > 100_000 else jnp.bfloat16  # the LM head's logits
     for t in (1, 2, 16, 64):
         x = jax.random.normal(jax.random.key(t), (t, d), jnp.float32).astype(jnp.bfloat16)
-        got = jax.jit(lambda x, q, s: cuda.quantized_matmul(x, q, s, block, out_dtype=out_dtype))(x, q, s)  # noqa
+        got = jax.jit(lambda x, q, s: kernel_module.quantized_matmul(x, q, s, block, out_dtype=out_dtype))(x, q, s)  # noqa
         want = jax.jit(lambda x, q, s: op.reference(x, q, s, block, out_dtype))(x, q, s)  # noqa: B023
         _check(got, want, jnp.bfloat16)
 
@@ -202,12 +212,7 @@ TPU_CASES = [
 @pytest.mark.parametrize("case", TPU_CASES, ids=lambda c: f"t{c[0]}-{c[1]}x{c[2]}-{c[3].kind}-{c[3].block}-"
                          f"{jnp.dtype(c[4]).name}" if isinstance(c, tuple) else None)
 def test_tpu_kernel_matches_reference(case):
-    t, d, e, scheme, dtype, tiles = case
-    x, q, s, block = _inputs(t, t, d, e, scheme, dtype)
-    assert tpu.unsupported_reason(x, q, s, block, interpret=True, **tiles) is None
-    got = fast_jit(tpu.quantized_matmul, block=block, interpret=True, **tiles)(x, q, s)
-    want = fast_jit(op.reference, block=block, out_dtype=dtype)(x, q, s)
-    _check(got, want, dtype)
+    _matches_reference(tpu, case, True)
 
 
 def test_tpu_leading_axes_and_output_dtype():
@@ -280,12 +285,4 @@ def test_tpu_lowers_to_mosaic(dtype):
 @pytest.mark.parametrize("scheme", [Scheme("int8"), Scheme("int8", (128, 1)), Scheme("fp8", (128, 128))], ids=str)
 @pytest.mark.parametrize("shape", QWEN3_8B, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_qwen3_8b_shapes_on_tpu(shape, scheme):
-    d, e = shape
-    q, s = _random_quantized(jax.random.key(d + e), d, e, scheme)
-    block = scheme.blocks(d, e)
-    out_dtype = jnp.float32 if e > 100_000 else jnp.bfloat16  # the LM head's logits
-    for t in (1, 2, 16, 64):
-        x = jax.random.normal(jax.random.key(t), (t, d), jnp.float32).astype(jnp.bfloat16)
-        got = jax.jit(lambda x, q, s: tpu.quantized_matmul(x, q, s, block, out_dtype=out_dtype))(x, q, s)  # noqa
-        want = jax.jit(lambda x, q, s: op.reference(x, q, s, block, out_dtype))(x, q, s)  # noqa: B023
-        _check(got, want, jnp.bfloat16)
+    _real_shape_matches_reference(tpu, shape, scheme)
