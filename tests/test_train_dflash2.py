@@ -73,7 +73,7 @@ def _params(d: Drafter) -> dict:
 def trained(target, warm, rows, tmp_path_factory):
     """(trainer, history, initial weights): 24 steps, interrupted after 10 and resumed from the checkpoint."""
     s = TrainSettings(batch_size=4, max_anchors=8, max_steps=24, lr=1e-2, save_every=12, log_every=6,
-                      val_rows=4, val_every=12, ce_chunk_rows=7, length_bucket=32)
+                      val_rows=4, val_every=12, ce_chunk_rows=7, length_bucket=32, block_widths=(3, L, L))
     trainer = Trainer(target, _copy(warm), s, tmp_path_factory.mktemp("dflash2_train"), compiler_options=UNOPTIMISED)
     trainer.fit(rows[1], progress=False, stop_after=10)
     trainer.params = jax.tree.map(jnp.zeros_like, trainer.params)  # a new process: weights from the checkpoint
@@ -145,8 +145,8 @@ def probe(target, trained, rows):
         d, t = (nnx.merge(g, p) for g, p in zip(graphs, params))
         feats = target_features(t, batch["tokens"], d.config.target_layer_ids)
         blocks = block_inputs(batch["tokens"], batch["lengths"], batch["anchors"], batch["valid"], L,
-                              d.config.mask_token_id)
-        return blocks, drafter_forward_blocks(d, t, feats, blocks[0], blocks[1], batch["anchors"])
+                              d.config.mask_token_id, batch["widths"])
+        return blocks, drafter_forward_blocks(d, t, feats, blocks[0], blocks[1], batch["anchors"], batch["widths"])
 
     return batch, jax.tree.map(np.asarray, run(params, jax.tree.map(jnp.asarray, batch)))
 
@@ -187,6 +187,9 @@ def test_loss_matches_a_direct_computation(target, trained, probe):
     for k, x in want.items():
         np.testing.assert_allclose(float(m[k]), x, rtol=2e-4, err_msg=k)
     assert 0 < want["recall"] < 1 and (~found & ok).any()  # labels both among the top-K and put in
+    # Blocks trained at width 3 (block_widths): two drafts labelled, the rest hidden (their loss is not counted).
+    narrow = batch["widths"] == 3
+    assert narrow.any() and (~narrow).any() and not ok[narrow][:, 2:].any()
     # The teacher-forced τ is decoding's: the walk over the same blocks (the replay's program) commits as much.
     accepted, z = jax.device_get(trainer._accept_fn(trainer.params, trainer.frozen, batch))
     assert accepted[v].mean() == pytest.approx(want["tau"]) and z.shape == (*v.shape, L - 1)
