@@ -10,6 +10,12 @@ Without ``weight_block_size`` one scale covers the whole tensor. Tensors the che
 (embeddings, norms, routers, often ``lm_head``) are plain floats there. Stacked or fused expert tensors
 (``…_proj`` with ``…_proj_scale_inv``) follow the same rule over their last two axes.
 
+Reading one goes in two steps around the family's checkpoint map (:data:`dflash_jax.families.registry.CheckpointMap`):
+:func:`read_fp8` checks every FP8 tensor by its stored name and spreads its scales to one row per weight row, so
+that the map renames, stacks, splits or regroups a weight's rows and does the same to its scales (a scale is
+always ``weight name + "_scale_inv"``) without knowing the blocks; :func:`settle_fp8` then, in the model's names,
+folds the rows back into blocks (or keeps one scale per row where the map moved rows across blocks) or dequantizes.
+
 Activations are not quantized: a linear layer multiplies the compute-dtype activations by its int8 / fp8
 weight and scales (weight-only; serving engines running these checkpoints with FP8 activations round those
 as well, which we do not).
