@@ -217,17 +217,19 @@ def _quantized_tensors(model_cls, cfg, dtype, tensors: dict, prefix: str, scheme
     linears = qckpt.linear_names(plain, prefix)
     experts = qckpt.expert_names(plain, prefix)
     kept = {}
-    if fp8_blocks is not False:
-        tensors, kept = qckpt.read_fp8(tensors, fp8_blocks, linears, keep=scheme is None or scheme.kind == "fp8",
-                                       dtype=dtype, where=where, experts=bool(experts))
+    if fp8_blocks is not False:  # checked by the stored names; scales one row per weight row through the map
+        tensors = qckpt.read_fp8(tensors, fp8_blocks, where)
     ignore = lambda name: False  # noqa: E731
     if rename is not None:
         tensors, ignore = rename(tensors)
+    if fp8_blocks is not False:
+        tensors, kept = qckpt.settle_fp8(tensors, fp8_blocks, linears, keep=scheme is None or scheme.kind == "fp8",
+                                         dtype=dtype, where=where, experts=bool(experts), ignore=ignore)
     if untie:
         tensors = {**tensors, "lm_head.weight": tensors[hf_name(("embed_tokens", "embedding"), prefix)[0]]}
     tensors, plan = qckpt.quantize_linears(tensors, linears, kept, scheme)
     if experts:
-        tensors, expert_plan = qckpt.quantize_experts(tensors, experts, fp8_blocks or None, scheme)
+        tensors, expert_plan = qckpt.quantize_experts(tensors, experts, kept, scheme)
         plan.update(expert_plan)
     return tensors, plan, untie, ignore
 

@@ -11,6 +11,7 @@ transposed or misaligned scale grid cannot pass.
 from __future__ import annotations
 
 import json
+import re
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -440,3 +441,129 @@ def test_quantized_experts_match_the_dequantized_experts(scheme):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
     got = moe.experts_dense_quantized(x, weights, idx, *values, quant=scales)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------------
+# Qwen3.5 / Qwen3.6 hybrids in FP8
+# --------------------------------------------------------------------------------------------------
+
+HYBRID_BLOCK = (16, 16)
+# What Qwen's FP8 hybrids quantize: the attention and Gated-DeltaNet projections, the dense MLP, the shared expert
+# and every routed expert (per expert); in_proj_a / in_proj_b (Qwen3-Next's in_proj_ba), conv1d, A_log, dt_bias, norms, the router, the shared
+# expert's gate, embeddings and lm_head stay unquantized.
+HYBRID_FP8 = re.compile(r"(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkvz?|in_proj_z|out_proj)|(mlp|shared_expert|"
+                        r"experts\.\d+)\.(gate|up|down)_proj)\.weight$")
+
+
+def fp8_hybrid(tmp_path, kind: str):
+    """A tiny Qwen3.5 (``"dense"``), Qwen3.5-MoE (``"moe"``) or Qwen3-Next (``"next"``) FP8 checkpoint as Qwen's
+    are stored (Qwen3.5: the text model under ``model.language_model.``; routed experts one by one, 16×16 blocks,
+    bfloat16 scales, an FP8 MTP tensor the text model does not use), and transformers' text model on its
+    dequantized weights. The dense one's key heads are 8 wide, so grouping ``in_proj_qkv``'s rows by key head cuts
+    its 16-row blocks: one scale per row there. Qwen3-Next's fused ``in_proj_qkvz`` is split by key head."""
+    torch.manual_seed(5)
+    moe, vl = kind != "dense", kind != "next"
+    text = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=8 if kind == "dense" else 16,
+                linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                max_position_embeddings=256, initializer_range=0.15, rms_norm_eps=1e-6,
+                layer_types=["linear_attention", "full_attention", "linear_attention"])
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40)
+    if kind == "next":
+        cfg = transformers.Qwen3NextConfig(**text, **experts, intermediate_size=40, decoder_sparse_step=1)
+        hf = transformers.Qwen3NextForCausalLM(cfg)
+    elif moe:
+        cfg = transformers.Qwen3_5MoeTextConfig(**text, **experts)
+        hf = transformers.Qwen3_5MoeForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen3_5TextConfig(**text, intermediate_size=40)
+        hf = transformers.Qwen3_5ForCausalLM(cfg)
+    hf = hf.float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_((1.0 if "linear_attn.norm" in name else 0.0) + 0.1 * torch.randn_like(p))
+    state = {k: v.numpy() for k, v in hf.state_dict().items()}
+    for name in [n for n in state if n.endswith("experts.gate_up_proj")]:  # → per expert, as Qwen stores them
+        base, f = name[: -len("gate_up_proj")], state[name].shape[1] // 2
+        for e, (gate_up, down) in enumerate(zip(state.pop(name), state.pop(base + "down_proj"))):
+            state.update({f"{base}{e}.gate_proj.weight": gate_up[:f], f"{base}{e}.up_proj.weight": gate_up[f:],
+                          f"{base}{e}.down_proj.weight": down})
+    state["mtp.layers.0.mlp.experts.0.up_proj.weight"] = np.ones((24, 32), np.float32)
+    tensors, dequantized = {}, {}
+    for name, w in state.items():
+        stored = name.replace("model.", "model.language_model.", 1) if vl and name.startswith("model.") else name
+        if HYBRID_FP8.search(name):
+            tensors[stored], scale = hf_fp8(w, HYBRID_BLOCK)
+            tensors[stored + "_scale_inv"] = scale.astype(ml_dtypes.bfloat16)
+            dequantized[name] = hf_fp8_dequantized(tensors[stored], scale.astype(ml_dtypes.bfloat16), HYBRID_BLOCK)
+        else:
+            tensors[stored] = dequantized[name] = w
+    path = tmp_path / kind
+    path.mkdir()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = {"architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+              "model_type": "qwen3_5_moe" if moe else "qwen3_5", "tie_word_embeddings": False,
+              "text_config": cfg.to_dict()} if vl else cfg.to_dict()
+    config["quantization_config"] = {
+        "quant_method": "fp8", "weight_block_size": list(HYBRID_BLOCK), "activation_scheme": "dynamic",
+        "modules_to_not_convert": ["lm_head", "embed_tokens", "mlp.gate", "in_proj_a", "in_proj_b", "in_proj_ba",
+                                   "shared_expert_gate", "model.visual"]}
+    (path / "config.json").write_text(json.dumps(config))
+    fused = {}
+    for name in [n for n in dequantized if ".experts.0.gate_proj" in n]:  # the reference's fused experts again
+        base = name[: -len("0.gate_proj.weight")]
+        e = range(cfg.num_experts)
+        fused[base + "gate_up_proj"] = np.stack([np.concatenate([dequantized[f"{base}{i}.gate_proj.weight"],
+                                                                 dequantized[f"{base}{i}.up_proj.weight"]]) for i in e])
+        fused[base + "down_proj"] = np.stack([dequantized[f"{base}{i}.down_proj.weight"] for i in e])
+    return path, with_weights(hf, {**dequantized, **fused})
+
+
+@pytest.mark.parametrize("kind", ["moe", "dense", "next"])
+def test_qwen3_5_fp8_checkpoint_matches_transformers(tmp_path, kind):
+    """Qwen3.5 / Qwen3.6 hybrids (and Qwen3-Next) in fine-grained FP8, read as stored: full-attention and
+    DeltaNet projections, the MLP, the shared expert and the routed experts (stacked with their per-expert block
+    scales) FP8; the rest as the checkpoint keeps it. Greedy tokens as transformers' on the dequantized weights
+    (float32); speculative decoding (a random DFlash drafter) equals autoregressive decoding of the FP8 target."""
+    path, hf = fp8_hybrid(tmp_path, kind)
+    moe = kind != "dense"
+    target = load_target(path, "float32")
+    full, linear = target.model.layers[1], target.model.layers[0]
+    assert full.self_attn.q_proj.quant == Scheme("fp8", (16, 16))
+    assert full.self_attn.q_proj.kernel[...].dtype == jnp.float8_e4m3fn
+    delta = linear.linear_attn
+    for dense in (delta.in_proj_z, delta.out_proj):
+        assert dense.quant == Scheme("fp8", (16, 16)) and dense.kernel[...].dtype == jnp.float8_e4m3fn
+    # grouped by key head: rows moved by whole blocks keep them; 8-wide key heads leave one scale per row
+    qkv = delta.in_proj_qkv
+    assert qkv.quant == Scheme("fp8", (16, 16) if moe else (16, 1)) and qkv.kernel[...].dtype == jnp.float8_e4m3fn
+    c = qkv.kernel.shape[1]
+    assert param_bytes(qkv) == 32 * c + 4 * 2 * (c // 16 if moe else c)  # 1 byte a weight + float32 scales
+    assert delta.in_proj_a.quant is None and delta.in_proj_a.kernel[...].dtype == jnp.float32
+    assert target.model.lm_head.quant is None and target.model.embed_tokens.embedding[...].dtype == jnp.float32
+    if moe:
+        mlp = linear.mlp
+        assert mlp.gate.quant is None and mlp.shared_expert_gate.quant is None
+        assert mlp.shared_expert.down_proj.quant == Scheme("fp8", (16, 16))
+        assert mlp.experts.quant == Scheme("fp8", (16, 16)) and mlp.experts.up_proj[...].dtype == jnp.float8_e4m3fn
+        assert mlp.experts.up_proj_scale[...].shape == (4, 2, 2)  # [E, ceil(32 / 16), ceil(24 / 16)]
+    else:
+        assert linear.mlp.down_proj.quant == Scheme("fp8", (16, 16))
+    prompts = [list(p[:6]) for p in PROMPTS]
+    ref = generate(target, prompts, max_new_tokens=10, stop_token_ids=[])
+    assert ref.token_ids == hf_greedy_tokens(hf, prompts, 10)
+    drafter = random_drafter(target, block_size=4, num_layers=1, seed=1)
+    out = speculative_generate(target, drafter, prompts, max_new_tokens=10, stop_token_ids=[])
+    assert out.token_ids == ref.token_ids
+    if kind == "moe":  # a scale missing or mis-shaped: refused by its stored name
+        tensors = read_safetensors([path / "model.safetensors"])
+        qkv, down = (f"model.language_model.layers.{n}" for n in ("2.linear_attn.in_proj_qkv.weight",
+                                                                  "0.mlp.experts.2.down_proj.weight"))
+        for bad, message in (({k: v for k, v in tensors.items() if k != qkv + "_scale_inv"},
+                              rf"FP8 tensor {qkv} \(128, 32\) has no scale tensor {qkv}_scale_inv"),
+                             ({**tensors, down + "_scale_inv": tensors[down + "_scale_inv"][:1]},
+                              rf"scales {down}_scale_inv of FP8 tensor {down} \(32, 24\) are bfloat16 \(1, 2\)")):
+            save_file(bad, str(path / "model.safetensors"), metadata={"format": "pt"})
+            with pytest.raises(CheckpointError, match=message):
+                load_target(path, "float32")

@@ -10,6 +10,12 @@ Without ``weight_block_size`` one scale covers the whole tensor. Tensors the che
 (embeddings, norms, routers, often ``lm_head``) are plain floats there. Stacked or fused expert tensors
 (``…_proj`` with ``…_proj_scale_inv``) follow the same rule over their last two axes.
 
+Reading one goes in two steps around the family's checkpoint map (:data:`dflash_jax.families.registry.CheckpointMap`):
+:func:`read_fp8` checks every FP8 tensor by its stored name and spreads its scales to one row per weight row, so
+that the map renames, stacks, splits or regroups a weight's rows and does the same to its scales (a scale is
+always ``weight name + "_scale_inv"``) without knowing the blocks; :func:`settle_fp8` then, in the model's names,
+folds the rows back into blocks (or keeps one scale per row where the map moved rows across blocks) or dequantizes.
+
 Activations are not quantized: a linear layer multiplies the compute-dtype activations by its int8 / fp8
 weight and scales (weight-only; serving engines running these checkpoints with FP8 activations round those
 as well, which we do not).
@@ -73,16 +79,13 @@ def is_expert(name: str) -> bool:
     return bool(_EXPERT_WEIGHT.match(name))
 
 
-def read_fp8(tensors: dict[str, np.ndarray], blocks: tuple[int, int] | None, linears: Mapping[str, tuple],
-             *, keep: bool, dtype, where: str, experts: bool = False
-             ) -> tuple[dict[str, np.ndarray], dict[str, Scheme]]:
-    """An FP8 checkpoint's tensors checked: every FP8 tensor has its float scales, of the shape its blocks give
-    (CheckpointError naming the tensor otherwise). Returns (tensors, kept): with ``keep``, the FP8 weights of
-    ``linears`` (and, with ``experts``, the routed experts' weights, when ``blocks`` are given) stay FP8 beside
-    their scales and ``kept`` gives each one's scheme; every other FP8 tensor is dequantized (float32 for a
-    linear layer or expert, to be quantized again; ``dtype`` for the rest)."""
+def read_fp8(tensors: dict[str, np.ndarray], blocks: tuple[int, int] | None, where: str) -> dict[str, np.ndarray]:
+    """An FP8 checkpoint's tensors checked by their stored names: every FP8 tensor has float scales of the shape
+    its blocks give (CheckpointError naming the tensor otherwise). Returns the tensors with each scale spread to
+    one row per weight row (``[..., out, ceil(in / bi)]`` float32), so that the family's checkpoint map can
+    reorder, split or stack a weight's rows and do the same to its scales whatever the block height
+    (:func:`settle_fp8` then folds them back into blocks where the rows allow)."""
     out = dict(tensors)
-    kept: dict[str, Scheme] = {}
     for name, w in tensors.items():
         if name.endswith("_scale_inv"):
             base = name[: -len("_scale_inv")]
@@ -97,13 +100,47 @@ def read_fp8(tensors: dict[str, np.ndarray], blocks: tuple[int, int] | None, lin
         sname = scale_name(name)
         if sname not in tensors:
             raise CheckpointError(f"{where}: FP8 tensor {name} {tuple(w.shape)} has no scale tensor {sname}")
-        s, block = _checked_scale(name, w, tensors[sname], blocks, where)
+        s, (bo, _) = _checked_scale(name, w, tensors[sname], blocks, where)
+        out[sname] = _row_scales(s, bo, w.shape[-2])
+    return out
+
+
+def settle_fp8(tensors: Mapping[str, np.ndarray], blocks: tuple[int, int] | None, linears: Mapping[str, tuple],
+               *, keep: bool, dtype, where: str, experts: bool = False, ignore=lambda name: False
+               ) -> tuple[dict[str, np.ndarray], dict[str, Scheme]]:
+    """The FP8 tensors in the model's names (after the family's checkpoint map, their row scales beside them:
+    :func:`read_fp8`). Returns (tensors, kept): with ``keep``, the FP8 weights of ``linears`` (and, with
+    ``experts``, the routed experts' weights, when ``blocks`` are given) stay FP8 beside their scales, folded
+    into the checkpoint's blocks where every block's rows share a scale (rows the map moved by whole blocks;
+    else one scale per row), and ``kept`` gives each one's scheme; every other FP8 tensor is dequantized
+    (float32 for a linear layer or expert, to be quantized again; ``dtype`` for the rest), except those the map
+    ``ignore``\ s."""
+    out = dict(tensors)
+    kept: dict[str, Scheme] = {}
+    for name, w in tensors.items():
+        sname = scale_name(name)
+        if name.endswith("_scale_inv"):
+            if name[: -len("_scale_inv")] not in tensors and not ignore(name):
+                raise CheckpointError(f"{where}: scale {name} has no FP8 tensor beside it after the checkpoint map")
+            continue
+        if w.dtype != FP8_DTYPE or ignore(name):
+            continue
+        if sname not in tensors:
+            raise CheckpointError(f"{where}: FP8 tensor {name} {tuple(w.shape)} has no scales {sname} after the "
+                                  f"checkpoint map")
+        rows = tensors[sname]
+        out_dim, in_dim = w.shape[-2:]
+        bi = blocks[1] if blocks else in_dim
         expert = experts and is_expert(name)
         if keep and ((name in linears and w.ndim == 2) or (expert and blocks is not None)):
-            out[sname] = s
-            kept[name] = Scheme("fp8", (block[1], block[0]))  # [out, in] blocks → the [in, out] kernel's
+            bo = blocks[0] if blocks else out_dim
+            folded = rows[..., ::bo, :]
+            if not np.array_equal(_row_scales(folded, bo, out_dim), rows):
+                bo, folded = 1, rows
+            out[sname] = folded
+            kept[name] = Scheme("fp8", (bi, bo))  # [out, in] blocks → the [in, out] kernel's
         else:
-            out[name] = quant.dequantize(np.swapaxes(w, -1, -2), np.swapaxes(s, -1, -2), (block[1], block[0]),
+            out[name] = quant.dequantize(np.swapaxes(w, -1, -2), np.swapaxes(rows, -1, -2), (bi, 1),
                                          np.float32 if name in linears or expert else dtype).swapaxes(-1, -2)
             del out[sname]
     return out, kept
@@ -133,6 +170,11 @@ def _checked_scale(name: str, w: np.ndarray, s: np.ndarray, blocks: tuple[int, i
     return s, block
 
 
+def _row_scales(s: np.ndarray, bo: int, out_dim: int) -> np.ndarray:
+    """Block scales ``[..., nbo, nbi]`` spread to one row per weight row ``[..., out, nbi]``."""
+    return np.repeat(s, bo, axis=-2)[..., :out_dim, :]
+
+
 def quantize_linears(tensors: Mapping[str, np.ndarray], linears: Mapping[str, tuple], kept: Mapping[str, Scheme],
                      scheme: Scheme | None) -> tuple[dict[str, np.ndarray], dict[tuple, Scheme]]:
     """The weights of ``linears`` quantized to ``scheme`` (those in ``kept`` stay as stored). Returns the tensors
@@ -156,19 +198,24 @@ def expert_names(model: nnx.Module, prefix: str) -> dict[tuple[str, ...], dict[s
 
 
 def quantize_experts(tensors: Mapping[str, np.ndarray], experts: Mapping[tuple, Mapping[str, str]],
-                     kept_block: tuple[int, int] | None, scheme: Scheme | None
+                     kept: Mapping[str, Scheme], scheme: Scheme | None
                      ) -> tuple[dict[str, np.ndarray], dict[tuple, Scheme]]:
-    """The stacked experts (``[E, out, in]`` after :func:`dflash_jax.models.moe.stack_experts`) as stored when FP8
-    (``kept_block``: the checkpoint's ``[out, in]`` block, their scales stacked beside them), else quantized to
-    ``scheme`` expert by expert (None: left as they are). Returns the tensors and each quantized experts
-    module's scheme by path."""
+    """The stacked experts (``[E, out, in]`` after :func:`dflash_jax.models.moe.stack_experts`) as stored when
+    :func:`settle_fp8` kept them FP8 (one scheme for the three projections: one scale per row for all three
+    where one of them could not fold its rows into blocks), else quantized to ``scheme`` expert by expert
+    (None: left as they are). Returns the tensors and each quantized experts module's scheme by path."""
     out = dict(tensors)
     plan: dict[tuple, Scheme] = {}
     for path, names in experts.items():
         if any(n not in out for n in names.values()):
             continue  # missing tensors: the loader names them
-        if all(out[n].dtype == FP8_DTYPE and scale_name(n) in out for n in names.values()) and kept_block:
-            plan[path] = Scheme("fp8", (kept_block[1], kept_block[0]))
+        if all(n in kept for n in names.values()):
+            schemes = {kept[n] for n in names.values()}
+            if len(schemes) > 1:
+                for n in names.values():
+                    out[scale_name(n)] = _row_scales(out[scale_name(n)], kept[n].block[1], out[n].shape[-2])
+                schemes = {Scheme("fp8", (kept[n].block[0], 1))}
+            plan[path] = schemes.pop()
         elif scheme is not None:
             for n in names.values():
                 pairs = [quant.quantize(np.asarray(w, np.float32).T, scheme) for w in out[n]]

@@ -237,6 +237,9 @@ class HybridTargetModel(TargetModel):
 # Checkpoints
 # --------------------------------------------------------------------------------------------------
 
+# An FP8 weight's scales beside it, one row per weight row while the map runs (checkpoints.quantized.read_fp8):
+# reordering or splitting a weight's rows does the same to them.
+_SCALES = "_scale_inv"
 _LM_PREFIXES = ("model.language_model.", "language_model.model.")  # the text part inside VL checkpoints
 _UNUSED = {"vision tower": ("model.visual.", "visual.", "model.vision_tower."), "MTP head": ("mtp.", "model.mtp.")}
 
@@ -249,19 +252,22 @@ def text_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str):
     their vision tower and the multi-token-prediction head are not used (one log line says how many tensors
     that leaves out). Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba`` are split into Qwen3.5's four
     projections. The conv channels of ``in_proj_qkv`` and ``conv1d`` are then grouped by key head, the order
-    :class:`~dflash_jax.models.linear_attention.GatedDeltaNet` computes in.
+    :class:`~dflash_jax.models.linear_attention.GatedDeltaNet` computes in. An FP8 checkpoint's scales
+    (``…_scale_inv``, one row per weight row here) are renamed, split and grouped with their weights.
     """
     out: dict[str, np.ndarray] = {}
     for name, arr in tensors.items():
         for p in _LM_PREFIXES:
             if name.startswith(p):
                 name = "model." + name[len(p):]
-        if name == "language_model.lm_head.weight":
-            name = "lm_head.weight"
+        if name.startswith("language_model.lm_head."):
+            name = name[len("language_model."):]
         out[name] = arr
     if cfg.hybrid.fused_projections:
         _split_fused(cfg, out)
-    for name in [n for n in out if n.endswith((".linear_attn.in_proj_qkv.weight", ".linear_attn.conv1d.weight"))]:
+    grouped = (".linear_attn.in_proj_qkv.weight", ".linear_attn.in_proj_qkv.weight" + _SCALES,
+               ".linear_attn.conv1d.weight")
+    for name in [n for n in out if n.endswith(grouped)]:
         out[name] = la.group_by_key_head(out[name], cfg.hybrid)  # the layer's channel order
     counts = {what: sum(n.startswith(prefixes) for n in out) for what, prefixes in _UNUSED.items()}
     if any(counts.values()):
@@ -275,16 +281,20 @@ def text_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str):
 def _split_fused(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> None:
     """Qwen3-Next ``in_proj_qkvz`` ``[Hk·(2Dk + 2r·Dv), D]`` (rows grouped by key head: q, k, then its r value
     heads' v and z) and ``in_proj_ba`` ``[Hk·2r, D]`` → ``in_proj_qkv`` (all q, all k, all v), ``in_proj_z``,
-    ``in_proj_b``, ``in_proj_a`` (in place)."""
+    ``in_proj_b``, ``in_proj_a`` (in place; an FP8 weight's row scales split with it)."""
     h = cfg.hybrid
     r = h.value_heads // h.key_heads
+    flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
     for name in [n for n in tensors if n.endswith(".linear_attn.in_proj_qkvz.weight")]:
         base = name[: -len("in_proj_qkvz.weight")]
-        w = tensors.pop(name)
-        w = w.reshape(h.key_heads, 2 * h.key_head_dim + 2 * r * h.value_head_dim, -1)
-        q, k, v, z = np.split(w, np.cumsum([h.key_head_dim, h.key_head_dim, r * h.value_head_dim]), axis=1)
-        flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
-        tensors[base + "in_proj_qkv.weight"] = np.concatenate([flat(q), flat(k), flat(v)])
-        tensors[base + "in_proj_z.weight"] = flat(z)
-        ba = tensors.pop(base + "in_proj_ba.weight").reshape(h.key_heads, 2 * r, -1)
-        tensors[base + "in_proj_b.weight"], tensors[base + "in_proj_a.weight"] = flat(ba[:, :r]), flat(ba[:, r:])
+        for suffix in ("", _SCALES):
+            if base + "in_proj_qkvz.weight" + suffix in tensors:
+                w = tensors.pop(base + "in_proj_qkvz.weight" + suffix)
+                w = w.reshape(h.key_heads, 2 * h.key_head_dim + 2 * r * h.value_head_dim, -1)
+                q, k, v, z = np.split(w, np.cumsum([h.key_head_dim, h.key_head_dim, r * h.value_head_dim]), axis=1)
+                tensors[base + "in_proj_qkv.weight" + suffix] = np.concatenate([flat(q), flat(k), flat(v)])
+                tensors[base + "in_proj_z.weight" + suffix] = flat(z)
+            if base + "in_proj_ba.weight" + suffix in tensors:
+                ba = tensors.pop(base + "in_proj_ba.weight" + suffix).reshape(h.key_heads, 2 * r, -1)
+                tensors[base + "in_proj_b.weight" + suffix] = flat(ba[:, :r])
+                tensors[base + "in_proj_a.weight" + suffix] = flat(ba[:, r:])

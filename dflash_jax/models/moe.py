@@ -122,8 +122,9 @@ def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     Accepts the per-expert ``experts.{e}.{gate,up,down}_proj.weight`` of the public Qwen3-MoE checkpoints
     (what ``save_pretrained`` writes too) and the fused ``experts.gate_up_proj`` ``[E, 2F, D]`` (gate rows
     first) / ``experts.down_proj`` ``[E, D, F]`` of transformers 5's in-memory layout; others are left alone.
-    FP8 experts' scales (``….weight_scale_inv`` per expert, ``experts.gate_up_proj_scale_inv``) are stacked
-    likewise, as ``{base}.experts.{gate,up,down}_proj_scale_inv`` ``[E, nbo, nbi]``.
+    FP8 experts' scales (``….weight_scale_inv`` per expert, ``experts.gate_up_proj_scale_inv``; one row per weight
+    row while a checkpoint map runs, :func:`dflash_jax.checkpoints.quantized.read_fp8`, so the gate / up halves
+    split at any block height) are stacked likewise, as ``{base}.experts.{gate,up,down}_proj_scale_inv``.
     """
     groups: dict[tuple[str, str], dict[int, str]] = defaultdict(dict)
     for name in list(tensors):
