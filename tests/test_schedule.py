@@ -582,6 +582,8 @@ def test_dspark_confidences_schedule_compact_and_cap_accept_alike(target, refere
     # …with no copy of a cache for it (the drafting reads the caches the step before just wrote)
     for key, programs in engine_programs.CACHE.items():
         spec = next((k for k in key if isinstance(k, LoopSpec)), None)
+        if not isinstance(programs, engine_programs.Programs):  # a single program (the fallback's, a pool's)
+            continue
         state = programs.prefill.out_info[0]
         if spec is not None and spec.verify_mode.name == "compact" and state.schedule.counts is None:  # confidences
             text = programs.decode.as_text()
