@@ -173,12 +173,11 @@ class Trainer:
                               f"{settings.val_every}")
         if settings.block_widths is not None:
             w = settings.block_widths
-            if dc.sequential:
-                raise ConfigError(f"block_widths: a {dc.kind} drafter drafts sequentially; only parallel drafters "
-                                  f"train at narrower widths")
             if not w or not all(isinstance(x, int) and 2 <= x <= dc.verify_width for x in w):
                 raise ConfigError(f"block_widths must be integers in [2, {dc.verify_width}] (the block size), "
                                   f"got {list(w)}")
+            # What the exported config will say; its validation refuses narrower widths for sequential drafters.
+            dataclasses.replace(dc, trained_widths=settings.trained_widths(dc.verify_width)).validate()
         self.target, self.drafter, self.s = target, drafter, settings
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
