@@ -277,6 +277,24 @@ def test_a_table_timed_elsewhere_is_checked_here():
     assert not r.checking and r.value() == pytest.approx(1.5)
 
 
+def test_a_probe_call_pays_its_segments():
+    """A call that holds a probe runs all its steps in segments, not ``generate``'s programs: where a segment's
+    step was timed dearer than theirs, a probe costs that difference over the call's steps too, and probes
+    come further apart (here 19 fallback segments instead of 3)."""
+    def segments_to_probe(segment_wall_ms: float) -> int:
+        p = SwitchPolicy(FB)
+        assert not p.skips_call(2)  # calls of 2 fallback segments' steps; the first drafts
+        p.skipped(2, 1.0)  # generate's programs: 1 ms a step
+        p.fell_back(segment_wall_ms)
+        for tau in (3, 1, 1):
+            p.drafted(*segment(tau), 2.0)
+        assert p.mode == AUTOREGRESSIVE
+        return p.until_probe
+
+    # 2 probe cycles × 2 ms, plus (segment − plain) × 32 steps × 2 segments in the table's units (× 1 / 1.25 ms).
+    assert segments_to_probe(1.0) == 3 and segments_to_probe(1.5) == 19
+
+
 def test_policy_decisions():
     p = SwitchPolicy(FB)  # probes of 2 cycles, fallback segments of 32 steps
     assert p.next_segment() == DRAFT and p.probing  # the first segment is probe-sized

@@ -148,6 +148,12 @@ class SwitchPolicy:
         # the table's autoregressive cost (:attr:`ar_ms`).
         self.drafted_wall_ms: float | None = None
         self.ar_wall_ms: float | None = None
+        # The autoregressive step timed apart by where it ran: in this loop's fallback segments (which also write
+        # the drafter's context) and in whole calls run by ``generate``'s programs. A call that holds a probe runs
+        # every step in segments, so it pays their difference too (:meth:`_fall_back`).
+        self.segment_wall_ms: float | None = None
+        self.plain_wall_ms: float | None = None
+        self.call_segments = 1  # fallback segments in a call, as the last call asked (:meth:`skips_call`)
         self.checking = False  # the next autoregressive segment is a short timing check (drafting goes on after)
         self.mode = DRAFT if fallback.can_pay else AUTOREGRESSIVE
         self.backoff = 1  # grows while probes lose
@@ -228,6 +234,7 @@ class SwitchPolicy:
         drafting goes on only if it still pays with the autoregressive step as timed."""
         if wall_ms is not None:
             self.ar_wall_ms = _running(self.ar_wall_ms, wall_ms)
+            self.segment_wall_ms = _running(self.segment_wall_ms, wall_ms)
         if self.mode == DRAFT and self.checking:
             self.checking = False  # (untimed: the next timed drafted segment asks again)
             if self.value(optimism=LEAVE_OPTIMISM) < 1.0 - LEAVE_MARGIN:
@@ -239,7 +246,9 @@ class SwitchPolicy:
         drafted step cost, the mode, the probes' backoff and countdown. Rows' own figures are left out: a later
         run's rows hold other text."""
         return dict(tau=self.tau, seen=self.seen, step_ms=self.step_ms, mode=self.mode, backoff=self.backoff,
-                    until_probe=self.until_probe, drafted_wall_ms=self.drafted_wall_ms, ar_wall_ms=self.ar_wall_ms)
+                    until_probe=self.until_probe, drafted_wall_ms=self.drafted_wall_ms, ar_wall_ms=self.ar_wall_ms,
+                    segment_wall_ms=self.segment_wall_ms, plain_wall_ms=self.plain_wall_ms,
+                    call_segments=self.call_segments)
 
     def resume(self, snap: dict | None) -> None:
         """Start from an earlier run's :meth:`snapshot` (None: from nothing — a first drafted probe). A run that
@@ -251,6 +260,8 @@ class SwitchPolicy:
         self.backoff, self.until_probe = snap["backoff"], snap["until_probe"]
         self.mode = snap["mode"]
         self.drafted_wall_ms, self.ar_wall_ms = snap.get("drafted_wall_ms"), snap.get("ar_wall_ms")
+        self.segment_wall_ms, self.plain_wall_ms = snap.get("segment_wall_ms"), snap.get("plain_wall_ms")
+        self.call_segments = snap.get("call_segments", 1)
         self.probing = False
 
     def skips_call(self, segments: int) -> bool:
@@ -260,6 +271,7 @@ class SwitchPolicy:
         writes the drafter's context, which only a drafted segment would read."""
         if not self.fallback.can_pay:
             return True
+        self.call_segments = max(1, segments)
         return self.mode == AUTOREGRESSIVE and not self.probing and self.until_probe >= segments
 
     def skipped(self, segments: int, wall_ms: float | None = None) -> None:
@@ -267,14 +279,19 @@ class SwitchPolicy:
         step): count them towards the next probe."""
         if wall_ms is not None:
             self.ar_wall_ms = _running(self.ar_wall_ms, wall_ms)
+            self.plain_wall_ms = _running(self.plain_wall_ms, wall_ms)
         if self.mode == AUTOREGRESSIVE:
             self.until_probe = max(0, self.until_probe - segments)
 
     def _fall_back(self) -> None:
         """Fallback segments until the next probe: a probe's cost ≤ PROBE_SHARE of the time between two, times
-        the backoff."""
+        the backoff. Its cost is its drafted cycles and, where timed, what running the rest of its call in
+        segments costs over ``generate``'s programs (the whole call's fallback steps at the difference)."""
         probe_ms = self.probe_cycles * self.step_ms
         segment_ms = self.fallback_steps * self.ar_ms
+        if self.segment_wall_ms is not None and self.plain_wall_ms is not None and self.ar_wall_ms:
+            extra_wall = max(0.0, self.segment_wall_ms - self.plain_wall_ms) * self.fallback_steps * self.call_segments
+            probe_ms += extra_wall * self.ar_ms / self.ar_wall_ms  # wall ms in the table's units
         self.until_probe = self.backoff * max(1, int(np.ceil(probe_ms / (PROBE_SHARE * segment_ms))))
 
     def next_segment(self) -> str:
