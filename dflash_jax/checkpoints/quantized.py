@@ -46,7 +46,7 @@ SCALE_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.b
 
 def scale_name(weight: str) -> str:
     """The name of a quantized tensor's scales (``x.weight`` → ``x.weight_scale_inv``)."""
-    return weight + "_scale_inv"
+    return weight + quant.SCALE_SUFFIX
 
 
 def fp8_blocks(hf_cfg: Mapping[str, Any], where: str) -> tuple[int, int] | None | bool:

@@ -30,6 +30,7 @@ from dflash_jax.models import linear_attention as la
 from dflash_jax.models.layers import MLP, Dense, Embed, Rope, apply_rope
 from dflash_jax.models.moe import SparseMoE
 from dflash_jax.models.target import KVCache, PendingKV, TargetModel, write_rows
+from dflash_jax.quant import SCALE_SUFFIX
 from dflash_jax.sharding import Plan, constrain
 from dflash_jax.tuning import Kernels
 
@@ -237,9 +238,6 @@ class HybridTargetModel(TargetModel):
 # Checkpoints
 # --------------------------------------------------------------------------------------------------
 
-# An FP8 weight's scales beside it, one row per weight row while the map runs (checkpoints.quantized.read_fp8):
-# reordering or splitting a weight's rows does the same to them.
-_SCALES = "_scale_inv"
 _LM_PREFIXES = ("model.language_model.", "language_model.model.")  # the text part inside VL checkpoints
 _UNUSED = {"vision tower": ("model.visual.", "visual.", "model.vision_tower."), "MTP head": ("mtp.", "model.mtp.")}
 
@@ -265,7 +263,7 @@ def text_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray], source: str):
         out[name] = arr
     if cfg.hybrid.fused_projections:
         _split_fused(cfg, out)
-    grouped = (".linear_attn.in_proj_qkv.weight", ".linear_attn.in_proj_qkv.weight" + _SCALES,
+    grouped = (".linear_attn.in_proj_qkv.weight", ".linear_attn.in_proj_qkv.weight" + SCALE_SUFFIX,
                ".linear_attn.conv1d.weight")
     for name in [n for n in out if n.endswith(grouped)]:
         out[name] = la.group_by_key_head(out[name], cfg.hybrid)  # the layer's channel order
@@ -287,7 +285,7 @@ def _split_fused(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> None:
     flat = lambda x: x.reshape(-1, x.shape[-1])  # noqa: E731
     for name in [n for n in tensors if n.endswith(".linear_attn.in_proj_qkvz.weight")]:
         base = name[: -len("in_proj_qkvz.weight")]
-        for suffix in ("", _SCALES):
+        for suffix in ("", SCALE_SUFFIX):
             if base + "in_proj_qkvz.weight" + suffix in tensors:
                 w = tensors.pop(base + "in_proj_qkvz.weight" + suffix)
                 w = w.reshape(h.key_heads, 2 * h.key_head_dim + 2 * r * h.value_head_dim, -1)

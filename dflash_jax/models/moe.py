@@ -21,7 +21,7 @@ from jaxtyping import Array, Float, Int
 from dflash_jax.config import CheckpointError, ModelConfig
 from dflash_jax.kernels.moe import ExpertScales, experts_auto
 from dflash_jax.models.layers import MLP, Dense, normal_init, matmul
-from dflash_jax.quant import QuantParam, Scheme
+from dflash_jax.quant import SCALE_SUFFIX, QuantParam, Scheme
 from dflash_jax.tuning import Kernels
 
 
@@ -131,7 +131,7 @@ def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         m = _EXPERT.match(name)
         if m:
             groups[m[1], m[3] + (m[4] or "")][int(m[2])] = name
-        elif name.endswith(".experts.gate_up_proj") or name.endswith(".experts.gate_up_proj_scale_inv"):
+        elif name.endswith(".experts.gate_up_proj") or name.endswith(".experts.gate_up_proj" + SCALE_SUFFIX):
             gate_up = tensors.pop(name)
             f = gate_up.shape[1] // 2
             if 2 * f != gate_up.shape[1]:

@@ -7,7 +7,7 @@ A quantized linear layer stores its kernel in the scheme's storage dtype and a `
 """
 
 from dflash_jax.quant.numeric import dequantize, dequantize_columns, quantize
-from dflash_jax.quant.scheme import FP8, INT8, NAMES, QuantParam, Scheme, parse, param_bytes
+from dflash_jax.quant.scheme import FP8, INT8, NAMES, SCALE_SUFFIX, QuantParam, Scheme, parse, param_bytes
 
-__all__ = ["FP8", "INT8", "NAMES", "QuantParam", "Scheme", "dequantize", "dequantize_columns", "param_bytes",
+__all__ = ["FP8", "INT8", "NAMES", "SCALE_SUFFIX", "QuantParam", "Scheme", "dequantize", "dequantize_columns", "param_bytes",
            "parse", "quantize"]

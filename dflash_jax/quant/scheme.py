@@ -20,6 +20,9 @@ from flax import nnx
 
 from dflash_jax.config import ConfigError
 
+# HF fine-grained FP8's name for a weight's scales: ``x.weight`` → ``x.weight_scale_inv`` (fused experts:
+# ``experts.gate_up_proj`` → ``experts.gate_up_proj_scale_inv``).
+SCALE_SUFFIX = "_scale_inv"
 KINDS = {"int8": (jnp.int8, 127.0), "fp8": (jnp.float8_e4m3fn, 448.0)}  # storage dtype, largest magnitude
 
 
