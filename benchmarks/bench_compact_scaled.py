@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -162,17 +163,19 @@ def timed(fn, repeats: int):
     return outs[0], statistics.median(walls)
 
 
-def earlier_table(path: Path, batch: int) -> costs.CostTable:
-    """The cost table in ``path``: a costs file, or an earlier run's JSON (the table it timed at ``batch``)."""
-    raw = json.loads(path.read_text())
-    if "batches" not in raw:
-        return costs.resolve(path, jax.default_backend())
-    if str(batch) not in raw["batches"]:
-        raise SystemExit(f"{path} timed no table at batch {batch} (it has {sorted(raw['batches'], key=int)})")
-    return costs.CostTable.from_json(raw["batches"][str(batch)]["cost_table"], f"{path} [batch {batch}]")
+def earlier_table(paths: list[Path], batch: int) -> costs.CostTable | None:
+    """The cost table for ``batch`` from the first of ``paths`` that has one: a costs file, or an earlier run's JSON
+    (the table it timed at that batch). None where no earlier run timed that batch: it is timed then."""
+    for path in paths:
+        raw = json.loads(path.read_text())
+        if "batches" not in raw:
+            return costs.resolve(path, jax.default_backend())
+        if str(batch) in raw["batches"]:
+            return costs.CostTable.from_json(raw["batches"][str(batch)]["cost_table"], f"{path} [batch {batch}]")
+    return None
 
 
-def batch_case(target, batch: int, args, table_file: Path | None) -> dict:
+def batch_case(target, batch: int, args, table_files: list[Path]) -> dict:
     rng = np.random.default_rng(batch)
     prompts = rng.integers(0, target.config.vocab_size, (batch, args.prompt_len)).tolist()
     kw = dict(max_new_tokens=args.max_new, stop_token_ids=[], tuning=args.tuning)
@@ -180,9 +183,8 @@ def batch_case(target, batch: int, args, table_file: Path | None) -> dict:
     drafter = known_drafter(target, prompts, ar.token_ids, layers=args.drafter_layers, block=args.block_size,
                             corrupt=args.corrupt, trained_widths=args.trained_widths)
     t0 = time.perf_counter()
-    if table_file is not None:
-        table = earlier_table(table_file, batch)
-    else:
+    table = earlier_table(table_files, batch)
+    if table is None:
         table = calibrate.measure(target, drafter, batches=(batch,), block_size=args.block_size,
                                   context=args.prompt_len + args.max_new // 2, pair=f"{args.shape_name}-shaped",
                                   progress=lambda line: print("  " + line, flush=True), tuning=args.tuning,
@@ -293,8 +295,9 @@ def main() -> int:
                          "(DrafterConfig.trained_widths; none: whole blocks only, as every public checkpoint). Its "
                          "acceptance does not depend on the width, as a drafter trained at those widths would "
                          "nearly (a whole-block one's falls there: benchmarks/README.md)")
-    ap.add_argument("--cost-table", type=Path,
-                    help="a costs file, or an earlier run's JSON (its table at each batch), instead of timing them")
+    ap.add_argument("--cost-table", type=Path, action="append", default=[],
+                    help="a costs file, or an earlier run's JSON (its table at each batch), instead of timing them; "
+                         "repeatable (the first file with a table for the batch gives it; a batch none has is timed)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--plot", type=Path, help="a PNG of the throughput–latency curves, rewritten after each batch")
     args = ap.parse_args()
@@ -313,8 +316,8 @@ def main() -> int:
     device = jax.devices()[0]
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=getattr(device, "device_kind", str(device)),
                   platform=platform.platform(), dtype=args.dtype, shape=args.shape_name, modes=list(args.modes),
-                  commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                        text=True).stdout.strip(),
+                  commit=os.environ.get("BENCH_COMMIT") or subprocess.run(
+                      ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
                   args={k: str(v) for k, v in vars(args).items()}, batches={})
     for batch in (int(b) for b in args.batches.split(",")):
         result["batches"][batch] = batch_case(target, batch, args, args.cost_table)
