@@ -9,11 +9,17 @@ head per position and the candidate selector's walk. So the ratio to DFlash is w
 Each cycle runs ``--steps`` times in one ``lax.while_loop`` with the positions reset after each step (as
 ``dflash-jax calibrate`` times the cost table; ``benchmarks/tools/step_parts.py`` times the parts the same
 way), ``--repeats`` calls after a warm-up, median. Verify widths are equal: DSpark's ``block_size`` counts its
-drafts, so it gets L − 1.
+drafts, so it gets L − 1. ``--top-k-impl`` picks DFlash2's top-K over the vocabulary: ``lax.top_k``, the exact
+chunked two-stage form (``KernelTuning(top_k_chunked=True)``, chunks of about ``--top-k-chunk``; it runs under the
+GPU kernels only, i.e. bf16 on a GPU: elsewhere both are lax.top_k), or ``both`` (``dflash2`` and
+``dflash2+chunked``).
 
     # GPU: the 8B shape and the embedded pair's shape at batch 1 and 64
     python benchmarks/bench_drafter_kinds.py --shape 8b --batches 1,64 --out $OUT/kinds_8b.json
     python benchmarks/bench_drafter_kinds.py --shape smollm2 --batches 1,64 --out $OUT/kinds_smollm2.json
+    # DFlash2 with lax.top_k and with the chunked top-K (KernelTuning.top_k_chunked) in one run
+    python benchmarks/bench_drafter_kinds.py --shape 8b --batches 1,64 --kinds dflash,dflash2 --top-k-impl both \
+        --out $OUT/kinds_8b_top_k.json
     # CPU smoke test (a tiny shape; its times mean nothing)
     python benchmarks/bench_drafter_kinds.py --small --batches 2 --steps 2 --repeats 1 --out /tmp/kinds.json
 
@@ -45,7 +51,7 @@ from step_parts import program, timed  # noqa: E402
 from dflash_jax import random_drafter  # noqa: E402
 from dflash_jax.decode import loop  # noqa: E402
 from dflash_jax.engine import job as jobs  # noqa: E402
-from dflash_jax.tuning import Tuning  # noqa: E402
+from dflash_jax.tuning import KernelTuning, Tuning  # noqa: E402
 
 SHAPES = {"8b": QWEN3_8B, "smollm2": SMOLLM2_135M}
 KINDS = ("dflash", "dspark", "dflash2")
@@ -89,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--top-k-impl", choices=["lax", "chunked", "both"], default="lax",
+                    help="DFlash2's top-K over the vocabulary (both: dflash2 and dflash2+chunked)")
+    ap.add_argument("--top-k-chunk", type=int, default=KernelTuning().top_k_chunk,
+                    help="KernelTuning.top_k_chunk for the chunked top-K")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
@@ -108,14 +118,19 @@ def main(argv: list[str] | None = None) -> int:
                   device_kind=jax.devices()[0].device_kind, jax_version=jax.__version__,
                   shape=("small-" if args.small else "") + args.shape, drafter_layers=layers,
                   args={k: str(v) for k, v in vars(args).items()}, batches={})
+    chunked = tuning.replace(top_k_chunked=True, top_k_chunk=args.top_k_chunk)
+    top_k = {"lax": [("", tuning)], "chunked": [("+chunked", chunked)],
+             "both": [("", tuning), ("+chunked", chunked)]}[args.top_k_impl]
+    runs = [(kind + suffix, kind, t) for kind in kinds
+            for suffix, t in (top_k if kind == "dflash2" else [("", tuning)])]
     for batch in (int(b) for b in args.batches.split(",")):
         row = {}
-        for kind in kinds:
+        for label, kind, run_tuning in runs:
             drafter = drafter_of(kind, target, layers, args.block_size)
             ms, compile_s = cycle_ms(target, drafter, batch, args.block_size, args.context, args.steps,
-                                     args.repeats, tuning)
-            row[kind] = dict(cycle_ms=ms, compile_s=compile_s)
-            print(f"batch {batch:4d} {kind:8s} {ms:9.3f} ms a cycle  (compiled in {compile_s:.1f} s)", flush=True)
+                                     args.repeats, run_tuning)
+            row[label] = dict(cycle_ms=ms, compile_s=compile_s)
+            print(f"batch {batch:4d} {label:15s} {ms:9.3f} ms a cycle  (compiled in {compile_s:.1f} s)", flush=True)
         if "dflash" in row:
             for kind in row:
                 row[kind]["vs_dflash"] = row[kind]["cycle_ms"] / row["dflash"]["cycle_ms"]

@@ -23,7 +23,8 @@ def _frozen_options(options: dict[str, Any] | None) -> tuple[tuple[str, Any], ..
 
 @dataclasses.dataclass(frozen=True)
 class KernelTuning:
-    """Knobs read where a model or kernel is traced (attention, packed verify, cache writes, MoE, delta rule)."""
+    """Knobs read where a model or kernel is traced (attention, packed verify, cache writes, MoE, delta rule,
+    quantized matmuls, top-K)."""
 
     # Kernels that may be turned off one by one (A/B runs): the packed-verify attention kernel, the pending-KV
     # cache-write kernel and the pending-KV placement kernel (GPU).
@@ -59,6 +60,12 @@ class KernelTuning:
     # grouped-expert GPU kernel (cuda/moe.py), whose token limit is its own (at most as many (token, expert) pairs
     # as experts).
     quant_kernel_float8: bool = True
+    # The top-K over a vocabulary (op "top_k": a DFlash2 drafter's candidates, K per block position) on GPUs as
+    # the exact two-stage form (dflash_jax/cuda/top_k.py: the top-K of each chunk of about ``top_k_chunk``
+    # columns, then the top-K of their candidates) instead of XLA's TopK over whole rows, which gives few rows
+    # little parallelism. Off: lax.top_k everywhere.
+    top_k_chunked: bool = False
+    top_k_chunk: int = 4096
     # GPU kernels' split-KV concurrency target (programs per SM; 0 = the kernel's own default).
     programs_per_sm: int = 0
     # Delta rule (linear attention): prefill chunk length.

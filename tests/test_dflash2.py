@@ -25,7 +25,7 @@ from dflash_jax.costs import CostTable
 from dflash_jax.drafters.dflash2 import selector_walk
 from dflash_jax.loading import Drafter, with_confidence_temperatures
 from dflash_jax.models.drafter import DFlash2Drafter
-from dflash_jax.tuning import Tuning
+from dflash_jax.tuning import KernelTuning, Kernels, Tuning
 
 D, H, NH, NKV, FF, VOCAB = 32, 8, 4, 2, 64, 64  # the tiny target's shape (conftest.tiny_config)
 TAPS, GROUP, TOPK, RANK, BLOCK = 3, 8, 8, 16, 8
@@ -263,6 +263,35 @@ def test_selector_walk_ties_take_the_lowest_index():
     idx, q, conf = selector_walk(scores, lambda x, k: (jnp.argmax(x, -1).astype(jnp.int32), None), None)
     assert np.asarray(idx).tolist() == [[0, 0, 0]] and q is None
     np.testing.assert_allclose(np.asarray(conf), 0.25)
+
+
+def test_drafts_are_unchanged_through_the_chunked_top_k(target):
+    """The kind's drafting with the candidates' top-K through the chunked two-stage op (``top_k_chunked``,
+    chunks of 16 of the 64 tokens) gives the same candidates, drafts, confidences and sampled q as lax.top_k."""
+    drafter = random_drafter(target, kind="dflash2", block_size=BLOCK, num_layers=1, selector_top_k=TOPK,
+                             selector_rank=RANK, conv_group_size=GROUP).model
+    kind = drafters.kind_of(drafter)
+    hidden = jnp.asarray(np.random.default_rng(2).normal(size=(3, BLOCK - 1, D)), jnp.float32)
+    anchors = jnp.asarray([1, 7, 30], jnp.int32)
+    chunked = Kernels("cuda", KernelTuning(top_k_chunked=True, top_k_chunk=16))
+    greedy = lambda x, keys: (jnp.argmax(x, -1).astype(jnp.int32), None)  # noqa: E731
+
+    def sampled(x, keys):
+        q = jax.nn.softmax(x, -1)
+        return jax.vmap(lambda kk, qq: jax.random.categorical(kk, jnp.log(qq)))(keys, q).astype(jnp.int32), q
+
+    keys = jax.random.split(jax.random.key(4), 3)
+    assert str(jax.make_jaxpr(lambda h: drafter.candidates(h, target.model, chunked))(hidden)).count("top_k[") == 2
+    want, got = (drafter.candidates(hidden, target.model, k) for k in (Kernels(), chunked))
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    for pick, key in ((greedy, None), (sampled, keys)):
+        want, got = (kind.draft(target.model, hidden, anchors, pick, key, kernels=k) for k in (Kernels(), chunked))
+        for w, g in zip(want, got):
+            if w is None:
+                assert g is None
+            else:
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def test_published_config_parses():

@@ -179,9 +179,11 @@ def test_cuda_kernels_after_a_chunked_long_prompt():
 @pytest.mark.parametrize("impl", ["xla", "pallas", "cuda"])
 def test_every_op_and_impl_resolves_to_its_kernel_or_the_reference(op, impl):
     """Every (op, impl) pair gives the registered kernel entry (a function that loads) or None (the reference):
-    "xla" is always the reference."""
+    "xla" is always the reference. (Every switch on: ``top_k_chunked`` is off by default.)"""
+    from dflash_jax.tuning import KernelTuning
+
     path = dispatch.registered(op, impl)
-    run = dispatch.kernel(op, Kernels(impl))
+    run = dispatch.kernel(op, Kernels(impl, KernelTuning(**{knob: True for knob in dispatch.SWITCHES.values()})))
     assert path == dispatch.REGISTRY.get((op, impl))
     if impl == "xla" or path is None:
         assert run is None
@@ -201,8 +203,8 @@ def test_unknown_op_or_impl_raises_one_clear_error():
 def test_switches_turn_kernels_off():
     from dflash_jax.tuning import KernelTuning
 
-    for op, knob in dispatch.SWITCHES.items():
-        assert dispatch.kernel(op, Kernels("cuda")) is not None
+    for op, knob in dispatch.SWITCHES.items():  # (top_k_chunked is off by default)
+        assert dispatch.kernel(op, Kernels("cuda", KernelTuning(**{knob: True}))) is not None
         assert dispatch.kernel(op, Kernels("cuda", KernelTuning(**{knob: False}))) is None
 
 

@@ -237,7 +237,7 @@ def propose(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeSta
     h = draft_hidden(target, drafter, state, spec, mask_token_id)
     state, k_draft = _draft_keys(state, spec)
     drafts, q, conf = kind.draft(target, h, state.anchor, _picker(state, spec), k_draft,
-                                 cap=spec.verify_mode.draft_cap(spec.tuning))
+                                 cap=spec.verify_mode.draft_cap(spec.tuning), kernels=spec.kernels)
     return jnp.concatenate([anchor, drafts], axis=1), q, conf, state
 
 

@@ -19,6 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from dflash_jax.config import DrafterSchema, register_drafter_schema
 from dflash_jax.models.drafter import MODULE_CLASSES, DFlashDrafter
+from dflash_jax.tuning import Kernels
 
 # (logits [B, *, Vd], per-row PRNG keys [B] or None) → (draft-vocabulary ids [B, *], the distribution they were
 # drawn from [B, *, Vd] or None): an argmax without keys, else a draw from the filtered distribution. The loop
@@ -85,12 +86,13 @@ class DrafterKind:
         return block_size
 
     def draft(self, target, hidden: Float[Array, "B G D"], anchor: Int[Array, "B"], pick: Pick,
-              key: jax.Array | None, cap: int | None = None
+              key: jax.Array | None, cap: int | None = None, kernels: Kernels = Kernels()
               ) -> tuple[Int[Array, "B G"], Float[Array, "B G V"] | None, Float[Array, "B G"] | None]:
         """(drafts as target ids, their distribution q over the target vocabulary when sampled, confidences or
         None) from the trunk's hidden states at the draft positions. ``key``: one PRNG key per row (sampled
         drafts) or None (argmax). ``cap``: draft only this many positions where the kind can save by it (the
-        rest are drafts 0 with confidence 0, which no window reaches; None: all)."""
+        rest are drafts 0 with confidence 0, which no window reaches; None: all). ``kernels``: the kernel ops'
+        implementation and knobs (the loop's), for a kind whose drafting runs a kernel op (DFlash2's top-K)."""
         raise NotImplementedError
 
     # -- the pieces every kind shares (the module's) ------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dflash_jax.config import DrafterSchema
 from dflash_jax.drafters.base import DrafterKind, register
 from dflash_jax.models.drafter import DFlashDrafter
+from dflash_jax.tuning import Kernels
 
 
 @register
@@ -17,6 +18,6 @@ class DFlash(DrafterKind):
     schema = DrafterSchema(kind="dflash", architecture="DFlashDraftModel")
     module_class = DFlashDrafter
 
-    def draft(self, target, hidden, anchor, pick, key, cap=None):
+    def draft(self, target, hidden, anchor, pick, key, cap=None, kernels=Kernels()):
         ids, q = pick(self.draft_logits(hidden, target), key)
         return self.to_target_ids(ids), (self.to_target_probs(q) if q is not None else None), None

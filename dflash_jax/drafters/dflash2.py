@@ -12,6 +12,7 @@ from jaxtyping import Array, Float, Int
 from dflash_jax.config import ConfigError, DrafterConfig, DrafterSchema, ModelConfig
 from dflash_jax.drafters.base import DrafterKind, Pick, register
 from dflash_jax.models.drafter import DFlash2Drafter
+from dflash_jax.tuning import Kernels
 
 # dflash_config keys the public implementations require (each sizes a module or the walk).
 REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_top_k", "selector_rank")
@@ -129,13 +130,13 @@ class DFlash2(DrafterKind):
     def has_confidence(self) -> bool:
         return True
 
-    def draft(self, target, hidden, anchor, pick, key, cap=None):
+    def draft(self, target, hidden, anchor, pick, key, cap=None, kernels=Kernels()):
         drafter = self.module
         g_all = hidden.shape[1]
         if cap:  # the LM head's top-K and the walk are the drafting's cost
             hidden = hidden[:, :cap]
-        ids, unary = drafter.candidates(hidden, target)  # [B, G, K] target ids, best first
-        scores = drafter.candidate_selector.edge_scores(ids, unary, hidden, anchor)
+        ids, unary = drafter.candidates(hidden, target, kernels)  # [B, G, K] target ids, best first
+        scores = drafter.candidate_selector.edge_scores(ids, unary, hidden, anchor, kernels)
         idx, q_k, conf = selector_walk(scores, pick, key)
         conf = scaled_confidence(conf, drafter.config.confidence_temperatures)
         drafts = jnp.take_along_axis(ids, idx[..., None], axis=-1)[..., 0]

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from dflash_jax.config import ConfigError, DrafterConfig, DrafterSchema, ModelConfig
 from dflash_jax.drafters.base import DrafterKind, register
 from dflash_jax.models.drafter import DSparkDrafter
+from dflash_jax.tuning import Kernels
 
 
 def _detect(cfg, value) -> bool:
@@ -70,7 +71,7 @@ class DSpark(DrafterKind):
     def trunk_width(self, block_size: int) -> int:
         return block_size - 1  # the anchor predicts too: γ = L − 1 inputs give L − 1 drafts
 
-    def draft(self, target, hidden, anchor, pick, key, cap=None):
+    def draft(self, target, hidden, anchor, pick, key, cap=None, kernels=Kernels()):
         drafter = self.module
         g_all = hidden.shape[1]
         if cap and self.has_confidence:  # the LM head and the left-to-right head are most of the drafting

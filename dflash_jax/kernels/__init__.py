@@ -7,6 +7,7 @@ reference beside the dispatch to its kernels.
 * :mod:`~dflash_jax.kernels.moe` — the routed experts' MLP;
 * :mod:`~dflash_jax.kernels.delta_rule` — the gated delta rule of linear attention;
 * :mod:`~dflash_jax.kernels.quantized` — matmuls over int8 / fp8 kernels and their scales;
+* :mod:`~dflash_jax.kernels.top_k` — the K largest entries of each row (DFlash2's candidates);
 * :mod:`~dflash_jax.kernels.dispatch` — the one ``(op, implementation)`` table they all ask (read its docstring);
 * :mod:`~dflash_jax.kernels.common` — what they share.
 

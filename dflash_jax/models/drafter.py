@@ -18,6 +18,7 @@ from jaxtyping import Array, Float, Int
 
 from dflash_jax.config import ConfigError, DrafterConfig
 from dflash_jax.kernels.attention import draft_attention, read_after
+from dflash_jax.kernels.top_k import top_k
 from dflash_jax.models.layers import MLP, Dense, Embed, RMSNorm, Rope, apply_rope, matmul, normal_init
 from dflash_jax.models.target import KVCache, write_rows
 from dflash_jax.tuning import Kernels
@@ -358,10 +359,12 @@ class DFlash2Drafter(DFlashDrafter):
         self.candidate_selector = CandidateSelector(c.vocab_size, c.hidden_size, cfg.selector_rank, dtype=dtype,
                                                     rngs=rngs)
 
-    def candidates(self, hidden: Float[Array, "*b D"], target) -> tuple[Int[Array, "*b K"], Float[Array, "*b K"]]:
+    def candidates(self, hidden: Float[Array, "*b D"], target, kernels: Kernels = Kernels()
+                   ) -> tuple[Int[Array, "*b K"], Float[Array, "*b K"]]:
         """The K best tokens of each position (target ids, best first) and their unary scores: the top-K of the
-        LM head's logits, then ``output_multiplier`` and soft-capping on the K values."""
-        values, ids = jax.lax.top_k(self.head_logits(hidden, target), self.config.selector_top_k)
+        LM head's logits (the kernel op :func:`~dflash_jax.kernels.top_k.top_k`), then ``output_multiplier`` and
+        soft-capping on the K values."""
+        values, ids = top_k(self.head_logits(hidden, target), self.config.selector_top_k, kernels=kernels)
         return self.to_target_ids(ids.astype(jnp.int32)), self.scale_logits(values)
 
     def keep_draft_columns(self, ids: Int[Array, "Vd"]) -> None:

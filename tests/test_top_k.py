@@ -1,0 +1,77 @@
+"""The top-K op (:mod:`dflash_jax.kernels.top_k`): the chunked two-stage form (:mod:`dflash_jax.cuda.top_k`) gives
+exactly what ``lax.top_k`` gives — values and indices, ties to the lowest index — on logits full of exact ties,
+over ragged vocabularies, and the dispatch runs it only where ``KernelTuning.top_k_chunked`` asks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dflash_jax.cuda.top_k import chunk_width, chunked_top_k
+from dflash_jax.kernels import top_k as top_k_op
+from dflash_jax.tuning import KernelTuning, Kernels
+
+CHUNKED = Kernels("cuda", KernelTuning(top_k_chunked=True))
+
+
+def tied_logits(shape, dtype, seed: int = 0) -> jax.Array:
+    """Integers in [-8, 8) (every value ties with thousands of others), some rows' best value placed only in
+    the last (ragged) chunk, one row of a single repeated value, -0.0 beside +0.0 and a few -inf."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-8, 8, shape).astype(np.float32)
+    rows = x.reshape(-1, shape[-1])
+    rows[0, -3:] = 9.0  # the best only at the very end
+    if len(rows) > 1:
+        rows[1] = 0.0  # all equal: indices 0 … k-1
+        rows[1, ::7] = -0.0  # +0 > -0 in lax.top_k's order
+    if len(rows) > 2:
+        rows[2, rng.integers(0, shape[-1], 50)] = -np.inf
+    return jnp.asarray(x).astype(dtype)
+
+
+def assert_same(got, want):
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    # Bitwise, so -0.0 and +0.0 differ.
+    np.testing.assert_array_equal(np.asarray(got[0]).view(np.uint8), np.asarray(want[0]).view(np.uint8))
+
+
+@pytest.mark.parametrize("v, lead", [(49152 - 3, (3,)), (49152, (2, 2)), (49152 + 5, (4,)), (151936, (2, 3))])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_chunked_matches_lax_top_k(v, lead, dtype):
+    x = tied_logits((*lead, v), dtype, seed=v)
+    for k in (1, 16):
+        want = jax.lax.top_k(x, k)
+        for chunk in (4096, chunk_width(v, 4096), 16):  # padded (unless it divides), a divisor, chunks of k
+            got = chunked_top_k(x, k, chunk)
+            assert got[0].shape == (*lead, k) and got[1].dtype == jnp.int32
+            assert_same(got, want)
+        assert_same(top_k_op.top_k(x, k, kernels=CHUNKED), want)
+
+
+def test_padding_never_wins_over_real_minus_inf():
+    """A row of -inf (equal to the padding) and a row whose only finite values sit in the padded chunk."""
+    x = np.full((2, 4096 + 10), -np.inf, np.float32)
+    x[1, -4:] = [1.0, 3.0, 2.0, 3.0]
+    for k in (1, 16):
+        assert_same(chunked_top_k(jnp.asarray(x), k, 4096), jax.lax.top_k(jnp.asarray(x), k))
+
+
+def test_chunk_width_prefers_a_divisor():
+    assert chunk_width(151936, 4096) == 2374  # 151,936 = 2^7 · 1187
+    assert chunk_width(49152, 4096) == 4096
+    assert chunk_width(49157, 4096) == 4096  # a prime: the last chunk is padded
+
+
+def test_the_dispatch_runs_chunked_only_when_asked():
+    """Two TopKs in the program with ``top_k_chunked`` under "cuda"; one (lax.top_k) by default, under "xla",
+    and where the row is one chunk."""
+    def count(kernels, v=8192):
+        jaxpr = jax.make_jaxpr(lambda x: top_k_op.top_k(x, 16, kernels=kernels))(jnp.zeros((16, v)))
+        return str(jaxpr).count("top_k[")
+
+    assert count(CHUNKED) == 2
+    assert count(Kernels("cuda")) == count(Kernels("xla", CHUNKED.tuning)) == count(CHUNKED, v=4096) == 1
+    with pytest.raises(ValueError, match="k = 17"):
+        top_k_op.top_k(jnp.zeros((2, 16)), 17)
