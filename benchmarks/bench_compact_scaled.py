@@ -295,6 +295,8 @@ def main() -> int:
                          "(DrafterConfig.trained_widths; none: whole blocks only, as every public checkpoint). Its "
                          "acceptance does not depend on the width, as a drafter trained at those widths would "
                          "nearly (a whole-block one's falls there: benchmarks/README.md)")
+    ap.add_argument("--finish-together", type=float, default=None,
+                    help="Tuning.finish_together (default: the library's; 0: the admission weighs every row alike)")
     ap.add_argument("--cost-table", type=Path, action="append", default=[],
                     help="a costs file, or an earlier run's JSON (its table at each batch), instead of timing them; "
                          "repeatable (the first file with a table for the batch gives it; a batch none has is timed)")
@@ -305,6 +307,8 @@ def main() -> int:
     name, full, small = SHAPES[args.shape]
     args.shape_name = f"small-{name}" if args.small else name
     args.tuning = Tuning(tier_draft_span=None if args.tier_draft_span == "none" else int(args.tier_draft_span))
+    if args.finish_together is not None:
+        args.tuning = dataclasses.replace(args.tuning, finish_together=args.finish_together)
     args.trained_widths = (None if args.trained_widths == "none"
                            else tuple(int(w) for w in args.trained_widths.split(",")))
     if args.small and jax.default_backend() == "cpu":

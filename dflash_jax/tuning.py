@@ -141,6 +141,10 @@ class Tuning:
     # accepts far less there: docs/verify-modes.md). None: the drafter's (``TRAINED_WIDTHS_SPAN`` for a drafter
     # trained at narrower widths, ``DrafterConfig.trained_widths``; else whole blocks); 0: whole blocks always.
     tier_draft_span: int | None = None
+    # Compact's admission weighs a row's tokens by (its remaining budget ÷ the batch's mean)^finish_together, so
+    # that rows behind get longer windows and a batch (which ends with its slowest row) ends in fewer steps
+    # (decode.schedule.finish_weights). A continuous run, whose finished rows take new prompts, weighs all alike.
+    finish_together: float = 2.0
     # The scheduler ranks candidate windows by comparing all pairs up to this many rows × drafts.
     rank_compare_all_max: int = 2048
     # Prompts longer than this are prefilled in chunks of this many positions.

@@ -39,21 +39,24 @@ MODES = ("static", "compact", "cap-accept")
 # --------------------------------------------------------------------------------------------------
 
 def brute_force_best(surv: np.ndarray, active: np.ndarray, tiers: tuple[int, ...], step_cost: np.ndarray,
-                     caps: tuple[int, ...] | None = None) -> float:
+                     caps: tuple[int, ...] | None = None, weights: np.ndarray | None = None) -> float:
     """The best expected tokens per unit of cost over every window assignment (exponential in the batch);
-    ``caps``: the longest window each tier holds."""
+    ``caps``: the longest window each tier holds; ``weights``: what a token of each row is worth."""
     rows = [r for r in range(surv.shape[0]) if active[r]]
+    w8 = np.ones(surv.shape[0]) if weights is None else weights
     best = -np.inf
     for windows in itertools.product(range(surv.shape[1] + 1), repeat=len(rows)):
-        gain = len(rows) + sum(float(surv[r, :w].sum()) for r, w in zip(rows, windows))
+        gain = sum(float(w8[r]) * (1 + float(surv[r, :w].sum())) for r, w in zip(rows, windows))
         tier = min(int(np.searchsorted(tiers, len(rows) + sum(windows))), len(tiers) - 1)
         if caps is None or max(windows, default=0) <= caps[tier]:
             best = max(best, gain / float(step_cost[tier]))
     return best
 
 
-def rate_of(windows: np.ndarray, surv: np.ndarray, active: np.ndarray, tiers, step_cost) -> float:
-    gain = active.sum() + sum(float(surv[r, :w].sum()) for r, w in enumerate(windows))
+def rate_of(windows: np.ndarray, surv: np.ndarray, active: np.ndarray, tiers, step_cost,
+            weights: np.ndarray | None = None) -> float:
+    w8 = np.ones(surv.shape[0]) if weights is None else weights
+    gain = sum(float(w8[r]) * (1 + float(surv[r, :w].sum())) for r, w in enumerate(windows) if active[r])
     tokens = active.sum() + windows.sum()
     return gain / float(step_cost[min(int(np.searchsorted(tiers, tokens)), len(tiers) - 1)])
 
@@ -101,6 +104,36 @@ def test_capped_admission_is_the_best_window_assignment(b, g, span):
         assert (windows[~active] == 0).all() and windows.max() <= caps[int(tier)], (case, windows, int(tier))
         want = brute_force_best(surv, active, tiers, step_cost, caps)
         assert rate_of(windows, surv, active, tiers, step_cost) == pytest.approx(want, rel=1e-5), (case, windows)
+
+
+def test_weighted_admission_is_the_best_window_assignment():
+    """Rows weighted by their remaining budget (schedule.finish_weights): the admission maximises the weighted
+    rate, and a row that is behind gets at least the window of an equally confident row ahead of it."""
+    b, g = 3, 3
+    tiers = schedule.tiers_for(b, g + 1)
+    admit = fast_jit(lambda s, a, c, w: schedule.admit(s, a, c, tiers=tiers, weights=w))
+    rng = np.random.default_rng(7)
+    longer = 0
+    for case in range(25):
+        conf = np.repeat(rng.uniform(0.3, 0.95, (1, g)), b, axis=0)  # equally confident rows
+        surv = np.cumprod(conf, axis=1).astype(np.float32)
+        active = np.ones(b, bool)
+        active[2] = case % 3 != 0
+        remaining = rng.integers(1, 40, b)
+        weights = np.asarray(schedule.finish_weights(jnp.asarray(remaining), jnp.asarray(active), 2.0))
+        assert weights[active] == pytest.approx((remaining[active] / remaining[active].mean()) ** 2, rel=1e-5)
+        step_cost = np.cumsum(rng.uniform(0.0, 1.0, len(tiers)) * rng.uniform(0, 2)) + 1.0
+        windows, tier = admit(jnp.asarray(surv), jnp.asarray(active), jnp.asarray(step_cost, jnp.float32),
+                              jnp.asarray(weights, jnp.float32))
+        windows = np.asarray(windows)
+        assert int(tier) == min(int(np.searchsorted(tiers, active.sum() + windows.sum())), len(tiers) - 1)
+        want = brute_force_best(surv, active, tiers, step_cost, weights=weights)
+        assert rate_of(windows, surv, active, tiers, step_cost, weights) == pytest.approx(want, rel=1e-5)
+        behind, ahead = np.argmax(np.where(active, remaining, -1)), np.argmin(np.where(active, remaining, 99))
+        assert windows[behind] >= windows[ahead]
+        longer += int(windows[behind] > windows[ahead])
+    assert longer > 0  # the weights changed some assignment
+    assert (np.asarray(schedule.finish_weights(jnp.asarray([5, 9]), jnp.asarray([True, True]), 0.0)) == 1).all()
 
 
 @pytest.mark.parametrize("compare_all_max", [Tuning().rank_compare_all_max, 0])  # all pairs compared; a sort

@@ -519,10 +519,16 @@ def _admit(state: DecodeState, rates: Float[Array, "B G"], spec: LoopSpec, draft
     tier's trunk is narrower than the block, its windows are capped to it."""
     sch, k = state.schedule, len(spec.tiers)
     widths = _trunk_widths(spec, drafter, state.anchor.shape[0])
-    return schedule.admit(schedule.survival(rates), ~state.done, sch.step_cost[:k], tiers=spec.tiers,
+    active = ~state.done
+    # A row commits at most its remaining budget: drafts past it (j ≥ remaining − 1, the bonus counted) add nothing.
+    remaining = state.max_new - state.num_new
+    surv = schedule.survival(rates)
+    surv = jnp.where(jnp.arange(surv.shape[1])[None, :] < remaining[:, None] - 1, surv, 0.0)
+    return schedule.admit(surv, active, sch.step_cost[:k], tiers=spec.tiers,
                           ar_cost=sch.step_cost[k] if spec.ar_step else None, groups=spec.packed_groups,
                           compare_all_max=spec.tuning.rank_compare_all_max,
-                          caps=None if widths is None else tuple(w - 1 for w in widths))
+                          caps=None if widths is None else tuple(w - 1 for w in widths),
+                          weights=schedule.finish_weights(remaining, active, spec.tuning.finish_together))
 
 
 def _trunk_widths(spec: LoopSpec, drafter: DFlashDrafter, batch: int) -> tuple[int, ...] | None:

@@ -217,6 +217,8 @@ def prepare(target: Target, drafter: Drafter | None, ids: list[list[int]], setti
     capture = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
     plan = _plan(target.mesh, cfg, drafter.config.layers if drafter is not None else None)
     spec = settings.loop_spec(host.new_cap, capture, plan, verify_mode, tiers, ar_step)
+    if pool is not None:  # rows that finish take new prompts: no batch end to hurry towards
+        spec = dataclasses.replace(spec, tuning=dataclasses.replace(spec.tuning, finish_together=0.0))
     tsplit = target.split()
     dsplit = drafter.split() if drafter is not None else None
     mask_id = drafter.config.mask_token_id if drafter is not None else 0
