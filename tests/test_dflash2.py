@@ -463,6 +463,7 @@ def test_sampled_dflash2_compact_and_cap_accept_match_target_distribution(pair, 
                             cost_table=table)
     samples, out = run("compact")
     assert chi2_pvalue(samples, probs) > 1e-3
-    assert out.stats["verify_mode"] == "compact" and len(set(out.stats["row_verify_tokens"])) >= 3  # rows differ
+    # rows differ (two new tokens a draw: no window reaches past a row's budget, so a row verifies 2 or 3 tokens)
+    assert out.stats["verify_mode"] == "compact" and len(set(out.stats["row_verify_tokens"])) >= 2
     cap, cap_out = run("cap-accept")
     assert (cap == samples).all() and cap_out.stats["verify_mode"] == "cap-accept"
