@@ -63,9 +63,11 @@ class KernelTuning:
     # The top-K over a vocabulary (op "top_k": a DFlash2 drafter's candidates, K per block position) on GPUs as
     # the exact two-stage form (dflash_jax/cuda/top_k.py: the top-K of each chunk of about ``top_k_chunk``
     # columns, then the top-K of their candidates) instead of XLA's TopK over whole rows, which gives few rows
-    # little parallelism. Off: lax.top_k everywhere.
+    # little parallelism. Off: lax.top_k everywhere. Only where the logits have at most ``top_k_chunked_max_rows``
+    # rows (0: any): inside the LM head's program XLA's own TopK is the faster at many rows (benchmarks/README.md).
     top_k_chunked: bool = False
-    top_k_chunk: int = 4096
+    top_k_chunk: int = 8192
+    top_k_chunked_max_rows: int = 16
     # GPU kernels' split-KV concurrency target (programs per SM; 0 = the kernel's own default).
     programs_per_sm: int = 0
     # Delta rule (linear attention): prefill chunk length.

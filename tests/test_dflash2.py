@@ -273,7 +273,7 @@ def test_drafts_are_unchanged_through_the_chunked_top_k(target):
     kind = drafters.kind_of(drafter)
     hidden = jnp.asarray(np.random.default_rng(2).normal(size=(3, BLOCK - 1, D)), jnp.float32)
     anchors = jnp.asarray([1, 7, 30], jnp.int32)
-    chunked = Kernels("cuda", KernelTuning(top_k_chunked=True, top_k_chunk=16))
+    chunked = Kernels("cuda", KernelTuning(top_k_chunked=True, top_k_chunk=16, top_k_chunked_max_rows=0))
     greedy = lambda x, keys: (jnp.argmax(x, -1).astype(jnp.int32), None)  # noqa: E731
 
     def sampled(x, keys):

@@ -13,7 +13,7 @@ from dflash_jax.cuda.top_k import chunk_width, chunked_top_k
 from dflash_jax.kernels import top_k as top_k_op
 from dflash_jax.tuning import KernelTuning, Kernels
 
-CHUNKED = Kernels("cuda", KernelTuning(top_k_chunked=True))
+CHUNKED = Kernels("cuda", KernelTuning(top_k_chunked=True, top_k_chunk=4096, top_k_chunked_max_rows=0))
 
 
 def tied_logits(shape, dtype, seed: int = 0) -> jax.Array:
@@ -73,5 +73,9 @@ def test_the_dispatch_runs_chunked_only_when_asked():
 
     assert count(CHUNKED) == 2
     assert count(Kernels("cuda")) == count(Kernels("xla", CHUNKED.tuning)) == count(CHUNKED, v=4096) == 1
+    # with a row limit: chunked up to that many rows (here 16), lax.top_k past it
+    limited = Kernels("cuda", KernelTuning(top_k_chunked=True, top_k_chunk=4096, top_k_chunked_max_rows=16))
+    many = jax.make_jaxpr(lambda x: top_k_op.top_k(x, 16, kernels=limited))(jnp.zeros((17, 8192)))
+    assert count(limited) == 2 and str(many).count("top_k[") == 1
     with pytest.raises(ValueError, match="k = 17"):
         top_k_op.top_k(jnp.zeros((2, 16)), 17)

@@ -53,10 +53,11 @@ def chunked_top_k(x: Float[Array, "*b V"], k: int, chunk: int
 
 def chunked_top_k_kernel(x: Float[Array, "*b V"], k: int, *, kernels) -> tuple[jax.Array, jax.Array] | None:
     """The dispatch's entry: :func:`chunked_top_k` with chunks of about ``kernels.tuning.top_k_chunk`` columns
-    (:func:`chunk_width`), or None (lax.top_k runs) for a row of one chunk, a ``k`` above the chunk or a
-    non-float input."""
+    (:func:`chunk_width`), or None (lax.top_k runs) for a row of one chunk, a ``k`` above the chunk, a
+    non-float input or more rows than ``kernels.tuning.top_k_chunked_max_rows``."""
     v = x.shape[-1]
     chunk = chunk_width(v, kernels.tuning.top_k_chunk)
-    if v <= chunk or k > chunk or not jnp.issubdtype(x.dtype, jnp.floating):
+    rows, most = x.size // max(v, 1), kernels.tuning.top_k_chunked_max_rows
+    if v <= chunk or k > chunk or not jnp.issubdtype(x.dtype, jnp.floating) or (most and rows > most):
         return None
     return chunked_top_k(x, k, chunk)
