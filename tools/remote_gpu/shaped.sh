@@ -1,0 +1,23 @@
+# Benchmarks on random weights of real shapes (no GGUF, no calls 1–2): carry `.whl`. The sweeps schedule with
+# `tools/remote_gpu/h100_8b_tables.json` (the H100 tables of the 8B shape at 1 / 16 / 32 / 64 / 128 rows; on
+# another GPU type drop it and let each batch be timed). Each phase fits one call; everything lands in $OUT. Usage: bash tools/remote_gpu/shaped.sh <phase>
+#   kinds   DFlash vs DFlash2 cycle at batch 1, lax.top_k and the chunked top-K (issue 57 item 4; ~3 min)
+#   p02     8B shape, p = 0.2, auto and static at 64, 128, 4 rows (tables: tools/remote_gpu/h100_8b_tables.json;
+#           batch 4 is timed) (~8 min)
+#   p03     8B shape, p = 0.3, at 64 and 16 rows with the same tables (~5 min)
+#   qsweep  the quantized matmul alone at the 8B layers (issue 56; int8 block choices) (~8 min?)
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD TF_CPP_MIN_LOG_LEVEL=2 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+nvidia-smi --query-gpu=name --format=csv,noheader
+TABLES="--cost-table tools/remote_gpu/h100_8b_tables.json"
+case "$1" in
+  kinds) timeout 560 python3 benchmarks/bench_drafter_kinds.py --shape 8b --batches 1 --kinds dflash,dflash2 \
+           --top-k-impl both --out $OUT/kinds_8b_b1.json 2>&1 | tail -n 12 ;;
+  p02) timeout 570 python3 benchmarks/bench_compact_scaled.py --batches 64,128,4 --corrupt 0.2 --modes static,auto \
+         --repeats 2 $TABLES --out $OUT/p02.json --plot $OUT/p02.png 2>&1 | grep -v "^  [^(]" | tail -n 20 ;;
+  p03) timeout 570 python3 benchmarks/bench_compact_scaled.py --batches 64,16 --corrupt 0.3 --modes static,auto \
+         --repeats 2 $TABLES --out $OUT/p03.json --plot $OUT/p03.png 2>&1 | grep -v "^  [^(]" | tail -n 20 ;;
+  qsweep) timeout 570 python3 benchmarks/bench_quantized_step.py --sweep --out $OUT/qsweep.json 2>&1 | tail -n 40 ;;
+  *) echo "usage: $0 kinds|p02|p03|qsweep" >&2; exit 2 ;;
+esac
