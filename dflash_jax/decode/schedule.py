@@ -166,7 +166,8 @@ def admit(surv: Float[Array, "B G"], active: Bool[Array, "B"], step_cost: Float[
     b, g = surv.shape
     n = active.sum().astype(jnp.int32)
     worth = jnp.sum(jnp.where(active, weights, 0.0))  # the bonus tokens every active row commits
-    flat = jnp.where(active[:, None], surv * weights[:, None], -1.0).reshape(-1)  # [B·G]; inactive rows rank last, never admitted
+    # [B·G], each draft's survival at its row's weight; inactive rows rank last, never admitted
+    flat = jnp.where(active[:, None], surv * weights[:, None], -1.0).reshape(-1)
     if caps is None:  # one ranking serves every tier: [1, B·G]
         held, most = flat[None, :], jnp.full((len(tiers),), g, jnp.int32)
     else:  # per tier, the drafts past its cap rank last too: [K, B·G]
