@@ -16,8 +16,9 @@ each ``--steps`` steps in one ``lax.while_loop`` (``benchmarks/tools/step_parts.
 ``--repeats`` calls. Floors: the bytes a step must read (the target's stored weights a step touches — of a MoE
 layer's experts the share B uniformly routed tokens touch — plus the K/V at that context) ÷ the device's HBM
 bandwidth (``step_parts.DEVICES``, or ``--hbm-gbps``). ``--quant-kernel off``: the quantized layers and MoE experts
-run the XLA references instead of the fused GPU kernels (A/B); ``float8``: float8 weights through the kernels too
-(``quant_kernel_float8``, off by default).
+run the XLA references instead of the fused GPU kernels (A/B); ``on`` (and its older name ``float8``): the
+defaults, int8 and float8 weights through the kernels; ``grouped``: also a layer's q / k / v and an MLP's gate /
+up in one launch each (``quant_group_kernel``).
 
 ``--sweep``: the quantized matmul alone on the shape's linear layers (Qwen3-8B: 4096 × 4096, 4096 × 1024,
 4096 × 12288, 12288 × 4096, 4096 × 151936) at T = 1, 16, 64 tokens: bf16 ``x @ w`` (XLA), the XLA reference
@@ -29,6 +30,8 @@ floor.
     python benchmarks/bench_quantized_step.py --quantizations int8 --out $OUT/qstep_8b_int8.json
     python benchmarks/bench_quantized_step.py --quantizations fp8,fp8-block --out $OUT/qstep_8b_fp8.json
     python benchmarks/bench_quantized_step.py --sweep --out $OUT/qstep_sweep.json
+    python benchmarks/bench_quantized_step.py --quantizations int8 --batches 1,16 --quant-kernel grouped \
+        --out $OUT/qstep_8b_int8_grouped.json
     python benchmarks/bench_quantized_step.py --shape moe --quantizations bf16,fp8-block --batches 1,16 \
         --out $OUT/qstep_moe.json
     python benchmarks/bench_quantized_step.py --shape moe --quantizations int8,fp8-block --batches 1,16 \
@@ -75,6 +78,7 @@ SCHEMES = {"bf16": None, "int8": Scheme("int8"), "fp8": Scheme("fp8"), "fp8-bloc
 LAYERS_8B = ((4096, 4096), (4096, 1024), (4096, 12288), (12288, 4096), (4096, 151936))
 SWEEP = ({}, dict(block_e=128), dict(block_e=32), dict(block_d=256), dict(num_warps=8), dict(num_stages=3),
          dict(programs_per_sm=8), dict(gemv=False))
+SWEEP_BYTES = 320e6  # the copies of a swept matrix together: well past an H100's / H200's 50 MB L2
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
@@ -160,57 +164,75 @@ def run_steps(args, name, cfg, tuning, hbm, results: dict, out: Path | None) -> 
 
 
 def run_sweep(args, cfg, hbm, results: dict, out: Path | None) -> None:
-    """The quantized matmul alone (module docstring)."""
+    """The quantized matmul alone (module docstring). Each candidate is timed as a model runs it: one program
+    applies it to ``n`` distinct copies of the weights in turn (together more than the GPU's L2 cache, so every
+    call reads its weights from HBM) and the time is split over the ``n`` calls; a one-call program would time
+    the host's dispatch instead (tens of µs against a 4096 × 1024 int8 matrix's ~2 µs floor)."""
     shapes = LAYERS_8B if not args.small else ((cfg.hidden_size, cfg.intermediate_size),
                                               (cfg.intermediate_size, cfg.hidden_size))
     interpret = jax.default_backend() != "gpu"
     rows = []
     for d, e in shapes:
         w = jax.random.normal(jax.random.key(d + e), (d, e), jnp.float32).astype(jnp.bfloat16) / np.sqrt(d)
+        n = 2 if args.small else int(np.clip(np.ceil(SWEEP_BYTES / (d * e)), 2, 16))
+        ws = [jnp.roll(w, i, axis=0) for i in range(n)]
         for qname in ("int8", "fp8", "fp8-block"):
             scheme = SCHEMES[qname]
-            q, s = quantize_on_device(w, scheme)
+            qs, ss = zip(*(quantize_on_device(wi, scheme) for wi in ws))
             block = scheme.blocks(d, e)
-            nbytes = q.size * q.dtype.itemsize + s.size * 4
+            nbytes = qs[0].size * qs[0].dtype.itemsize + ss[0].size * 4
             for t in (1, 16, 64):
                 x = jax.random.normal(jax.random.key(t), (t, d), jnp.float32).astype(jnp.bfloat16)
-                cands = {"xla bf16": (jax.jit(lambda x, w: x @ w), (x, w), d * e * 2),
-                         "xla reference": (jax.jit(lambda x, q, s, b=block: quantized_reference(x, q, s, b, x.dtype)),
-                                           (x, q, s), nbytes)}
+                cands = {"xla bf16": (lambda x, w: x @ w, (ws,), d * e * 2),
+                         "xla reference": (lambda x, q, s, b=block: quantized_reference(x, q, s, b, x.dtype),
+                                           (qs, ss), nbytes)}
                 # the block choices on int8 (the same tiles for every weight dtype); fp8 at the defaults
                 for kw in SWEEP[:2] if args.small else SWEEP if qname == "int8" else SWEEP[:1]:
                     label = "kernel " + (",".join(f"{k}={v}" for k, v in kw.items()) or "defaults")
-                    fn = jax.jit(lambda x, q, s, b=block, kw=kw: cuda_quantized.quantized_matmul(
-                        x, q, s, b, interpret=interpret, **kw))
-                    cands[label] = (fn, (x, q, s), nbytes)
-                for label, (fn, a, nb) in cands.items():
+                    cands[label] = (lambda x, q, s, b=block, kw=kw: cuda_quantized.quantized_matmul(
+                        x, q, s, b, interpret=interpret, **kw), (qs, ss), nbytes)
+                for label, (fn, weights, nb) in cands.items():
                     try:
-                        us = _time_us(fn, a, args.repeats)
+                        us = _time_us(_over_copies(fn), (x, *weights), args.repeats) / n
                     except Exception as ex:  # noqa: BLE001 — a block choice Triton refuses: recorded, not fatal
                         rows.append(dict(layer=f"{d}x{e}", scheme=qname, t=t, impl=label,
                                          error=f"{type(ex).__name__}: {str(ex)[:200]}"))
                         continue
                     floor = nb / hbm * 1e6 if hbm else None
-                    rows.append(dict(layer=f"{d}x{e}", scheme=qname, t=t, impl=label, us=us, bytes=nb,
+                    rows.append(dict(layer=f"{d}x{e}", scheme=qname, t=t, impl=label, us=us, bytes=nb, copies=n,
                                      floor_us=floor, over_floor=us / floor if floor else None))
                     print(f"  {d}x{e} {qname:9s} T {t:2d} {label:40s} {us:9.1f} µs"
                           + (f"  ({us / floor:.2f}× floor)" if floor else ""), file=sys.stderr, flush=True)
             results["sweep"] = rows
             _write(results, out)
+            del qs, ss
+
+
+def _over_copies(fn):
+    """A program applying ``fn(x, *weights_i)`` to each copy i of the weights (tuples of arrays), the outputs
+    summed in float32 so that no call is dead code."""
+    @jax.jit
+    def run(x, *weights):
+        total = None
+        for parts in zip(*weights):
+            y = fn(x, *parts).astype(jnp.float32)
+            total = y if total is None else total + y
+        return total
+    return run
 
 
 def _time_us(fn, args, repeats: int) -> float:
-    """Median µs of ``repeats`` timed rounds of 20 calls, after compiling and a warm-up round."""
+    """Median µs of ``repeats`` timed rounds of 5 calls, after compiling and a warm-up round."""
     jax.block_until_ready(fn(*args))
-    for _ in range(5):
+    for _ in range(2):
         jax.block_until_ready(fn(*args))
     times = []
     for _ in range(max(repeats, 1)):
         t0 = time.perf_counter()
-        for _ in range(20):
+        for _ in range(5):
             y = fn(*args)
         jax.block_until_ready(y)
-        times.append((time.perf_counter() - t0) / 20)
+        times.append((time.perf_counter() - t0) / 5)
     return float(np.median(times) * 1e6)
 
 
@@ -230,9 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafter-layers", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20, help="steps per timed call")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls (median)")
-    ap.add_argument("--quant-kernel", choices=("on", "off", "float8"), default="on",
+    ap.add_argument("--quant-kernel", choices=("on", "off", "float8", "grouped"), default="on",
                     help="off: quantized layers (and MoE experts) run the XLA reference (A/B against the fused "
-                         "kernels); float8: on, float8 weights included (quant_kernel_float8)")
+                         "kernels); float8: on, float8 weights included (quant_kernel_float8); grouped: on, and a "
+                         "layer's q / k / v and gate / up each in one launch (quant_group_kernel)")
     ap.add_argument("--sweep", action="store_true", help="time the quantized matmul alone instead (docstring)")
     ap.add_argument("--hbm-gbps", type=float, help="HBM bandwidth in GB/s (default: the device table's)")
     ap.add_argument("--peak-tflops", type=float, help="unused here (step_parts' device table has it)")
@@ -244,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     name, full, small = SHAPES[args.shape]
     cfg = small if args.small else full
     tuning = Tuning().replace(quant_kernel=args.quant_kernel != "off",
-                              quant_kernel_float8=args.quant_kernel == "float8")
+                              quant_kernel_float8=args.quant_kernel != "off",
+                              quant_group_kernel=args.quant_kernel == "grouped")
     if args.small and jax.default_backend() == "cpu":
         tuning = tuning.with_compiler_options(CPU_FAST_COMPILE)
     hbm, _ = device_rates(args)

@@ -60,6 +60,10 @@ class KernelTuning:
     # grouped-expert GPU kernel (cuda/moe.py), whose token limit is its own (at most as many (token, expert) pairs
     # as experts).
     quant_kernel_float8: bool = True
+    # Quantized kernels that share their input (a layer's q / k / v, an MLP's gate / up) in one launch of that GPU
+    # kernel (op "quantized_projections") instead of one each; under the same limits as a kernel alone. Off until
+    # a GPU step says it pays (benchmarks/bench_quantized_step.py).
+    quant_group_kernel: bool = False
     # The top-K over a vocabulary (op "top_k": a DFlash2 drafter's candidates, K per block position) on GPUs as
     # the exact two-stage form (dflash_jax/cuda/top_k.py: the top-K of each chunk of about ``top_k_chunk``
     # columns, then the top-K of their candidates) instead of XLA's TopK over whole rows, which gives few rows

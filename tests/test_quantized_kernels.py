@@ -88,6 +88,84 @@ def test_leading_axes_and_output_dtype():
     _check(got, op.reference(x, q, s, block, jnp.float32), jnp.bfloat16)
 
 
+# (T, D, the kernels' (E, scheme), activation dtype, tuning): one input, several kernels of different widths and
+# scale layouts in one launch (the narrowest tile fits all), on the GEMV path, the dot path and with D splits.
+GROUPED = [
+    (1, 200, ((72, Scheme("int8")), (24, Scheme("int8")), (40, Scheme("int8", (None, 8)))), jnp.float32,
+     dict(block_d=32, block_e=32)),
+    (5, 256, ((96, Scheme("int8", (64, 1))), (32, Scheme("int8", (128, 16)))), jnp.bfloat16,
+     dict(block_d=32, block_e=32, num_splits=3)),
+    (1, 300, ((200, Scheme("fp8", (128, 128))), (72, Scheme("fp8", (128, 128)))), jnp.bfloat16,
+     dict(block_d=64, block_e=32)),
+]
+
+
+@pytest.mark.parametrize("case", GROUPED, ids=lambda c: f"t{c[0]}-{len(c[2])}-{c[2][0][1].kind}"
+                         if isinstance(c, tuple) else None)
+def test_grouped_kernels_match_reference(case):
+    """``quantized_matmuls``: each kernel's product as the reference gives it alone."""
+    t, d, kernels_, dtype, tuning = case
+    inputs = [_inputs(i, t, d, e, scheme, dtype) for i, (e, scheme) in enumerate(kernels_)]
+    x = inputs[0][0]
+    qs, ss, blocks = (tuple(v) for v in zip(*(i[1:] for i in inputs)))
+    got = fast_jit(cuda.quantized_matmuls, blocks=blocks, interpret=INTERPRET, **tuning)(x, qs, ss)
+    assert len(got) == len(kernels_)
+    for y, q, s, block in zip(got, qs, ss, blocks):
+        _check(y, op.reference(x, q, s, block, dtype), dtype)
+
+
+def test_grouped_dispatch():
+    """The op "quantized_projections" runs one launch for all its kernels under ``quant_group_kernel`` (within the
+    single kernel's token limit), else one per kernel; both give the reference's products, biases included
+    through ``project_together``."""
+    from dflash_jax.models.layers import Dense, project_together
+    from flax import nnx
+
+    x, q1, s1, b1 = _inputs(0, 1, 64, 48, Scheme("int8"), jnp.float32)
+    _, q2, s2, b2 = _inputs(1, 1, 64, 16, Scheme("int8"), jnp.float32)
+    weights = [(q1, s1, b1), (q2, s2, b2)]
+
+    def launches(kernels, x=x):
+        jaxpr = jax.make_jaxpr(lambda x: op.quantized_projections(x, weights, kernels=kernels))(x)
+        return str(jaxpr).count("pallas_call")
+
+    grouped = Kernels("cuda", KernelTuning(quant_group_kernel=True))
+    assert launches(grouped) == 1 and launches(Kernels("cuda")) == 2 and launches(Kernels("xla")) == 0
+    assert launches(grouped, jnp.zeros((2, 64), jnp.float32)) == 0  # two tokens: the reference (token limit)
+    got = jax.jit(lambda x: op.quantized_projections(x, weights, kernels=grouped))(x)
+    for y, (q, s, b) in zip(got, weights):
+        _check(y, op.reference(x, q, s, b, jnp.float32), jnp.float32)
+    layers = []
+    for i, (q, s, b) in enumerate(weights):
+        dense = Dense(64, q.shape[1], bias=True, dtype=jnp.float32, rngs=nnx.Rngs(i))
+        dense.set_quantized(Scheme("int8"), q, s)
+        dense.bias[...] = jnp.arange(q.shape[1], dtype=jnp.float32)
+        layers.append(dense)
+    together = project_together(tuple(layers), x[None], grouped)
+    for y, dense in zip(together, layers):
+        _check(y, dense(x[None], Kernels("xla")), jnp.float32)
+
+
+def test_layers_project_together():
+    """A quantized tiny target's first layer — q / k / v and the MLP's gate / up in one launch each — gives what
+    its layers give one kernel at a time, for one token."""
+    from conftest import tiny_target
+    from dflash_jax import quantize
+
+    model = quantize(tiny_target("qwen3", seed=5), "int8").model
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    x = jax.random.normal(jax.random.key(0), (1, 1, model.config.hidden_size), jnp.float32)
+    grouped, alone = (Kernels("cuda", KernelTuning(quant_group_kernel=g)) for g in (True, False))
+
+    def projections(kernels):
+        from dflash_jax.models.layers import project_together
+        return (*project_together((attn.q_proj, attn.k_proj, attn.v_proj), x, kernels), mlp(x, kernels))
+
+    assert str(jax.make_jaxpr(lambda: projections(grouped))()).count("pallas_call") == 3  # qkv, gate-up, down
+    for got, want in zip(projections(grouped), projections(alone)):
+        _check(got, want, jnp.float32)
+
+
 def _runs_kernel(kernels: Kernels, t: int, kind: str = "int8", d: int = 64, e: int = 32) -> bool:
     x, q, s, block = _inputs(0, t, d, e, Scheme(kind), jnp.float32)
     jaxpr = jax.make_jaxpr(lambda x, q, s: op.quantized_matmul(x, q, s, block, kernels=kernels))(x, q, s)
@@ -152,6 +230,12 @@ def test_lowers_to_triton(t):
         text = jax.jit(lambda x, q, s: cuda.quantized_matmul(x, q, s, block, **tiles)).trace(  # noqa: B023
             *args).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu$xla.gpu.triton" in text and "dflash_quantized_matmul" in text
+    # a Qwen3-8B layer's q / k / v in one launch
+    qkv = tuple(sds((4096, e), jnp.int8) for e in (4096, 1024, 1024))
+    scales = tuple(sds((1, e), jnp.float32) for e in (4096, 1024, 1024))
+    text = jax.jit(lambda x, qs, ss: cuda.quantized_matmuls(x, qs, ss, ((4096, 1),) * 3)).trace(
+        sds((t, 4096), jnp.bfloat16), qkv, scales).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1
 
 
 # ----------------------------------------------------------------------------------- GPU: real shapes
@@ -177,6 +261,22 @@ def _random_quantized(key, d: int, e: int, scheme: Scheme):
 @pytest.mark.parametrize("shape", QWEN3_8B, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_qwen3_8b_shapes_on_gpu(shape, scheme):
     _real_shape_matches_reference(cuda, shape, scheme)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiled through Triton on a GPU only (interpret-mode cases above)")
+@pytest.mark.parametrize("widths", [(4096, 1024, 1024), (12288, 12288)], ids=["qkv", "gate-up"])
+@pytest.mark.parametrize("scheme", [Scheme("int8"), Scheme("fp8", (128, 128))], ids=str)
+def test_qwen3_8b_grouped_on_gpu(widths, scheme):
+    """A Qwen3-8B layer's q / k / v and gate / up in one launch, 1 and 16 tokens, against the reference."""
+    made = [_random_quantized(jax.random.key(i), 4096, e, scheme) for i, e in enumerate(widths)]
+    qs, ss = (tuple(v) for v in zip(*made))
+    blocks = tuple(scheme.blocks(4096, e) for e in widths)
+    for t in (1, 16):
+        x = jax.random.normal(jax.random.key(t), (t, 4096), jnp.float32).astype(jnp.bfloat16)
+        got = jax.jit(lambda x, qs, ss: cuda.quantized_matmuls(x, qs, ss, blocks))(x, qs, ss)
+        for y, q, s, block in zip(got, qs, ss, blocks):
+            _check(y, jax.jit(lambda x, q, s, b=block: op.reference(x, q, s, b, jnp.bfloat16))(x, q, s),
+                   jnp.bfloat16)
 
 
 def _real_shape_matches_reference(kernel_module, shape, scheme) -> None:

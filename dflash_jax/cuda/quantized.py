@@ -11,6 +11,11 @@ Why: a decode step is bound by the weights it reads. Whether XLA fuses the refer
 conversion into its dot or writes the converted kernel out first is XLA's choice, backend by backend; this
 kernel loads weight tiles as stored (1 byte a value), converts them in registers and accumulates in float32.
 
+Several kernels that share their input (a layer's q / k / v, an MLP's gate / up: :func:`quantized_matmuls`) run in
+one launch: the grid's column axis runs over each kernel's column blocks in turn, and a program works on the
+kernel its column block belongs to. At decode sizes a launch and its ramp cost about what a 4096 × 1024 int8
+kernel's bytes do, so a Qwen3-8B layer's seven launches become four.
+
 Layout: grid ``(row tiles, E / block_e, splits)``. Program (r, j, s) owns output columns ``[e0, e0 + block_e)``
 of ``rows`` token rows and the D rows of its split; it steps over them ``block_d`` at a time (software-
 pipelined ``num_stages`` deep): an ``x`` tile ``[rows, block_d]`` (x's dtype) and a weight tile ``[block_d,
@@ -59,7 +64,8 @@ from dflash_jax.cuda.common import (SUPPORTED_DTYPES, cdiv, compute_capability, 
 from dflash_jax.kernels.common import log_once, mesh_sizes, native
 from dflash_jax.tuning import Kernels
 
-__all__ = ["quantized_matmul", "quantized_matmul_kernel", "unsupported_reason"]
+__all__ = ["quantized_matmul", "quantized_matmul_kernel", "quantized_matmuls", "quantized_projections_kernel",
+           "unsupported_reason"]
 
 WEIGHT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 _MIN_TILE = 16  # tl.dot's smallest M, N and K
@@ -74,7 +80,9 @@ class _Config:
     splits: int  # D splits (programs), summed after the kernel
     chunk_d: int  # kernel rows per split (a multiple of block_d)
     gemv: bool
-    scaling: Scaling
+    scaling: tuple[Scaling, ...]  # one per kernel of the call
+    widths: tuple[int, ...]  # E of each kernel
+    col_blocks: tuple[int, ...]  # programs along E of each kernel (cdiv(E, block_e)), in order along the grid
     num_warps: int
     num_stages: int
     ieee_f32: bool
@@ -174,19 +182,22 @@ def unsupported_reason(x, q, scale, block: tuple[int, int], *, interpret: bool =
     return weight_reason(q.dtype, block, bd, be, interpret=interpret)
 
 
-def _make_config(t: int, d: int, e: int, block: tuple[int, int], dtype, q_dtype, *, block_e, block_d, num_splits,
-                 gemv, num_warps, num_stages, programs_per_sm: int) -> _Config:
-    be, bd = _blocks(d, e, block, block_e, block_d)
+def _make_config(t: int, d: int, widths: tuple[int, ...], blocks: tuple[tuple[int, int], ...], dtype, q_dtype, *,
+                 block_e, block_d, num_splits, gemv, num_warps, num_stages, programs_per_sm: int) -> _Config:
+    # One tile shape for every kernel of the call: powers of two, so the narrowest fits inside every kernel's
+    # scale blocks.
+    be, bd = (min(v) for v in zip(*(_blocks(d, e, b, block_e, block_d) for e, b in zip(widths, blocks))))
     gemv = t == 1 if gemv is None else bool(gemv and t == 1)
     rows = 1 if gemv else min(max(next_pow2(t), _MIN_TILE), 64)
-    programs = cdiv(t, rows) * cdiv(e, be)
+    col_blocks = tuple(cdiv(e, be) for e in widths)
+    programs = cdiv(t, rows) * sum(col_blocks)
     if num_splits is None:
         num_splits = max(1, min(cdiv((programs_per_sm or 4) * num_sms(), programs), d // _MIN_SPLIT_ROWS))
     num_splits = max(1, min(num_splits, cdiv(d, bd)))
     chunk = cdiv(cdiv(d, num_splits), bd) * bd
     return _Config(rows=rows, block_e=be, block_d=bd, splits=cdiv(d, chunk), chunk_d=chunk, gemv=gemv,
-                   scaling=Scaling.of(d, block, q_dtype), num_warps=num_warps or 4,
-                   num_stages=num_stages or 4,
+                   scaling=tuple(Scaling.of(d, b, q_dtype) for b in blocks), widths=tuple(widths),
+                   col_blocks=col_blocks, num_warps=num_warps or 4, num_stages=num_stages or 4,
                    ieee_f32=jnp.dtype(dtype) == jnp.float32 and highest_precision_requested())
 
 
@@ -204,14 +215,34 @@ def _load(ref, mask):
     return plgpu.load(ref) if mask is None else plgpu.load(ref, mask=mask, other=0)
 
 
-def _kernel(x_ref, q_ref, s_ref, o_ref, *, c: _Config, t: int, d: int, e: int):
-    # x [T, D]; q [D, E] int8 / fp8; s [nbi, nbo] float32; o [splits, T, E] float32 (or [T, E] when one split).
+def _kernel(x_ref, *refs, c: _Config, t: int, d: int):
+    # x [T, D]; then per kernel m of the call: q_m [D, E_m] int8 / fp8, s_m [nbi, nbo] float32, o_m [splits, T,
+    # E_m] float32 (or [T, E_m] when one split). The programs along the grid's E axis take the kernels in turn.
+    n = len(c.widths)
+    q_refs, s_refs, o_refs = refs[:n], refs[n:2 * n], refs[2 * n:]
+    # (program ids are read here: Pallas' interpret mode has none inside a branch)
     r, j, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if n == 1:
+        _program(x_ref, q_refs[0], s_refs[0], o_refs[0], r, j, sp, c=c, m=0, t=t, d=d)
+        return
+    first = 0
+    for m in range(n):
+        last = first + c.col_blocks[m]
+
+        @pl.when((j >= first) & (j < last))
+        def _(m=m, first=first):
+            _program(x_ref, q_refs[m], s_refs[m], o_refs[m], r, j - first, sp, c=c, m=m, t=t, d=d)
+        first = last
+
+
+def _program(x_ref, q_ref, s_ref, o_ref, r, j, sp, *, c: _Config, m: int, t: int, d: int):
+    """Program (r, ·, sp)'s work on kernel ``m``: its ``j``-th block of output columns (module docstring)."""
+    e = c.widths[m]
     r0, e0, d_lo = r * c.rows, j * c.block_e, sp * c.chunk_d
     rmask = _tail_mask(r0, c.rows, t) if not c.gemv else None
     emask = _tail_mask(e0, c.block_e, e)
     steps = lax.div(jnp.minimum(c.chunk_d, d - d_lo) + c.block_d - 1, c.block_d)
-    compute, q = x_ref.dtype, c.scaling
+    compute, q = x_ref.dtype, c.scaling[m]
 
     def scaled(part, kb):
         return q.scaled(part, s_ref, (), kb, e0, c.block_e, emask)
@@ -250,50 +281,86 @@ def _kernel(x_ref, q_ref, s_ref, o_ref, *, c: _Config, t: int, d: int, e: int):
 
 
 def quantized_matmul(x: jax.Array, q: jax.Array, scale: jax.Array, block: tuple[int, int], *, out_dtype=None,
-                     block_e: int | None = None, block_d: int | None = None, num_splits: int | None = None,
-                     gemv: bool | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                     programs_per_sm: int = 0, interpret: bool = False) -> jax.Array:
-    """``x @ dequantize(q, scale)`` (module docstring) in ``out_dtype`` (x's dtype unless given). Tuning
-    (static): ``block_e`` output columns per program (64), ``block_d`` kernel rows per step (128; both powers of
-    two ≥ 16, narrowed to fit inside scale blocks), ``num_splits`` D splits (default: ~``programs_per_sm`` (4)
-    programs per SM), ``gemv`` the one-token path (default: at T = 1), ``num_warps`` (4), ``num_stages`` (4)."""
-    lead, (d, e) = x.shape[:-1], q.shape
+                     **tuning) -> jax.Array:
+    """``x @ dequantize(q, scale)`` (module docstring) in ``out_dtype`` (x's dtype unless given); ``tuning``:
+    :func:`quantized_matmuls`'."""
+    return quantized_matmuls(x, (q,), (scale,), (block,), out_dtype=out_dtype, **tuning)[0]
+
+
+def quantized_matmuls(x: jax.Array, qs: tuple[jax.Array, ...], scales: tuple[jax.Array, ...],
+                      blocks: tuple[tuple[int, int], ...], *, out_dtype=None, block_e: int | None = None,
+                      block_d: int | None = None, num_splits: int | None = None, gemv: bool | None = None,
+                      num_warps: int | None = None, num_stages: int | None = None, programs_per_sm: int = 0,
+                      interpret: bool = False) -> tuple[jax.Array, ...]:
+    """``x @ dequantize(q_m, scale_m)`` for each kernel m (``[D, E_m]``, one weight dtype) in one launch — a
+    layer's q / k / v or an MLP's gate / up share their input, and at decode sizes a launch and its ramp cost
+    about what a 4096 × 1024 int8 kernel's bytes do. Tuning (static, shared by the kernels): ``block_e`` output
+    columns per program (64), ``block_d`` kernel rows per step (128; both powers of two ≥ 16, narrowed to fit
+    inside every kernel's scale blocks), ``num_splits`` D splits (default: ~``programs_per_sm`` (4) programs per
+    SM), ``gemv`` the one-token path (default: at T = 1), ``num_warps`` (4), ``num_stages`` (4)."""
+    d = x.shape[-1]
+    lead, widths = x.shape[:-1], tuple(q.shape[1] for q in qs)
+    if any(q.shape[0] != d for q in qs) or len({jnp.dtype(q.dtype) for q in qs}) != 1:
+        raise ValueError(f"quantized_matmuls: kernels {[q.shape for q in qs]} of dtypes "
+                         f"{sorted({str(q.dtype) for q in qs})} do not share x's {d} input rows and one dtype")
     out_dtype = x.dtype if out_dtype is None else out_dtype
     x2 = x.reshape(-1, d)
     t = x2.shape[0]
-    c = _make_config(t, d, e, tuple(block), x.dtype, q.dtype, block_e=block_e, block_d=block_d, num_splits=num_splits,
-                     gemv=gemv, num_warps=num_warps, num_stages=num_stages, programs_per_sm=programs_per_sm)
+    c = _make_config(t, d, widths, tuple(map(tuple, blocks)), x.dtype, qs[0].dtype, block_e=block_e, block_d=block_d,
+                     num_splits=num_splits, gemv=gemv, num_warps=num_warps, num_stages=num_stages,
+                     programs_per_sm=programs_per_sm)
     rows = 1 if c.gemv else c.rows
-    # One split writes the output directly; several write float32 partial sums that XLA adds.
-    out_shape = (jax.ShapeDtypeStruct((c.splits, t, e), jnp.float32) if c.splits > 1
-                 else jax.ShapeDtypeStruct((t, e), out_dtype))
-    out = pl.pallas_call(
-        functools.partial(_kernel, c=c, t=t, d=d, e=e), out_shape=out_shape,
-        grid=(cdiv(t, rows), cdiv(e, c.block_e), c.splits),
+    # One split writes the outputs directly; several write float32 partial sums that XLA adds.
+    out_shape = tuple(jax.ShapeDtypeStruct((c.splits, t, e), jnp.float32) if c.splits > 1
+                      else jax.ShapeDtypeStruct((t, e), out_dtype) for e in widths)
+    outs = pl.pallas_call(
+        functools.partial(_kernel, c=c, t=t, d=d), out_shape=out_shape,
+        grid=(cdiv(t, rows), sum(c.col_blocks), c.splits),
         compiler_params=plgpu.CompilerParams(num_warps=c.num_warps, num_stages=c.num_stages),
-        interpret=interpret, name="dflash_quantized_matmul")(x2, q, scale.astype(jnp.float32))
+        interpret=interpret, name="dflash_quantized_matmul")(x2, *qs, *(s.astype(jnp.float32) for s in scales))
     if c.splits > 1:
-        out = jnp.sum(out, axis=0)
-    return out.astype(out_dtype).reshape(*lead, e)
+        outs = tuple(jnp.sum(o, axis=0) for o in outs)
+    return tuple(o.astype(out_dtype).reshape(*lead, e) for o, e in zip(outs, widths))
 
 
-def quantized_matmul_kernel(x, q, scale, block, *, out_dtype, kernels: Kernels) -> jax.Array | None:
-    """The entry of the kernel dispatch (op ``"quantized_matmul"``): :func:`quantized_matmul` (interpret mode off
-    a GPU) for calls of at most ``kernels.tuning.quant_kernel_max_tokens`` tokens, or None where the reference
-    must run (more tokens, float8 weights with ``kernels.tuning.quant_kernel_float8`` off, shapes the kernel does
-    not take, or under a mesh: the op does not know how its kernel is split, and a custom call over sharded
-    operands would gather them)."""
-    interpret = not native("cuda")
+def _refusal(x, q, scale, block, kernels: Kernels, interpret: bool) -> str | None:
+    """Why the dispatch's entries run the reference for this kernel: "" where not worth a log line (more tokens
+    than ``kernels.tuning.quant_kernel_max_tokens``, float8 weights with ``quant_kernel_float8`` off), a reason
+    (shapes the kernel does not take, or under a mesh: the op does not know how its kernel is split, and a custom
+    call over sharded operands would gather them), or None."""
     t = 1
     for n in x.shape[:-1]:
         t *= n
     if t > kernels.tuning.quant_kernel_max_tokens:
-        return None  # prefill: the XLA path (not worth a log line)
+        return ""  # prefill: the XLA path
     if jnp.dtype(q.dtype) == jnp.float8_e4m3fn and not kernels.tuning.quant_kernel_float8:
-        return None  # turned off by the caller: not worth a log line either
-    why = "under a device mesh" if mesh_sizes() else unsupported_reason(x, q, scale, block, interpret=interpret)
+        return ""  # turned off by the caller
+    return "under a device mesh" if mesh_sizes() else unsupported_reason(x, q, scale, block, interpret=interpret)
+
+
+def quantized_matmul_kernel(x, q, scale, block, *, out_dtype, kernels: Kernels) -> jax.Array | None:
+    """The entry of the kernel dispatch (op ``"quantized_matmul"``): :func:`quantized_matmul` (interpret mode off
+    a GPU), or None where the reference must run (:func:`_refusal`)."""
+    interpret = not native("cuda")
+    why = _refusal(x, q, scale, block, kernels, interpret)
     if why is not None:
-        log_once(f"quantized matmul: the XLA reference instead of the GPU kernel ({why})")
+        if why:
+            log_once(f"quantized matmul: the XLA reference instead of the GPU kernel ({why})")
         return None
     return quantized_matmul(x, q, scale, block, out_dtype=out_dtype, interpret=interpret,
                             programs_per_sm=kernels.tuning.programs_per_sm)
+
+
+def quantized_projections_kernel(x, weights, *, out_dtype, kernels: Kernels) -> tuple[jax.Array, ...] | None:
+    """The entry of the kernel dispatch (op ``"quantized_projections"``): :func:`quantized_matmuls` over every
+    ``(q, scale, block)`` of ``weights`` in one launch, or None (each kernel then goes through the op
+    ``"quantized_matmul"``) where the quantized kernel is off, a kernel would be refused alone
+    (:func:`_refusal`) or the kernels' weight dtypes differ."""
+    if not kernels.tuning.quant_kernel or len({jnp.dtype(q.dtype) for q, _, _ in weights}) != 1:
+        return None
+    interpret = not native("cuda")
+    if any(_refusal(x, q, s, b, kernels, interpret) is not None for q, s, b in weights):
+        return None  # each kernel alone logs its own reason
+    qs, scales, blocks = zip(*weights)
+    return quantized_matmuls(x, qs, scales, blocks, out_dtype=out_dtype, interpret=interpret,
+                             programs_per_sm=kernels.tuning.programs_per_sm)

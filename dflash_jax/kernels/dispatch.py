@@ -41,6 +41,8 @@ OPS = {
     "moe_experts": "dflash_jax.kernels.moe.experts_auto (the routed experts' MLP)",
     "delta_rule": "dflash_jax.kernels.delta_rule.kernel_block (the gated delta rule of a short block)",
     "quantized_matmul": "dflash_jax.kernels.quantized.quantized_matmul (x @ an int8 / fp8 kernel with its scales)",
+    "quantized_projections": "dflash_jax.kernels.quantized.quantized_projections (several int8 / fp8 kernels "
+                             "over one input)",
     "top_k": "dflash_jax.kernels.top_k.top_k (the K largest of each row: DFlash2's candidates over the vocabulary)",
 }
 
@@ -60,13 +62,15 @@ REGISTRY: dict[tuple[str, str], str] = {
     ("delta_rule", "cuda"): "dflash_jax.cuda.delta_rule:kernel_block",
     ("quantized_matmul", "cuda"): "dflash_jax.cuda.quantized:quantized_matmul_kernel",
     ("quantized_matmul", "pallas"): "dflash_jax.pallas.quantized:quantized_matmul_kernel",
+    ("quantized_projections", "cuda"): "dflash_jax.cuda.quantized:quantized_projections_kernel",
     ("top_k", "cuda"): "dflash_jax.cuda.top_k:chunked_top_k_kernel",
 }
 
 # Ops whose kernel a KernelTuning field turns off (A/B runs): op → field name. ``top_k_chunked`` is off by default
 # (lax.top_k runs until a GPU measurement says otherwise).
 SWITCHES = {"packed_verify_attention": "packed_kernel", "cache_write": "write_kernel", "cache_place": "place_kernel",
-            "delta_rule": "delta_rule_kernel", "quantized_matmul": "quant_kernel", "top_k": "top_k_chunked"}
+            "delta_rule": "delta_rule_kernel", "quantized_matmul": "quant_kernel",
+            "quantized_projections": "quant_group_kernel", "top_k": "top_k_chunked"}
 
 
 def resolve_impl(impl: str, dtype=None) -> str:

@@ -19,6 +19,7 @@ Products accumulate in float32 and come back in ``out_dtype`` (the activations' 
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,11 +34,8 @@ def quantized_matmul(x: Float[Array, "*b D"], q: jax.Array, scale: Float[Array, 
                      ) -> Float[Array, "*b E"]:
     """``x @ dequantize(q, scale)`` for ``q [D, E]`` (int8 / float8) and ``scale`` ``[ceil(D / block[0]),
     ceil(E / block[1])]``; ``block`` = (input rows, output columns) per scale, both integers."""
+    _check(x, q, scale, block)
     d, e = q.shape
-    nbi, nbo = scale.shape
-    if x.shape[-1] != d or nbi != -(-d // block[0]) or nbo != -(-e // block[1]):
-        raise ValueError(f"quantized_matmul: x {x.shape}, kernel {q.shape}, scale {scale.shape} and block {block} "
-                         f"do not fit")
     out_dtype = x.dtype if out_dtype is None else out_dtype
     run = kernel("quantized_matmul", kernels)
     if run is not None:
@@ -50,6 +48,30 @@ def quantized_matmul(x: Float[Array, "*b D"], q: jax.Array, scale: Float[Array, 
         two = jnp.pad(x.reshape(1, d), ((0, 1), (0, 0)))
         return reference(two, q, scale, block, out_dtype)[:1].reshape(*x.shape[:-1], e)
     return reference(x, q, scale, block, out_dtype)
+
+
+def quantized_projections(x: Float[Array, "*b D"], weights: Sequence[tuple[jax.Array, jax.Array, tuple[int, int]]],
+                          *, out_dtype=None, kernels: Kernels = Kernels()) -> tuple[Float[Array, "*b E"], ...]:
+    """``x @ dequantize(q, scale)`` for each ``(q, scale, block)`` of ``weights`` (kernels sharing the input: a
+    layer's q / k / v, an MLP's gate / up): one launch where a kernel is registered for the op
+    ``"quantized_projections"`` and takes them, else each through :func:`quantized_matmul` (the reference)."""
+    weights = tuple((q, s, tuple(b)) for q, s, b in weights)
+    run = kernel("quantized_projections", kernels) if len(weights) > 1 else None
+    if run is not None:
+        for q, s, b in weights:
+            _check(x, q, s, b)
+        out = run(x, weights, out_dtype=x.dtype if out_dtype is None else out_dtype, kernels=kernels)
+        if out is not None:
+            return tuple(out)
+    return tuple(quantized_matmul(x, q, s, b, out_dtype=out_dtype, kernels=kernels) for q, s, b in weights)
+
+
+def _check(x, q, scale, block) -> None:
+    d, e = q.shape
+    nbi, nbo = scale.shape
+    if x.shape[-1] != d or nbi != -(-d // block[0]) or nbo != -(-e // block[1]):
+        raise ValueError(f"quantized_matmul: x {x.shape}, kernel {q.shape}, scale {scale.shape} and block {block} "
+                         f"do not fit")
 
 
 def reference(x: Float[Array, "*b D"], q: jax.Array, scale: Float[Array, "nbi nbo"], block: tuple[int, int],

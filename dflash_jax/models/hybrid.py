@@ -27,7 +27,7 @@ from dflash_jax.config import ModelConfig
 from dflash_jax.kernels.attention import cache_attention, prefill_attention, read_after
 from dflash_jax.kernels.packed import PackedLayout, packed_verify
 from dflash_jax.models import linear_attention as la
-from dflash_jax.models.layers import MLP, Dense, Embed, Rope, apply_rope
+from dflash_jax.models.layers import MLP, Dense, Embed, Rope, apply_rope, project_together
 from dflash_jax.models.moe import SparseMoE
 from dflash_jax.models.target import KVCache, PendingKV, TargetModel, write_rows
 from dflash_jax.quant import SCALE_SUFFIX
@@ -91,11 +91,12 @@ class GatedAttention(nnx.Module):
     def __call__(self, x, positions, cos, sin, k_cache, v_cache, *, prefill: bool, kernels: Kernels,
                  packed: PackedLayout | None = None):
         b, t, _ = x.shape
-        qg = self.q_proj(x, kernels).reshape(b, t, self.n, 2 * self.h)
+        qg, k, v = project_together((self.q_proj, self.k_proj, self.v_proj), x, kernels)
+        qg = qg.reshape(b, t, self.n, 2 * self.h)
         q, gate = qg[..., :self.h], qg[..., self.h:].reshape(b, t, self.n * self.h)
         q = apply_partial_rope(self.q_norm(q), cos, sin)
-        k = apply_partial_rope(self.k_norm(self.k_proj(x, kernels).reshape(b, t, self.k, self.h)), cos, sin)
-        v = self.v_proj(x, kernels).reshape(b, t, self.k, self.h)
+        k = apply_partial_rope(self.k_norm(k.reshape(b, t, self.k, self.h)), cos, sin)
+        v = v.reshape(b, t, self.k, self.h)
         if packed is not None:  # as target.Attention: the cache is only read; the new K/V are returned
             out, new_kv = packed_verify(q, k, v, *read_after(x, k_cache, v_cache, kernels), packed, kernels=kernels)
             k_cache = v_cache = new_kv

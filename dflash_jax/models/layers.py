@@ -17,7 +17,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from dflash_jax.config import ModelConfig, RopeConfig, rope_attention_factor
-from dflash_jax.kernels.quantized import quantized_matmul
+from dflash_jax.kernels.quantized import quantized_matmul, quantized_projections
 from dflash_jax.quant import QuantParam, Scheme
 from dflash_jax.tuning import Kernels
 
@@ -76,6 +76,17 @@ class Dense(nnx.Module):
         return y + self.bias[...] if self.bias is not None else y
 
 
+def project_together(layers: tuple[Dense, ...], x: jax.Array, kernels: Kernels = Kernels()) -> tuple[jax.Array, ...]:
+    """``layer(x)`` for each layer (biases included): quantized layers of one weight dtype through the op
+    :func:`~dflash_jax.kernels.quantized.quantized_projections` (one GPU launch for all of them where that kernel
+    is on), any others each alone."""
+    if len(layers) > 1 and all(d.quant is not None for d in layers) and len({d.quant.dtype for d in layers}) == 1:
+        ys = quantized_projections(x, [(d.kernel[...], d.scale[...], d.quant.blocks(*d.kernel.shape)) for d in layers],
+                                   kernels=kernels)
+        return tuple(y + d.bias[...] if d.bias is not None else y for y, d in zip(ys, layers))
+    return tuple(d(x, kernels) for d in layers)
+
+
 # Dense layers whose kernel other code reads directly, and that stay in the compute dtype when a model is
 # quantized: MoE routers (precision-sensitive and tiny) and DSpark's Markov and confidence heads.
 UNQUANTIZED = ("gate", "shared_expert_gate", "router", "markov_head", "confidence_head")
@@ -110,7 +121,8 @@ class MLP(nnx.Module):
         self.down_proj = Dense(i, d, bias=bias, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, kernels: Kernels = Kernels()) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x, kernels)) * self.up_proj(x, kernels), kernels)
+        gate, up = project_together((self.gate_proj, self.up_proj), x, kernels)
+        return self.down_proj(jax.nn.silu(gate) * up, kernels)
 
 
 class Embed(nnx.Module):

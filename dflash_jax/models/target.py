@@ -19,7 +19,7 @@ from dflash_jax.config import ModelConfig
 from dflash_jax.kernels.attention import cache_attention, prefill_attention, read_after
 from dflash_jax.kernels.cache_write import place_pending, write_pending, write_rows
 from dflash_jax.kernels.packed import PackedLayout, gather_windows, packed_verify
-from dflash_jax.models.layers import MLP, Dense, Embed, RMSNorm, Rope, apply_rope
+from dflash_jax.models.layers import MLP, Dense, Embed, RMSNorm, Rope, apply_rope, project_together
 from dflash_jax.models.linear_attention import pad_record
 from dflash_jax.models.moe import SparseMoE
 from dflash_jax.quant import dequantize_columns
@@ -127,9 +127,9 @@ class Attention(nnx.Module):
 
     def project_qkv(self, x: Float[Array, "B T D"], cos, sin, kernels: Kernels = Kernels()):
         b, t, _ = x.shape
-        q = self.q_proj(x, kernels).reshape(b, t, self.n, self.h)
-        k = self.k_proj(x, kernels).reshape(b, t, self.k, self.h)
-        v = self.v_proj(x, kernels).reshape(b, t, self.k, self.h)
+        q, k, v = project_together((self.q_proj, self.k_proj, self.v_proj), x, kernels)
+        q = q.reshape(b, t, self.n, self.h)
+        k, v = k.reshape(b, t, self.k, self.h), v.reshape(b, t, self.k, self.h)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v

@@ -5,6 +5,8 @@
 #   p02     8B shape, p = 0.2, auto and static at 64, 128, 4 rows (tables: tools/remote_gpu/h100_8b_tables.json;
 #           batch 4 is timed) (~8 min)
 #   p03     8B shape, p = 0.3, at 64 and 16 rows with the same tables (~5 min)
+#   qgroup  the quantized kernels' GPU tests, then the 8B int8 AR step and cycle at 1 / 16 rows with q / k / v and
+#           gate / up each in one launch (quant_group_kernel) against one launch a layer (issue 56) (~6 min)
 #   qsweep  the quantized matmul alone at the 8B layers (issue 56; int8 block choices) (~8 min?)
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD TF_CPP_MIN_LOG_LEVEL=2 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
@@ -18,6 +20,9 @@ case "$1" in
          --repeats 2 $TABLES --out $OUT/p02.json --plot $OUT/p02.png 2>&1 | grep -v "^  [^(]" | tail -n 20 ;;
   p03) timeout 570 python3 benchmarks/bench_compact_scaled.py --batches 64,16 --corrupt 0.3 --modes static,auto \
          --repeats 2 $TABLES --out $OUT/p03.json --plot $OUT/p03.png 2>&1 | grep -v "^  [^(]" | tail -n 20 ;;
+  qgroup) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_quantized_kernels.py 2>&1 | tail -n 4
+          for k in on grouped; do timeout 170 python3 benchmarks/bench_quantized_step.py --quantizations int8 \
+            --batches 1,16 --quant-kernel $k --out $OUT/qstep_int8_$k.json 2>&1 | tail -n 4; done ;;
   qsweep) timeout 570 python3 benchmarks/bench_quantized_step.py --sweep --out $OUT/qsweep.json 2>&1 | tail -n 40 ;;
-  *) echo "usage: $0 kinds|p02|p03|qsweep" >&2; exit 2 ;;
+  *) echo "usage: $0 kinds|p02|p03|qgroup|qsweep" >&2; exit 2 ;;
 esac
