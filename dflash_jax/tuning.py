@@ -125,7 +125,8 @@ class Tuning:
     # Verify mode "auto": fall back to plain autoregressive steps while the acceptance observed says drafting does
     # not pay (dflash_jax.engine.switching; default: $DFLASH_JAX_AR_FALLBACK, on unless "0"), in segments: drafted
     # ones of probe_cycles, doubling up to drafted_segment_cycles while drafting clearly pays; autoregressive ones
-    # of fallback_steps (rounded up to a multiple of the block size).
+    # of fallback_steps (rounded up to a multiple of the block size). Probes are shorter where the batch observes
+    # enough rows in fewer cycles (dflash_jax.engine.switching.PROBE_ROW_STEPS).
     ar_fallback: bool = dataclasses.field(default_factory=_env_fallback)
     drafted_segment_cycles: int = 128
     probe_cycles: int = 2

@@ -277,6 +277,21 @@ def test_a_table_timed_elsewhere_is_checked_here():
     assert not r.checking and r.value() == pytest.approx(1.5)
 
 
+@pytest.mark.parametrize("rows", [3, 32])
+def test_probes_are_shorter_where_the_batch_observes_enough_rows(tiny, rows):
+    """A first drafted segment (a probe) runs ``probe_cycles`` cycles at a few rows, and one where the batch gives
+    PROBE_ROW_STEPS row steps in one cycle: a drafter that never pays drafts that many cycles, then falls back."""
+    target = tiny[0]
+    prompts = random_prompts(rows, [4, 13, 9], target.config.vocab_size, seed=12)
+    ref = generate(target, prompts, max_new_tokens=12, stop_token_ids=[])
+    wrong = oracle_drafter(target, prompts, ref.token_ids, block_size=L, corrupt=1.0)
+    out = speculative_generate(target, wrong, prompts, 12, stop_token_ids=[], cost_table=table(rows),
+                               tuning=tuning(fallback_steps=16, remember_acceptance=False))
+    assert out.token_ids == ref.token_ids
+    drafted = out.stats["cycles"] - out.stats["ar_fallback_steps"]
+    assert drafted == (1 if rows >= switching.PROBE_ROW_STEPS else 2)
+
+
 def test_a_probe_call_pays_its_segments():
     """A call that holds a probe runs all its steps in segments, not ``generate``'s programs: where a segment's
     step was timed dearer than theirs, a probe costs that difference over the call's steps too, and probes

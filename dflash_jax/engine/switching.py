@@ -57,6 +57,10 @@ SMOOTHING = 0.5
 # up to MAX_BACKOFF while probes keep losing).
 PROBE_SHARE = 0.05
 MAX_BACKOFF = 8
+# A probe (and the first drafted segment) runs ``Tuning.probe_cycles`` cycles, fewer where the batch gives this many
+# row steps in fewer: τ̂'s standard error is read from the row steps seen, and at large batches a drafted step costs
+# several autoregressive ones (3.1× at 128 rows on a 2-core CPU), so a second cycle there buys little.
+PROBE_ROW_STEPS = 32
 # A row's own τ counts against the batch's as if the batch's had been seen over this many of its steps.
 ROW_PRIOR_STEPS = 16
 # Where drafting seems to pay less than this many times over by the cost table, one short fallback segment of
@@ -520,8 +524,8 @@ def decoder(job, record: Record | None = None, pooled: bool = False) -> Decoder:
     tuning = job.settings.tuning  # the loop spec carries these host-side knobs at a fixed value
     l = job.spec.block_size
     fallback_steps = max(1, -(-tuning.fallback_steps // l)) * l
-    policy = SwitchPolicy(job.fallback, pooled, max(1, tuning.probe_cycles), fallback_steps,
-                          max(1, tuning.drafted_segment_cycles))
+    probe_cycles = max(1, min(tuning.probe_cycles, -(-PROBE_ROW_STEPS // max(1, len(job.ids)))))
+    policy = SwitchPolicy(job.fallback, pooled, probe_cycles, fallback_steps, max(1, tuning.drafted_segment_cycles))
     # Runs of one batch shape with this drafter share what they observed (the drafter handle keeps it).
     spec = job.spec
     key = (id(job.target), job.fallback, pooled, spec.verify_mode, spec.tiers, spec.block_size, spec.sampling,
