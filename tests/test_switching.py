@@ -290,6 +290,11 @@ def test_probes_are_shorter_where_the_batch_observes_enough_rows(tiny, rows):
     assert out.token_ids == ref.token_ids
     drafted = out.stats["cycles"] - out.stats["ar_fallback_steps"]
     assert drafted == (1 if rows >= switching.PROBE_ROW_STEPS else 2)
+    # only probes are shortened: a drafted segment after an unclear one keeps probe_cycles (host returns)
+    p = SwitchPolicy(FB, rows=rows)
+    assert p.probe_len == (1 if rows >= switching.PROBE_ROW_STEPS else 2) and p.next_segment() == DRAFT
+    p.drafted(*segment(1.3), 1.2)  # 1.08× AR: drafting stays, not clearly
+    assert p.mode == DRAFT and p.cycles == p.probe_cycles == 2
 
 
 def test_a_probe_call_pays_its_segments():

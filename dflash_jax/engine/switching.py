@@ -59,7 +59,8 @@ PROBE_SHARE = 0.05
 MAX_BACKOFF = 8
 # A probe (and the first drafted segment) runs ``Tuning.probe_cycles`` cycles, fewer where the batch gives this many
 # row steps in fewer: τ̂'s standard error is read from the row steps seen, and at large batches a drafted step costs
-# several autoregressive ones (3.1× at 128 rows on a 2-core CPU), so a second cycle there buys little.
+# several autoregressive ones (3.1× at 128 rows on a 2-core CPU), so a second cycle there buys little. (Drafted
+# segments while it is not yet clear that drafting pays keep ``probe_cycles``: each ends with a return to the host.)
 PROBE_ROW_STEPS = 32
 # A row's own τ counts against the batch's as if the batch's had been seen over this many of its steps.
 ROW_PRIOR_STEPS = 16
@@ -129,7 +130,7 @@ class SwitchPolicy:
     with ``τ_r`` each row's own running estimate and ``left_r`` its budget left. A pool (``pooled``: finished
     rows get new prompts) is paid by its throughput: the rows' mean τ.
 
-    The first segment and every probe draft ``probe_cycles`` cycles (short: where drafting loses, each costs);
+    The first segment and every probe draft ``probe_len`` cycles (short: where drafting loses, each costs);
     drafting is left only when it loses even by an optimistic reading of what was seen (τ̂ :data:`LEAVE_OPTIMISM`
     standard errors up, a standard error taken as τ̂ / √(row steps seen)): a row or two of a few cycles may have been unlucky. Probes come after enough
     fallback segments that a probe costs at most :data:`PROBE_SHARE` of the time between two (more while probes
@@ -139,9 +140,11 @@ class SwitchPolicy:
     model."""
 
     def __init__(self, fallback: Fallback, pooled: bool = False, probe_cycles: int = 2, fallback_steps: int = 32,
-                 max_cycles: int = 128):
+                 max_cycles: int = 128, rows: int | None = None):
         self.fallback, self.pooled = fallback, pooled
         self.probe_cycles, self.fallback_steps, self.max_cycles = probe_cycles, fallback_steps, max_cycles
+        # a probe's cycles: fewer where ``rows`` rows observe PROBE_ROW_STEPS row steps in fewer
+        self.probe_len = probe_cycles if rows is None else max(1, min(probe_cycles, -(-PROBE_ROW_STEPS // rows)))
         self.tau: float | None = None  # tokens per row and drafted step over the batch, running
         self.seen = 0  # row steps behind self.tau since it was last restarted
         self.row_tokens: np.ndarray | None = None  # [B] each row's tokens from drafted steps so far
@@ -162,7 +165,7 @@ class SwitchPolicy:
         self.mode = DRAFT if fallback.can_pay else AUTOREGRESSIVE
         self.backoff = 1  # grows while probes lose
         self.until_probe = 0  # fallback segments left before the next probe (AUTOREGRESSIVE)
-        self.probing = True  # the next drafted segment is a probe (or the first): probe_cycles long
+        self.probing = True  # the next drafted segment is a probe (or the first): probe_len long
         self.cycles = probe_cycles  # the next drafted segment's length
 
     @property
@@ -291,7 +294,7 @@ class SwitchPolicy:
         """Fallback segments until the next probe: a probe's cost ≤ PROBE_SHARE of the time between two, times
         the backoff. Its cost is its drafted cycles and, where timed, what running the rest of its call in
         segments costs over ``generate``'s programs (the whole call's fallback steps at the difference)."""
-        probe_ms = self.probe_cycles * self.step_ms
+        probe_ms = self.probe_len * self.step_ms
         segment_ms = self.fallback_steps * self.ar_ms
         if self.segment_wall_ms is not None and self.plain_wall_ms is not None and self.ar_wall_ms:
             extra_wall = max(0.0, self.segment_wall_ms - self.plain_wall_ms) * self.fallback_steps * self.call_segments
@@ -377,7 +380,7 @@ class SwitchingDecoder(Decoder):
             if seg.mode == AUTOREGRESSIVE:
                 length = AR_CHECK_STEPS if seg.check else self.ar_steps
             else:
-                length = self.policy.probe_cycles if seg.probe else self.policy.cycles
+                length = self.policy.probe_len if seg.probe else self.policy.cycles
             n = min(left, length - seg.ran)
             program = self.job.programs.decode if seg.mode == DRAFT else self._fallback_program()
             key = self.job.key + ((seg.mode, self.ar_steps) if seg.mode == AUTOREGRESSIVE else ())
@@ -524,8 +527,8 @@ def decoder(job, record: Record | None = None, pooled: bool = False) -> Decoder:
     tuning = job.settings.tuning  # the loop spec carries these host-side knobs at a fixed value
     l = job.spec.block_size
     fallback_steps = max(1, -(-tuning.fallback_steps // l)) * l
-    probe_cycles = max(1, min(tuning.probe_cycles, -(-PROBE_ROW_STEPS // max(1, len(job.ids)))))
-    policy = SwitchPolicy(job.fallback, pooled, probe_cycles, fallback_steps, max(1, tuning.drafted_segment_cycles))
+    policy = SwitchPolicy(job.fallback, pooled, max(1, tuning.probe_cycles), fallback_steps,
+                          max(1, tuning.drafted_segment_cycles), rows=max(1, len(job.ids)))
     # Runs of one batch shape with this drafter share what they observed (the drafter handle keeps it).
     spec = job.spec
     key = (id(job.target), job.fallback, pooled, spec.verify_mode, spec.tiers, spec.block_size, spec.sampling,
