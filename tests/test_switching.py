@@ -45,8 +45,8 @@ class RandomSwitches(SwitchPolicy):
 
     seed = 0
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
         self.rng = np.random.default_rng(RandomSwitches.seed)
 
     def drafted(self, *args) -> None:
@@ -61,8 +61,8 @@ class Scripted(SwitchPolicy):
 
     modes: tuple[str, ...] = ()
 
-    def __init__(self, *args):
-        super().__init__(*args)
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
         self.left_modes = list(Scripted.modes)
 
     def drafted(self, *args) -> None:

@@ -64,8 +64,8 @@ def test_fallback_switches_under_a_mesh(reference, monkeypatch):
     from dflash_jax.engine import switching
 
     class RandomSwitches(switching.SwitchPolicy):
-        def __init__(self, *args):
-            super().__init__(*args)
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
             self.rng = np.random.default_rng(0)
 
         def drafted(self, *args):
