@@ -132,6 +132,9 @@ def test_grouped_dispatch():
     grouped = Kernels("cuda", KernelTuning(quant_group_kernel=True))
     assert launches(grouped) == 1 and launches(Kernels("cuda")) == 2 and launches(Kernels("xla")) == 0
     assert launches(grouped, jnp.zeros((2, 64), jnp.float32)) == 0  # two tokens: the reference (token limit)
+    _, q3, s3, b3 = _inputs(2, 1, 64, 16, Scheme("fp8"), jnp.float32)
+    mixed = jax.make_jaxpr(lambda x: op.quantized_projections(x, [weights[0], (q3, s3, b3)], kernels=grouped))(x)
+    assert str(mixed).count("pallas_call") == 2  # int8 and float8 weights: one launch each
     got = jax.jit(lambda x: op.quantized_projections(x, weights, kernels=grouped))(x)
     for y, (q, s, b) in zip(got, weights):
         _check(y, op.reference(x, q, s, b, jnp.float32), jnp.float32)

@@ -77,10 +77,10 @@ class Dense(nnx.Module):
 
 
 def project_together(layers: tuple[Dense, ...], x: jax.Array, kernels: Kernels = Kernels()) -> tuple[jax.Array, ...]:
-    """``layer(x)`` for each layer (biases included): quantized layers of one weight dtype through the op
+    """``layer(x)`` for each layer (biases included): quantized layers through the op
     :func:`~dflash_jax.kernels.quantized.quantized_projections` (one GPU launch for all of them where that kernel
-    is on), any others each alone."""
-    if len(layers) > 1 and all(d.quant is not None for d in layers) and len({d.quant.dtype for d in layers}) == 1:
+    is on and takes them), float ones each alone."""
+    if len(layers) > 1 and all(d.quant is not None for d in layers):
         ys = quantized_projections(x, [(d.kernel[...], d.scale[...], d.quant.blocks(*d.kernel.shape)) for d in layers],
                                    kernels=kernels)
         return tuple(y + d.bias[...] if d.bias is not None else y for y, d in zip(ys, layers))
