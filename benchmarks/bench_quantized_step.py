@@ -21,7 +21,7 @@ defaults, int8 and float8 weights through the kernels; ``grouped``: also a layer
 up in one launch each (``quant_group_kernel``).
 
 ``--sweep``: the quantized matmul alone on the shape's linear layers (Qwen3-8B: 4096 × 4096, 4096 × 1024,
-4096 × 12288, 12288 × 4096, 4096 × 151936) at T = 1, 16, 64 tokens: bf16 ``x @ w`` (XLA), the XLA reference
+4096 × 12288, 12288 × 4096, 4096 × 151936) at T = 1, 16, 64 tokens (``--sweep-tokens``; schemes ``--sweep-schemes``): bf16 ``x @ w`` (XLA), the XLA reference
 on int8 / fp8, the kernel at its defaults (and, on int8, at a few other block choices), each against its bytes
 floor.
 
@@ -51,6 +51,7 @@ import functools
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -63,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ (common,
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))  # step_parts
 
 from bench_compact_scaled import CPU_FAST_COMPILE, SHAPES  # noqa: E402
-from common import random_target  # noqa: E402
+from common import device_profile, print_profile, random_target  # noqa: E402
 from step_parts import device_rates, parts, program, timed  # noqa: E402
 from dflash_jax import random_drafter  # noqa: E402
 from dflash_jax.cuda import quantized as cuda_quantized  # noqa: E402
@@ -76,8 +77,14 @@ from dflash_jax.tuning import Tuning  # noqa: E402
 
 SCHEMES = {"bf16": None, "int8": Scheme("int8"), "fp8": Scheme("fp8"), "fp8-block": Scheme("fp8", (128, 128))}
 LAYERS_8B = ((4096, 4096), (4096, 1024), (4096, 12288), (12288, 4096), (4096, 151936))
-SWEEP = ({}, dict(block_e=128), dict(block_e=32), dict(block_d=256), dict(num_warps=8), dict(num_stages=3),
-         dict(programs_per_sm=8), dict(gemv=False))
+SWEEP = ({}, dict(block_e=128), dict(block_e=32), dict(block_e=16), dict(block_d=256), dict(block_d=512),
+         dict(num_warps=8), dict(num_stages=3), dict(num_splits=1), dict(programs_per_sm=2), dict(programs_per_sm=8),
+         dict(programs_per_sm=16), dict(gemv=False),
+         # no D split (no XLA sum of partials: one launch) over narrower column blocks, so that E alone gives the
+         # GPU enough programs; deeper steps keep bytes in flight
+         dict(block_e=32, num_splits=1), dict(block_e=32, block_d=256, num_splits=1),
+         dict(block_e=16, block_d=512, num_splits=1), dict(block_e=128, block_d=64),
+         dict(block_e=32, block_d=256, programs_per_sm=2))
 SWEEP_BYTES = 320e6  # the copies of a swept matrix together: well past an H100's / H200's 50 MB L2
 
 
@@ -143,18 +150,21 @@ def run_steps(args, name, cfg, tuning, hbm, results: dict, out: Path | None) -> 
                             tuning=tuning, decode=False)
             state, _ = job.programs.prefill(*job.pre_args)
             steps = parts(job)
-            ms = {}
+            ms, prof = {}, {}
             for part in ("AR step", "static cycle"):
                 step, x = steps[part]
                 x = jax.tree.map(jnp.copy, x)
                 fn = program(job, step, state, x)
                 ms[part], state = timed(fn, job.params, state, x, args.steps, args.repeats)
+                if args.profile and part == "AR step":
+                    x = jax.tree.map(jnp.copy, steps[part][1])  # timed's calls donated the last one
+                    state, x = profile_step(fn, job.params, state, x, args.steps, f"{qname} B {b} {part}", prof)
             ar_bytes = step_bytes(target.model, b) + kv_bytes(cfg, b, c + 1)
             floor = ar_bytes / hbm * 1e3 if hbm else None
             row["batches"][b] = dict(ar_step_ms=ms["AR step"], static_cycle_ms=ms["static cycle"],
                                      cycle_over_ar=ms["static cycle"] / ms["AR step"], ar_step_bytes=ar_bytes,
                                      ar_bytes_floor_ms=floor,
-                                     ar_over_floor=ms["AR step"] / floor if floor else None)
+                                     ar_over_floor=ms["AR step"] / floor if floor else None, **prof)
             print(f"  B {b:3d}: AR step {ms['AR step']:8.3f} ms (floor {floor if floor else float('nan'):.3f}), "
                   f"static cycle {ms['static cycle']:8.3f} ms", file=sys.stderr, flush=True)
             del job, state
@@ -176,12 +186,12 @@ def run_sweep(args, cfg, hbm, results: dict, out: Path | None) -> None:
         w = jax.random.normal(jax.random.key(d + e), (d, e), jnp.float32).astype(jnp.bfloat16) / np.sqrt(d)
         n = 2 if args.small else int(np.clip(np.ceil(SWEEP_BYTES / (d * e)), 2, 16))
         ws = [jnp.roll(w, i, axis=0) for i in range(n)]
-        for qname in ("int8", "fp8", "fp8-block"):
+        for qname in args.sweep_schemes.split(","):
             scheme = SCHEMES[qname]
             qs, ss = zip(*(quantize_on_device(wi, scheme) for wi in ws))
             block = scheme.blocks(d, e)
             nbytes = qs[0].size * qs[0].dtype.itemsize + ss[0].size * 4
-            for t in (1, 16, 64):
+            for t in map(int, args.sweep_tokens.split(",")):
                 x = jax.random.normal(jax.random.key(t), (t, d), jnp.float32).astype(jnp.bfloat16)
                 cands = {"xla bf16": (lambda x, w: x @ w, (ws,), d * e * 2),
                          "xla reference": (lambda x, q, s, b=block: quantized_reference(x, q, s, b, x.dtype),
@@ -206,6 +216,22 @@ def run_sweep(args, cfg, hbm, results: dict, out: Path | None) -> None:
             results["sweep"] = rows
             _write(results, out)
             del qs, ss
+
+
+def profile_step(fn, params, state, x, steps: int, label: str, into: dict):
+    """One more call of ``fn`` under the JAX profiler: the device's kernel µs and kernel count per step and its
+    top kernels (``common.device_profile``; ``--profile``), printed and stored in ``into["ar_profile"]``; wall −
+    kernel time is the GPU waiting between kernels. Returns (state, x) after the call."""
+    out = {}
+
+    def call():
+        out["sx"] = jax.block_until_ready(fn(params, state, x, np.int32(steps)))
+
+    with tempfile.TemporaryDirectory() as d:
+        prof = device_profile(call, d, per=steps, top=15)
+    print_profile(prof, label)
+    into["ar_profile"] = prof
+    return out["sx"]
 
 
 def _over_copies(fn):
@@ -256,12 +282,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="off: quantized layers (and MoE experts) run the XLA reference (A/B against the fused "
                          "kernels); float8: on, float8 weights included (quant_kernel_float8); grouped: on, and a "
                          "layer's q / k / v and gate / up each in one launch (quant_group_kernel)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile one call of the AR step: kernel time and count a step, top kernels")
     ap.add_argument("--sweep", action="store_true", help="time the quantized matmul alone instead (docstring)")
+    ap.add_argument("--sweep-tokens", default="1,16,64", help="T of the sweep, comma-separated")
+    ap.add_argument("--sweep-schemes", default="int8,fp8,fp8-block", help="the sweep's quantizations")
     ap.add_argument("--hbm-gbps", type=float, help="HBM bandwidth in GB/s (default: the device table's)")
     ap.add_argument("--peak-tflops", type=float, help="unused here (step_parts' device table has it)")
     ap.add_argument("--out", type=Path, help="a JSON of every number")
     args = ap.parse_args(argv)
-    unknown = set(args.quantizations.split(",")) - set(SCHEMES)
+    unknown = (set(args.quantizations.split(",")) | set(args.sweep_schemes.split(","))) - set(SCHEMES)
     if unknown:
         ap.error(f"unknown quantizations {sorted(unknown)}; one of {sorted(SCHEMES)}")
     name, full, small = SHAPES[args.shape]

@@ -11,6 +11,7 @@
 #           without / with it, then kinds (~8 min)
 #   mini    the first half of one (~5 min)
 #   micro   the grouped kernel's GPU test and the int8 AR step at batch 1 without / with it (~4 min)
+#   qsweep1 the int8 matmul alone at T = 1 over every block choice (issue 56: the AR step's kernel) (~4 min?)
 #   qsweep  the quantized matmul alone at the 8B layers (issue 56; int8 block choices) (~8 min?)
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD TF_CPP_MIN_LOG_LEVEL=2 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
@@ -30,12 +31,14 @@ case "$1" in
   one|mini) timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_quantized_kernels.py -k "grouped or together" \
          2>&1 | tail -n 3
        for k in on grouped; do timeout 130 python3 benchmarks/bench_quantized_step.py --quantizations int8 --batches 1 \
-         --quant-kernel $k --out $OUT/qstep_int8_b1_$k.json 2>&1 | tail -n 2; done
+         --quant-kernel $k --profile --out $OUT/qstep_int8_b1_$k.json 2>&1 | tee $OUT/qstep_b1_$k.log | tail -n 2; done
        [ "$1" = mini ] || timeout 200 python3 benchmarks/bench_drafter_kinds.py --shape 8b --batches 1 --kinds dflash,dflash2 \
          --top-k-impl both --out $OUT/kinds_8b_b1.json 2>&1 | tail -n 12 ;;
   micro) timeout 70 python3 -m pytest -q -p no:cacheprovider tests/test_quantized_kernels.py -k "8b_grouped" 2>&1 | tail -n 2
          for k in on grouped; do timeout 85 python3 benchmarks/bench_quantized_step.py --quantizations int8 --batches 1 \
-           --steps 10 --repeats 3 --quant-kernel $k --out $OUT/qstep_int8_b1_$k.json 2>&1 | tail -n 1; done ;;
+           --steps 10 --repeats 3 --quant-kernel $k --profile --out $OUT/qstep_int8_b1_$k.json 2>&1 | tee $OUT/qstep_b1_$k.log | tail -n 1; done ;;
+  qsweep1) timeout 570 python3 benchmarks/bench_quantized_step.py --sweep --sweep-tokens 1 --sweep-schemes int8 \
+            --repeats 3 --out $OUT/qsweep1.json 2>&1 | tail -n 80 ;;
   qsweep) timeout 570 python3 benchmarks/bench_quantized_step.py --sweep --out $OUT/qsweep.json 2>&1 | tail -n 40 ;;
-  *) echo "usage: $0 kinds|p02|p03|qgroup|one|mini|micro|qsweep" >&2; exit 2 ;;
+  *) echo "usage: $0 kinds|p02|p03|qgroup|one|mini|micro|qsweep1|qsweep" >&2; exit 2 ;;
 esac
