@@ -182,11 +182,12 @@ def test_loss_matches_a_direct_computation(target, trained, probe):
     tau = lambda right: (np.cumprod(right, -1).sum(-1) + 1)[v].mean()  # noqa: E731
     want = {"ce": (ce * w).sum() / w.sum(), "selector": (sel_ce * w).sum() / w.sum(),
             "acc": sel_right.sum() / ok.sum(), "tau": tau(sel_right), "unary_acc": unary_right.sum() / ok.sum(),
-            "unary_tau": tau(unary_right), "recall": (found & ok).sum() / ok.sum()}
+            "unary_tau": tau(unary_right), "recall": (found & ok).sum() / ok.sum(), "recall_tau": tau(found & ok)}
     want["loss"] = want["ce"] + want["selector"]
     for k, x in want.items():
         np.testing.assert_allclose(float(m[k]), x, rtol=2e-4, err_msg=k)
     assert 0 < want["recall"] < 1 and (~found & ok).any()  # labels both among the top-K and put in
+    assert want["tau"] <= want["recall_tau"]  # the walk finds the label only where it is a candidate
     # Blocks trained at width 3 (block_widths): two drafts labelled, the rest hidden (their loss is not counted).
     narrow = batch["widths"] == 3
     assert narrow.any() and (~narrow).any() and not ok[narrow][:, 2:].any()

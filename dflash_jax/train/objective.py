@@ -496,7 +496,8 @@ def dflash2_loss(drafter: DFlash2Drafter, target: TargetModel, batch: dict, *, w
     Metrics: ``loss``, its parts ``ce`` and ``selector``; ``acc`` and ``tau`` of the selector's drafts (its
     leading-correct count is greedy decoding's, as the walk's previous choice is the true token while every
     draft is right); ``unary_acc`` and ``unary_tau`` of the trunk's argmax (DFlash's drafts); ``recall``, the
-    fraction of labels among the top-K.
+    fraction of labels among the top-K, and ``recall_tau``, the τ of a selector that always found the label
+    among them: the most these candidates let the selector reach.
     """
     if drafter.d2t is not None:  # labels and candidates live in the target vocabulary
         raise NotImplementedError("training a DFlash2 drafter with a reduced draft vocabulary is not supported")
@@ -515,7 +516,7 @@ def dflash2_loss(drafter: DFlash2Drafter, target: TargetModel, batch: dict, *, w
     return loss, {"loss": loss, **parts,
                   "acc": (sel_top1 & label_ok).sum() / n_ok, "tau": tau(sel_top1),
                   "unary_acc": (top1 & label_ok).sum() / n_ok, "unary_tau": tau(top1),
-                  "recall": (found & label_ok).sum() / n_ok}
+                  "recall": (found & label_ok).sum() / n_ok, "recall_tau": tau(found)}
 
 
 def _greedy(row, key):
