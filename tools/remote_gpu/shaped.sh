@@ -2,8 +2,8 @@
 # `tools/remote_gpu/h100_8b_tables.json` (the H100 tables of the 8B shape at 1 / 16 / 32 / 64 / 128 rows; on
 # another GPU type drop it and let each batch be timed). Each phase fits one call; everything lands in $OUT. Usage: bash tools/remote_gpu/shaped.sh <phase>
 #   kinds   DFlash vs DFlash2 cycle at batch 1, lax.top_k and the chunked top-K (issue 57 item 4; ~3 min)
-#   p02     8B shape, p = 0.2, auto and static at 64, 128, 4 rows (tables: tools/remote_gpu/h100_8b_tables.json;
-#           batch 4 is timed) (~8 min)
+#   p02     8B shape, p = 0.2, auto and static at 64, 16, 128, 32 rows (tables: tools/remote_gpu/h100_8b_tables.json;
+#           each batch's JSON written as it ends) (~8 min)
 #   p03     8B shape, p = 0.3, at 64 and 16 rows with the same tables (~5 min)
 #   qgroup  the quantized kernels' GPU tests, then the 8B int8 AR step and cycle at 1 / 16 rows with q / k / v and
 #           gate / up each in one launch (quant_group_kernel) against one launch a layer (issue 56) (~6 min)
@@ -21,7 +21,7 @@ TABLES="--cost-table tools/remote_gpu/h100_8b_tables.json"
 case "$1" in
   kinds) timeout 560 python3 benchmarks/bench_drafter_kinds.py --shape 8b --batches 1 --kinds dflash,dflash2 \
            --top-k-impl both --out $OUT/kinds_8b_b1.json 2>&1 | tail -n 12 ;;
-  p02) timeout 570 python3 benchmarks/bench_compact_scaled.py --batches 64,128,4 --corrupt 0.2 --modes static,auto \
+  p02) timeout 570 python3 benchmarks/bench_compact_scaled.py --batches 64,16,128,32 --corrupt 0.2 --modes static,auto \
          --repeats 2 $TABLES --out $OUT/p02.json --plot $OUT/p02.png 2>&1 | grep -v "^  [^(]" | tail -n 20 ;;
   p03) timeout 570 python3 benchmarks/bench_compact_scaled.py --batches 64,16 --corrupt 0.3 --modes static,auto \
          --repeats 2 $TABLES --out $OUT/p03.json --plot $OUT/p03.png 2>&1 | grep -v "^  [^(]" | tail -n 20 ;;
