@@ -169,6 +169,24 @@ def test_layers_project_together():
         _check(got, want, jnp.float32)
 
 
+def test_quantized_lm_head_runs_the_kernel():
+    """A quantized target's LM head (the largest matrix a decode step reads) goes through the kernel op under the
+    kernels it is given, as its layers do, with the reference's logits (it once always took the reference)."""
+    from conftest import tiny_target
+    from dflash_jax import quantize
+
+    model = quantize(tiny_target("qwen3", seed=6), "int8").model
+    h = jax.random.normal(jax.random.key(1), (1, 1, model.config.hidden_size), jnp.float32)
+
+    def launches(kernels):
+        return str(jax.make_jaxpr(lambda h: model.logits(h, kernels))(h)).count("pallas_call")
+
+    assert launches(Kernels("cuda")) == 1 and launches(Kernels("xla")) == 0
+    got = jax.jit(lambda h: model.logits(h, Kernels("cuda")))(h)
+    assert got.dtype == jnp.float32
+    _check(got, model.logits(h, Kernels("xla")), jnp.float32)
+
+
 def _runs_kernel(kernels: Kernels, t: int, kind: str = "int8", d: int = 64, e: int = 32) -> bool:
     x, q, s, block = _inputs(0, t, d, e, Scheme(kind), jnp.float32)
     jaxpr = jax.make_jaxpr(lambda x, q, s: op.quantized_matmul(x, q, s, block, kernels=kernels))(x, q, s)

@@ -109,7 +109,7 @@ def prefill(
         hidden, feats, tcache = target(prompt, positions, empty, capture=spec.capture, prefill=True,
                                        kernels=spec.kernels, **_lengths(target, prompt_len))
     last_h = jnp.take_along_axis(hidden, (prompt_len - 1)[:, None, None], axis=1)  # [B, 1, D]
-    logits = target.logits(last_h)
+    logits = target.logits(last_h, spec.kernels)
     if spec.sampling:
         rng, k_first = _split_rows(rng)
         probs = sampling.filtered_probs(logits[:, 0], sampling_params, use_top_k=spec.top_k, use_top_p=spec.top_p)
@@ -280,7 +280,7 @@ def verify(target: TargetModel, drafter: DFlashDrafter | None, state: DecodeStat
     positions = block_positions(state, block.shape[1])
     hidden, feats, tcache = target(block, positions, state.target_cache, capture=spec.capture, kernels=spec.kernels,
                                    defer=True)
-    logits = target.logits(hidden)  # [B, L, V] float32
+    logits = target.logits(hidden, spec.kernels)  # [B, L, V] float32
     state, accepted, last, untrimmed = _accept(state, block, logits, None, spec, q, window)
     # recurrent states after the anchor and the accepted drafts (a row cut short by commit is done)
     tcache = target.settle(tcache, accepted + 1)
@@ -416,7 +416,7 @@ def _packed_forward(target, state: DecodeState, spec: LoopSpec, lens: Int[Array,
     layout = PackedLayout.build(lens, state.anchor_pos, size, width, spec.packed_groups, spec.kernels.tuning)
     hidden, feats, pending = target(layout.pack(block)[None], layout.positions[None], state.target_cache,
                                     capture=spec.capture, kernels=spec.kernels, packed=layout)
-    logits = target.logits(hidden[0])  # [T, V]: the LM head only over the packed rows
+    logits = target.logits(hidden[0], spec.kernels)  # [T, V]: the LM head only over the packed rows
     scored = layout.unpack(logits if spec.sampling else jnp.argmax(logits, axis=-1).astype(jnp.int32))
     widen = lambda x: jnp.pad(x, [(0, 0), (0, l - width)] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
     slots = max(*spec.tiers, state.anchor.shape[0] * l)  # every tier's T fits (a dense one has B·L slots)
@@ -650,7 +650,7 @@ def autoregressive_step(target: TargetModel, state: DecodeState, spec: LoopSpec
     positions = block_positions(state, 1)
     hidden, feats, tcache = target(block, positions, state.target_cache, capture=spec.capture, kernels=spec.kernels,
                                    defer=True)
-    state, accepted, last, _ = _accept(state, block, target.logits(hidden), None, spec, None, None)
+    state, accepted, last, _ = _accept(state, block, target.logits(hidden, spec.kernels), None, spec, None, None)
     state = dataclasses.replace(state, target_cache=target.settle(tcache, accepted + 1))
     state = commit(state, sampling.committed_tokens(block, accepted, last), accepted + 1)
     return shard_state(state, spec.plan), feats, positions

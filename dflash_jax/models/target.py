@@ -214,14 +214,15 @@ class TargetModel(nnx.Module):
     def embed(self, ids: Int[Array, "*b"]) -> jax.Array:
         return self.embed_tokens(ids)
 
-    def logits(self, h: Float[Array, "*b D"]) -> Float[Array, "*b V"]:
-        """Float32 logits from final-normed hidden states (tied or separate lm_head, quantized or not)."""
+    def logits(self, h: Float[Array, "*b D"], kernels: Kernels = Kernels()) -> Float[Array, "*b V"]:
+        """Float32 logits from final-normed hidden states (tied or separate lm_head, quantized or not); a quantized
+        head's product goes through the kernel op under ``kernels``, as every other quantized layer's."""
         if self.lm_head is None:
             w = self.embed_tokens.embedding[...].T
             return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
         if self.lm_head.quant is None:
             return jnp.einsum("...d,dv->...v", h, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
-        return self.lm_head.project(h, preferred_element_type=jnp.float32)
+        return self.lm_head.project(h, kernels, preferred_element_type=jnp.float32)
 
     def head_rows(self, ids: Int[Array, "N"]) -> Float[Array, "N D"]:
         """The lm_head's weights of tokens ``ids``, one row each (what :meth:`logits` multiplies them by),
