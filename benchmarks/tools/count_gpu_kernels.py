@@ -173,13 +173,21 @@ def main() -> int:
                     help="off: compact's whole-block tier packs its windows as the smaller tiers do")
     ap.add_argument("--drafter", default="smollm2-135m-dflash", help="a shipped drafter (assets/) or a folder")
     ap.add_argument("--programs-per-sm", type=int, help="the attention kernels' split-KV target (library: 3)")
+    ap.add_argument("--quantization", choices=["none", "int8", "fp8"], default="none",
+                    help="the target's weights (load_target's quantization=)")
+    ap.add_argument("--quant-kernel", choices=["on", "off", "grouped"], default="on",
+                    help="quantized layers: the fused GPU kernel (on), the XLA reference (off), or the kernel with "
+                         "a layer's q / k / v and gate / up in one launch each (grouped: quant_group_kernel)")
     ap.add_argument("--out", type=Path)
     add_kernel_switches(ap)
     args = ap.parse_args()
     tuning, switches = apply_kernel_switches(args, programs_per_sm=args.programs_per_sm or 0,
                                              dense_whole_blocks=args.dense == "on")
+    tuning = tuning.replace(quant_kernel=args.quant_kernel != "off", quant_group_kernel=args.quant_kernel == "grouped")
+    switches = {**switches, "quantization": args.quantization, "quant_kernel": args.quant_kernel}
     device = topologies.get_topology_desc(platform="cuda", target_config=H200, topology="1x1x1").devices[0]
-    target = load_target("smollm2-135m", dtype="bfloat16")
+    target = load_target("smollm2-135m", dtype="bfloat16",
+                         quantization=None if args.quantization == "none" else args.quantization)
     drafter_dir = Path(args.drafter) if Path(args.drafter).is_dir() else shipped_drafter_dir(f"embedded:{args.drafter}")
     drafter = load_drafter(drafter_dir, target)
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), target_device=str(device), jax=jax.__version__,
