@@ -8,6 +8,10 @@ by before a GPU is lent; it checks against the profiler's launches (the static
 cycle at batch 64: 473 compiled kernels here, 477 launches counted on the H200 in session 19, which include
 memsets and host copies). Times still need the GPU (``profile_gpu_step.py``).
 
+``--quantization int8`` / ``--quant-kernel grouped`` count a quantized target's step; ``--shape 8b --layers N`` a
+random target of the Qwen3-8B shape with N layers (the ``ar`` case; two counts at different N give the kernels a
+layer and the fixed ones).
+
 Cases (``--cases``): ``ar`` the plain autoregressive step; ``static`` the static verify's cycle;
 ``compact-cycle`` the decode loop's compact cycle (its scheduler and the plan for the next step included);
 ``compact-one-tier`` compact's whole-block tier as a program of its own (no conditional); ``compact`` the compact
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -173,6 +178,11 @@ def main() -> int:
                     help="off: compact's whole-block tier packs its windows as the smaller tiers do")
     ap.add_argument("--drafter", default="smollm2-135m-dflash", help="a shipped drafter (assets/) or a folder")
     ap.add_argument("--programs-per-sm", type=int, help="the attention kernels' split-KV target (library: 3)")
+    ap.add_argument("--shape", choices=["embedded", "8b", "moe"], default="embedded",
+                    help="the embedded pair's target, or random weights of the Qwen3-8B / Qwen3-30B-A3B shape with "
+                         "--layers layers (the ar case only: no drafter of that shape is built)")
+    ap.add_argument("--layers", type=int, default=2, help="--shape 8b / moe: layers (kernels a layer do not depend "
+                                                           "on how many there are)")
     ap.add_argument("--quantization", choices=["none", "int8", "fp8"], default="none",
                     help="the target's weights (load_target's quantization=)")
     ap.add_argument("--quant-kernel", choices=["on", "off", "grouped"], default="on",
@@ -186,12 +196,27 @@ def main() -> int:
     tuning = tuning.replace(quant_kernel=args.quant_kernel != "off", quant_group_kernel=args.quant_kernel == "grouped")
     switches = {**switches, "quantization": args.quantization, "quant_kernel": args.quant_kernel}
     device = topologies.get_topology_desc(platform="cuda", target_config=H200, topology="1x1x1").devices[0]
-    target = load_target("smollm2-135m", dtype="bfloat16",
-                         quantization=None if args.quantization == "none" else args.quantization)
-    drafter_dir = Path(args.drafter) if Path(args.drafter).is_dir() else shipped_drafter_dir(f"embedded:{args.drafter}")
-    drafter = load_drafter(drafter_dir, target)
+    quantization = None if args.quantization == "none" else args.quantization
+    if args.shape == "embedded":
+        target = load_target("smollm2-135m", dtype="bfloat16", quantization=quantization)
+        drafter_dir = (Path(args.drafter) if Path(args.drafter).is_dir()
+                       else shipped_drafter_dir(f"embedded:{args.drafter}"))
+        drafter = load_drafter(drafter_dir, target)
+    else:
+        if args.cases != "ar":
+            ap.error("--shape 8b / moe counts the ar case only")
+        from bench_compact_scaled import SHAPES
+        from common import random_target
+
+        from dflash_jax import quantize
+
+        cfg = dataclasses.replace(SHAPES[args.shape][1], num_layers=args.layers)
+        target, drafter = random_target(cfg, jnp.bfloat16), None
+        if quantization:
+            target = quantize(target, quantization)
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), target_device=str(device), jax=jax.__version__,
-                  drafter=args.drafter, dense=args.dense,
+                  drafter=args.drafter, dense=args.dense, shape=args.shape,
+                  layers=args.layers if args.shape != "embedded" else None,
                   **{**switches, "programs_per_sm": args.programs_per_sm or PROGRAMS_PER_SM},
                   context=args.context, commit=subprocess.run(
                       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
