@@ -21,9 +21,9 @@ defaults, int8 and float8 weights through the kernels; ``grouped``: also a layer
 up in one launch each (``quant_group_kernel``).
 
 ``--sweep``: the quantized matmul alone on the shape's linear layers (Qwen3-8B: 4096 × 4096, 4096 × 1024,
-4096 × 12288, 12288 × 4096, 4096 × 151936) at T = 1, 16, 64 tokens (``--sweep-tokens``; schemes ``--sweep-schemes``): bf16 ``x @ w`` (XLA), the XLA reference
-on int8 / fp8, the kernel at its defaults (and, on int8, at a few other block choices), each against its bytes
-floor.
+4096 × 12288, 12288 × 4096, 4096 × 151936) at T = 1, 16, 64 tokens (``--sweep-tokens``; schemes
+``--sweep-schemes``): bf16 ``x @ w`` (XLA), the XLA reference on int8 / fp8, the kernel at its defaults (and, on
+int8, at a few other block choices), each against its bytes floor.
 
     # GPU (one call per quantization keeps a call under ~8 minutes on an H100)
     python benchmarks/bench_quantized_step.py --quantizations bf16 --out $OUT/qstep_8b_bf16.json
