@@ -27,7 +27,7 @@ from dflash_jax.loading import Drafter, dflash2_from_dflash, dspark_from_dflash
 from dflash_jax.models.drafter import DFlash2Drafter
 from dflash_jax.train.data import pack_rows
 from dflash_jax.train.objective import (block_inputs, default_gamma, drafter_forward_blocks, target_features,
-                                        walked_cycles)
+                                        target_states, walked_cycles)
 from dflash_jax.train.trainer import Trainer, TrainSettings, batch_for_step, plot_history
 
 L, K, RANK, GROUP, NEW = 6, 4, 16, 8, 28  # block (verify width), candidates, selector rank, channels per delta group
@@ -73,7 +73,8 @@ def _params(d: Drafter) -> dict:
 def trained(target, warm, rows, tmp_path_factory):
     """(trainer, history, initial weights): 24 steps, interrupted after 10 and resumed from the checkpoint."""
     s = TrainSettings(batch_size=4, max_anchors=8, max_steps=24, lr=1e-2, save_every=12, log_every=6,
-                      val_rows=4, val_every=12, ce_chunk_rows=7, length_bucket=32, block_widths=(3, L, L))
+                      val_rows=4, val_every=12, ce_chunk_rows=7, length_bucket=32, block_widths=(3, L, L),
+                      selector_teacher=0.25)
     trainer = Trainer(target, _copy(warm), s, tmp_path_factory.mktemp("dflash2_train"), compiler_options=UNOPTIMISED)
     trainer.fit(rows[1], progress=False, stop_after=10)
     trainer.params = jax.tree.map(jnp.zeros_like, trainer.params)  # a new process: weights from the checkpoint
@@ -135,7 +136,8 @@ def test_warm_start_drafts_exactly_what_the_dflash_drafter_drafts(target, trunk,
 
 @pytest.fixture(scope="module")
 def probe(target, trained, rows):
-    """The trained drafter's view of one training batch (one compile): the batch, its blocks and hidden states."""
+    """The trained drafter's view of one training batch (one compile): the batch, its blocks, the drafter's hidden
+    states and the target's final ones."""
     trainer = trained[0]
     batch = batch_for_step(rows[1], 3, trainer.s, trainer.block_size)
     graphs, params = zip(nnx.split(trainer.drafter.model), nnx.split(target.model))
@@ -143,20 +145,22 @@ def probe(target, trained, rows):
     @functools.partial(jax.jit, compiler_options=UNOPTIMISED)
     def run(params, batch):
         d, t = (nnx.merge(g, p) for g, p in zip(graphs, params))
-        feats = target_features(t, batch["tokens"], d.config.target_layer_ids)
+        hidden_t, feats = target_states(t, batch["tokens"], d.config.target_layer_ids)
         blocks = block_inputs(batch["tokens"], batch["lengths"], batch["anchors"], batch["valid"], L,
                               d.config.mask_token_id, batch["widths"])
-        return blocks, drafter_forward_blocks(d, t, feats, blocks[0], blocks[1], batch["anchors"], batch["widths"])
+        hidden = drafter_forward_blocks(d, t, feats, blocks[0], blocks[1], batch["anchors"], batch["widths"])
+        return blocks, hidden, hidden_t
 
     return batch, jax.tree.map(np.asarray, run(params, jax.tree.map(jnp.asarray, batch)))
 
 
 def test_loss_matches_a_direct_computation(target, trained, probe):
-    """CE, the selector's K-way CE (label put in for the K-th candidate where missing), their sum, acc / τ of the
-    teacher-forced walk, the trunk's acc / τ and the top-K recall, from the compiled (chunked) step, equal a numpy
-    computation from the trained drafter's hidden states and weights."""
+    """CE, the selector's K-way CE (label put in for the K-th candidate where missing) mixed with its CE against
+    the target's distribution over the candidates (λ = 0.25), their sum, acc / τ of the teacher-forced walk, the
+    trunk's acc / τ and the top-K recall, from the compiled (chunked) step, equal a numpy computation from the
+    trained drafter's hidden states and weights and the target's final hidden states."""
     trainer = trained[0]
-    batch, ((ids, _, labels, ok), hidden) = probe
+    batch, ((ids, pos, labels, ok), hidden, hidden_t) = probe
     copy = jax.tree.map(jnp.copy, trainer.params)  # the step donates its input (the drafter shares it)
     _, _, m = trainer._step_fn(copy, trainer.tx.init(copy), trainer.frozen, batch, jnp.float32(0.0))
     sel = trainer.drafter.model.candidate_selector
@@ -164,7 +168,8 @@ def test_loss_matches_a_direct_computation(target, trained, probe):
     wh = np.asarray(sel.hidden_projection.kernel[...])
     assert np.abs(wh).max() > 1e-3  # training moved the projection: the pairwise term is in play
     h = hidden[:, :, 1:]
-    logits = h @ np.asarray(target.model.lm_head.kernel[...])  # [Bs, A, L-1, V]
+    lm_head = np.asarray(target.model.lm_head.kernel[...])
+    logits = h @ lm_head  # [Bs, A, L-1, V]
     prev = np.concatenate([ids[..., :1], labels[..., :-1]], -1)
     lse = lambda x: np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1)) + x.max(-1)  # noqa: E731
     ce = lse(logits) - np.take_along_axis(logits, labels[..., None], -1)[..., 0]
@@ -174,16 +179,24 @@ def test_loss_matches_a_direct_computation(target, trained, probe):
     top_in[..., -1] = np.where(found, top[..., -1], labels)
     at = np.where(found, (top_in == labels[..., None]).argmax(-1), K - 1)
     scores = np.take_along_axis(logits, top_in, -1) + np.einsum("...r,...cr->...c", pcb[prev] * (h @ wh), scb[top_in])
-    sel_ce = lse(scores) - np.take_along_axis(scores, at[..., None], -1)[..., 0]
+    log_q = scores - lse(scores)[..., None]
+    sel_ce = -np.take_along_axis(log_q, at[..., None], -1)[..., 0]
+    at_t = np.minimum(pos[..., :-1], hidden_t.shape[1] - 1)  # the target's logits there predict slot k's token
+    teacher = np.take_along_axis(np.stack([ht[p] for ht, p in zip(hidden_t, at_t)]) @ lm_head, top_in, -1)
+    p_t = np.exp(teacher - lse(teacher)[..., None])
+    teacher_ce = -(p_t * log_q).sum(-1)
     w = np.exp(-np.arange(L - 1) / default_gamma(L)) * ok
     sel_right = found & (scores.argmax(-1) == at) & ok
     unary_right = (logits.argmax(-1) == labels) & ok
     v = batch["valid"]
     tau = lambda right: (np.cumprod(right, -1).sum(-1) + 1)[v].mean()  # noqa: E731
-    want = {"ce": (ce * w).sum() / w.sum(), "selector": (sel_ce * w).sum() / w.sum(),
+    mean = lambda x: (x * w).sum() / w.sum()  # noqa: E731
+    want = {"ce": mean(ce), "selector": 0.75 * mean(sel_ce) + 0.25 * mean(teacher_ce),
+            "selector_teacher": mean(teacher_ce),
             "acc": sel_right.sum() / ok.sum(), "tau": tau(sel_right), "unary_acc": unary_right.sum() / ok.sum(),
             "unary_tau": tau(unary_right), "recall": (found & ok).sum() / ok.sum(), "recall_tau": tau(found & ok)}
     want["loss"] = want["ce"] + want["selector"]
+    assert abs(want["selector_teacher"] - mean(sel_ce)) > 1e-3  # the distribution is not the token's one-hot
     for k, x in want.items():
         np.testing.assert_allclose(float(m[k]), x, rtol=2e-4, err_msg=k)
     assert 0 < want["recall"] < 1 and (~found & ok).any()  # labels both among the top-K and put in

@@ -452,7 +452,8 @@ DFLASH2_SELECTOR_WEIGHT = 1.0  # the selector's K-way CE next to the trunk's CE 
 
 
 def dflash2_slot_terms(drafter: DFlash2Drafter, target: TargetModel, hidden: Float[Array, "Bs A L1 D"],
-                       labels: Int[Array, "Bs A L1"], prev: Int[Array, "Bs A L1"], chunk_rows: int | None = None):
+                       labels: Int[Array, "Bs A L1"], prev: Int[Array, "Bs A L1"], chunk_rows: int | None = None,
+                       target_hidden: Float[Array, "Bs A L1 D"] | None = None):
     """Per draft slot, from one LM head over its hidden state (``map_slots`` chunks):
 
     * ``ce``, ``top1`` — DFlash's: cross-entropy of the (scaled) logits against the label, and whether their
@@ -462,13 +463,17 @@ def dflash2_slot_terms(drafter: DFlash2Drafter, target: TargetModel, hidden: Flo
       label is not among them it takes the K-th candidate's place, so every labelled slot has a target;
     * ``sel_top1`` — whether the walk, given ``prev``, picks the label among the strict top-K (no label put in):
       exactly the draft greedy decoding makes at this slot whenever every draft before it was right;
-    * ``found`` — whether the label is among the top-K at all.
+    * ``found`` — whether the label is among the top-K at all;
+    * ``teacher_ce`` (with ``target_hidden``, the target's final hidden state whose logits predict the slot's
+      token) — cross-entropy of the same scores against the target's own distribution over the same K
+      candidates (``softmax`` of its logits there): every candidate's rank, not only the row's token's; zeros
+      without ``target_hidden``.
 
     The candidate ids are discrete (no gradient); their unary scores (logits of the trunk's hidden state), the
     hidden projection and the codebooks get one."""
     sel, k = drafter.candidate_selector, drafter.config.selector_top_k
 
-    def per_slot(h, y, x):
+    def per_slot(h, y, x, ht):
         raw = drafter.head_logits(h, target)
         logits = drafter.scale_logits(raw)
         ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0]
@@ -479,35 +484,55 @@ def dflash2_slot_terms(drafter: DFlash2Drafter, target: TargetModel, hidden: Flo
         at = jnp.where(found, jnp.argmax(hit, -1), k - 1)
         unary = drafter.scale_logits(jnp.take_along_axis(raw, ids, axis=-1))
         scores = sel.candidate_scores(ids, unary, h, x)
-        sel_ce = jax.nn.logsumexp(scores, axis=-1) - jnp.take_along_axis(scores, at[..., None], axis=-1)[..., 0]
-        return ce, jnp.argmax(logits, -1) == y, sel_ce, found & (jnp.argmax(scores, -1) == at), found
+        log_q = jax.nn.log_softmax(scores, axis=-1)
+        sel_ce = -jnp.take_along_axis(log_q, at[..., None], axis=-1)[..., 0]
+        teacher_ce = jnp.zeros_like(sel_ce)
+        if ht is not None:
+            p_t = jax.nn.softmax(jax.lax.stop_gradient(jnp.take_along_axis(target.logits(ht), ids, axis=-1)), -1)
+            teacher_ce = -(p_t * log_q).sum(-1)
+        return ce, jnp.argmax(logits, -1) == y, sel_ce, found & (jnp.argmax(scores, -1) == at), found, teacher_ce
 
-    return map_slots(per_slot, (hidden, labels, prev), labels.shape, chunk_rows)
+    if target_hidden is None:
+        return map_slots(lambda h, y, x: per_slot(h, y, x, None), (hidden, labels, prev), labels.shape, chunk_rows)
+    return map_slots(per_slot, (hidden, labels, prev, target_hidden), labels.shape, chunk_rows)
 
 
 def dflash2_loss(drafter: DFlash2Drafter, target: TargetModel, batch: dict, *, weights: jax.Array,
                  features: jax.Array | None = None, ce_chunk_rows: int | None = None,
-                 selector_weight: float = DFLASH2_SELECTOR_WEIGHT) -> tuple[jax.Array, dict]:
+                 selector_weight: float = DFLASH2_SELECTOR_WEIGHT, selector_teacher: float = 0.0
+                 ) -> tuple[jax.Array, dict]:
     """``CE + selector_weight · selector CE``, both weighted by slot as DFlash's (``dflash2_slot_terms``): the
     trunk (with its convolutions) learns DFlash's objective on the same blocks, and the selector learns to pick
     the label among the top-K given the true previous token (the anchor for the first draft): teacher-forced,
-    as DSpark's Markov head.
+    as DSpark's Markov head. ``selector_teacher`` λ > 0 makes the selector's term ``(1 − λ) · CE against the
+    label + λ · CE against the target's distribution over the candidates`` (the target's final hidden states come
+    from the forward that gives the features, as DSpark's ``p_t``): a sampled row's token is one draw, the
+    target's distribution ranks every candidate, and greedy verification accepts its argmax.
 
-    Metrics: ``loss``, its parts ``ce`` and ``selector``; ``acc`` and ``tau`` of the selector's drafts (its
-    leading-correct count is greedy decoding's, as the walk's previous choice is the true token while every
-    draft is right); ``unary_acc`` and ``unary_tau`` of the trunk's argmax (DFlash's drafts); ``recall``, the
-    fraction of labels among the top-K, and ``recall_tau``, the τ of a selector that always found the label
-    among them: the most these candidates let the selector reach.
+    Metrics: ``loss``, its parts ``ce`` and ``selector`` (and ``selector_teacher``, the distribution's CE, when
+    λ > 0); ``acc`` and ``tau`` of the selector's drafts (its leading-correct count is greedy decoding's, as the
+    walk's previous choice is the true token while every draft is right); ``unary_acc`` and ``unary_tau`` of the
+    trunk's argmax (DFlash's drafts); ``recall``, the fraction of labels among the top-K, and ``recall_tau``, the
+    τ of a selector that always found the label among them: the most these candidates let the selector reach.
     """
     if drafter.d2t is not None:  # labels and candidates live in the target vocabulary
         raise NotImplementedError("training a DFlash2 drafter with a reduced draft vocabulary is not supported")
-    block_ids, labels, label_ok, hidden = forward_blocks(drafter, target, batch, weights.shape[0] + 1, features)
+    block_size = weights.shape[0] + 1
+    target_hidden = None
+    if selector_teacher > 0:
+        hidden_t, features = target_states(target, batch["tokens"], drafter.config.target_layer_ids)
+        # The target's logits at position p + k − 1 are its distribution for slot k's token p + k.
+        target_hidden = _at_positions(hidden_t, batch["anchors"][..., None] + jnp.arange(block_size - 1))
+    block_ids, labels, label_ok, hidden = forward_blocks(drafter, target, batch, block_size, features)
     prev = jnp.concatenate([block_ids[..., :1], labels[..., :-1]], axis=-1)  # the anchor, then the labels
-    ce, top1, sel_ce, sel_top1, found = dflash2_slot_terms(drafter, target, hidden[:, :, 1:], labels, prev,
-                                                           ce_chunk_rows)
+    ce, top1, sel_ce, sel_top1, found, teacher_ce = dflash2_slot_terms(
+        drafter, target, hidden[:, :, 1:], labels, prev, ce_chunk_rows, target_hidden)
     w = weights[None, None, :] * label_ok
     w_sum = jnp.maximum(w.sum(), 1e-6)
-    parts = {"ce": (ce * w).sum() / w_sum, "selector": (sel_ce * w).sum() / w_sum}
+    mean = lambda x: (x * w).sum() / w_sum  # noqa: E731
+    parts = {"ce": mean(ce), "selector": (1 - selector_teacher) * mean(sel_ce) + selector_teacher * mean(teacher_ce)}
+    if selector_teacher > 0:
+        parts["selector_teacher"] = mean(teacher_ce)
     loss = parts["ce"] + selector_weight * parts["selector"]
     n_ok = jnp.maximum(label_ok.sum(), 1)
     anchors_ok = batch["valid"]
@@ -551,7 +576,8 @@ class Objective:
     None), what held-out replay and calibration read; ``check(cfg)`` raises for a drafter it cannot train;
     ``warm_start(drafter, spec)`` builds a drafter of this kind on the trunk of ``drafter``, one of another
     kind (``spec``: the run's ``training.drafter`` section), where the kind can start so; ``calibrates``:
-    the pipeline fits STS temperatures on held-out cycles after training (from ``replay``'s logits)."""
+    the pipeline fits STS temperatures on held-out cycles after training (from ``replay``'s logits);
+    ``options(settings)``: the kind's own keyword arguments to ``loss`` from the run's ``TrainSettings``."""
 
     loss: Callable
     acceptance: Callable
@@ -559,6 +585,7 @@ class Objective:
     check: Callable[[DrafterConfig], None] | None = None
     warm_start: Callable[[Drafter, Any], Drafter] | None = None
     calibrates: bool = False  # STS temperatures are fitted after training (the kind applies them: DSpark, DFlash2)
+    options: Callable[[Any], dict] = lambda settings: {}
 
 
 OBJECTIVES: dict[str, Objective] = {}
@@ -611,7 +638,8 @@ OBJECTIVES["dflash"] = Objective(loss=dflash_loss, acceptance=dflash_acceptance,
 OBJECTIVES["dspark"] = Objective(loss=dspark_loss, acceptance=_dspark_acceptance, replay=_dspark_replay,
                                  check=_dspark_check, warm_start=_dspark_warm_start, calibrates=True)
 OBJECTIVES["dflash2"] = Objective(loss=dflash2_loss, acceptance=_dflash2_acceptance, replay=dflash2_acceptance,
-                                  check=_dflash2_check, warm_start=_dflash2_warm_start, calibrates=True)
+                                  check=_dflash2_check, warm_start=_dflash2_warm_start, calibrates=True,
+                                  options=lambda settings: {"selector_teacher": settings.selector_teacher})
 
 
 def cosine_with_warmup(peak_lr: float, total_steps: int, warmup_frac: float = 0.04):

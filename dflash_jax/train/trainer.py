@@ -69,6 +69,10 @@ class TrainSettings:
     # MASK × (w-1)]`` as the compact steps that verify at most w tokens a row run it (``Tuning.tier_draft_span``),
     # instead of far worse than over the whole block. The exported config lists them (``trained_widths``).
     block_widths: tuple[int, ...] | None = None
+    # DFlash2: the share λ of the selector's loss taken from the target's own distribution over each slot's K
+    # candidates rather than the row's token (objective.dflash2_loss); 0 = the token only. Costs one target LM
+    # head per slot, as DSpark's p_t.
+    selector_teacher: float = 0.0
 
     def trained_widths(self, verify_width: int) -> tuple[int, ...] | None:
         """The widths below ``verify_width`` the drafter is trained at (its config's ``trained_widths``)."""
@@ -166,6 +170,8 @@ class Trainer:
         objective_for(dc.kind)
         if not 0.0 < settings.repeat_anchor_weight <= 1.0:
             raise ConfigError(f"repeat_anchor_weight must be in (0, 1], got {settings.repeat_anchor_weight}")
+        if not 0.0 <= settings.selector_teacher <= 1.0:
+            raise ConfigError(f"selector_teacher must be in [0, 1], got {settings.selector_teacher}")
         if settings.ce_chunk_rows is not None and settings.ce_chunk_rows < 1:
             raise ConfigError(f"ce_chunk_rows must be >= 1 (or unset), got {settings.ce_chunk_rows}")
         if settings.val_rows < 0 or (settings.val_every is not None and settings.val_every < 1):
@@ -204,6 +210,7 @@ class Trainer:
         ce_chunk_rows = self.s.ce_chunk_rows
         objective = objective_for(self.drafter.config.kind)
         loss, replay, verify_width = objective.loss, objective.replay, self.block_size
+        options = objective.options(self.s)
 
         def models(params, frozen):
             t_state, d_rest = frozen
@@ -212,7 +219,7 @@ class Trainer:
 
         def loss_fn(params, frozen, batch):
             drafter, target = models(params, frozen)
-            return loss(drafter, target, batch, weights=weights, ce_chunk_rows=ce_chunk_rows)
+            return loss(drafter, target, batch, weights=weights, ce_chunk_rows=ce_chunk_rows, **options)
 
         def step(params, opt_state, frozen, batch, lr):
             grads, metrics = jax.grad(loss_fn, has_aux=True)(params, frozen, batch)
