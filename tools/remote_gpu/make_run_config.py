@@ -23,6 +23,12 @@ ap.add_argument("--synth-prompts", type=int, default=8000,
 ap.add_argument("--block-widths", default=None,
                 help="training.optim.block_widths, comma-separated (DFlash / DFlash2: each anchor's block trained at a "
                      "width drawn from these, e.g. 4,8,16,16; the run's out_dir and name get a -mixed suffix)")
+ap.add_argument("--selector-teacher", type=float, default=None,
+                help="DFlash2: training.optim.selector_teacher λ (the target's distribution over the K candidates in "
+                     "the selector's loss; run 1 trained with 0)")
+ap.add_argument("--init-from", default=None,
+                help="training.drafter.init_from (default: the shipped DFlash drafter; DFlash2 run 2 may continue "
+                     "from dflash_jax/assets/smollm2-135m-dflash2)")
 args = ap.parse_args()
 out = Path("runs/device")
 out.mkdir(parents=True, exist_ok=True)
@@ -31,7 +37,7 @@ cfg = yaml.safe_load(Path(base).read_text())
 cfg["target"] = "/tmp/model/SmolLM2-135M-Instruct.Q4_1.gguf"
 t = cfg["training"]
 t["out_dir"] = "/tmp/run"
-t["drafter"]["init_from"] = "dflash_jax/assets/smollm2-135m-dflash"
+t["drafter"]["init_from"] = args.init_from or "dflash_jax/assets/smollm2-135m-dflash"
 for key in ("later_turns_min_chars", "code_prompts", "code_packages"):  # the prompts were made locally
     t["data"].pop(key)
 t["data"].update(prompts_file="/tmp/prompts.jsonl", num_prompts=100000, generate_batch_size=512, chunk_batches=2,
@@ -46,6 +52,8 @@ if args.kind == "dspark":
 if args.kind == "dflash2":  # the recipe's drafter section as it is (kind, block 16, selector and convolutions)
     t["out_dir"] = "/tmp/run_dflash2"
     name = "smollm2-135m-dflash2"
+if args.selector_teacher is not None:
+    t["optim"]["selector_teacher"] = args.selector_teacher
 if args.block_widths:
     t["optim"]["block_widths"] = [int(w) for w in args.block_widths.split(",")]
     t["out_dir"] += "_mixed"
