@@ -84,7 +84,11 @@ SWEEP = ({}, dict(block_e=128), dict(block_e=32), dict(block_e=16), dict(block_d
          # GPU enough programs; deeper steps keep bytes in flight
          dict(block_e=32, num_splits=1), dict(block_e=32, block_d=256, num_splits=1),
          dict(block_e=16, block_d=512, num_splits=1), dict(block_e=128, block_d=64),
-         dict(block_e=32, block_d=256, programs_per_sm=2))
+         dict(block_e=32, block_d=256, programs_per_sm=2),
+         # wide column blocks over few D rows a step: each weight row's segment is 256-512 contiguous bytes (a
+         # [D, E] int8 kernel's 64-column segment is 64 bytes, a row's stride apart), the accumulator still small
+         dict(block_e=256, block_d=32), dict(block_e=256, block_d=64, num_warps=8),
+         dict(block_e=512, block_d=16, num_warps=8), dict(block_e=256, block_d=32, programs_per_sm=8))
 SWEEP_BYTES = 320e6  # the copies of a swept matrix together: well past an H100's / H200's 50 MB L2
 
 
