@@ -11,8 +11,9 @@ Each cycle runs ``--steps`` times in one ``lax.while_loop`` with the positions r
 way), ``--repeats`` calls after a warm-up, median. Verify widths are equal: DSpark's ``block_size`` counts its
 drafts, so it gets L − 1. ``--top-k-impl`` picks DFlash2's top-K over the vocabulary: ``lax.top_k``, the exact
 chunked two-stage form (``KernelTuning(top_k_chunked=True)``, chunks of about ``--top-k-chunk``; it runs under the
-GPU kernels only, i.e. bf16 on a GPU: elsewhere both are lax.top_k), or ``both`` (``dflash2`` and
-``dflash2+chunked``).
+GPU kernels only, i.e. bf16 on a GPU: elsewhere both are lax.top_k), the LM head and top-K in one kernel
+(``KernelTuning(head_top_k_kernel=True)``, ``fused``: at most 16 rows, i.e. batch 1; interpret mode off a GPU),
+``both`` (``dflash2`` and ``dflash2+chunked``) or ``all`` (the three).
 
     # GPU: the 8B shape and the embedded pair's shape at batch 1 and 64
     python benchmarks/bench_drafter_kinds.py --shape 8b --batches 1,64 --out $OUT/kinds_8b.json
@@ -95,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--top-k-impl", choices=["lax", "chunked", "both"], default="lax",
-                    help="DFlash2's top-K over the vocabulary (both: dflash2 and dflash2+chunked)")
+    ap.add_argument("--top-k-impl", choices=["lax", "chunked", "fused", "both", "all"], default="lax",
+                    help="DFlash2's top-K over the vocabulary (both: dflash2 and dflash2+chunked; all: and +fused)")
     ap.add_argument("--top-k-chunk", type=int, default=KernelTuning().top_k_chunk,
                     help="KernelTuning.top_k_chunk for the chunked top-K")
     ap.add_argument("--out", type=Path, required=True)
@@ -119,8 +120,10 @@ def main(argv: list[str] | None = None) -> int:
                   shape=("small-" if args.small else "") + args.shape, drafter_layers=layers,
                   args={k: str(v) for k, v in vars(args).items()}, batches={})
     chunked = tuning.replace(top_k_chunked=True, top_k_chunk=args.top_k_chunk)
-    top_k = {"lax": [("", tuning)], "chunked": [("+chunked", chunked)],
-             "both": [("", tuning), ("+chunked", chunked)]}[args.top_k_impl]
+    fused = tuning.replace(head_top_k_kernel=True)
+    top_k = {"lax": [("", tuning)], "chunked": [("+chunked", chunked)], "fused": [("+fused", fused)],
+             "both": [("", tuning), ("+chunked", chunked)],
+             "all": [("", tuning), ("+chunked", chunked), ("+fused", fused)]}[args.top_k_impl]
     runs = [(kind + suffix, kind, t) for kind in kinds
             for suffix, t in (top_k if kind == "dflash2" else [("", tuning)])]
     for batch in (int(b) for b in args.batches.split(",")):

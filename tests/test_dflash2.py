@@ -4,6 +4,8 @@ malformed checkpoints are refused; decoding is lossless greedy in every verify m
 
 from __future__ import annotations
 
+import functools
+
 import dataclasses
 import json
 
@@ -265,15 +267,19 @@ def test_selector_walk_ties_take_the_lowest_index():
     np.testing.assert_allclose(np.asarray(conf), 0.25)
 
 
-def test_drafts_are_unchanged_through_the_chunked_top_k(target):
+@pytest.mark.parametrize("fused", [False, True], ids=["chunked", "fused"])
+def test_drafts_are_unchanged_through_the_chunked_top_k(target, fused):
     """The kind's drafting with the candidates' top-K through the chunked two-stage op (``top_k_chunked``,
-    chunks of 16 of the 64 tokens) gives the same candidates, drafts, confidences and sampled q as lax.top_k."""
+    chunks of 16 of the 64 tokens) gives the same candidates, drafts, confidences and sampled q as lax.top_k; with
+    the LM head and top-K in one kernel (``head_top_k_kernel``, interpret mode: its own float32 sums) the same
+    candidates and drafts, values to rounding."""
     drafter = random_drafter(target, kind="dflash2", block_size=BLOCK, num_layers=1, selector_top_k=TOPK,
                              selector_rank=RANK, conv_group_size=GROUP).model
     kind = drafters.kind_of(drafter)
     hidden = jnp.asarray(np.random.default_rng(2).normal(size=(3, BLOCK - 1, D)), jnp.float32)
     anchors = jnp.asarray([1, 7, 30], jnp.int32)
-    chunked = Kernels("cuda", KernelTuning(top_k_chunked=True, top_k_chunk=16, top_k_chunked_max_rows=0))
+    chunked = Kernels("cuda", KernelTuning(top_k_chunked=True, top_k_chunk=16, top_k_chunked_max_rows=0,
+                                           head_top_k_kernel=fused, head_top_k_block_v=16, head_top_k_max_rows=64))
     greedy = lambda x, keys: (jnp.argmax(x, -1).astype(jnp.int32), None)  # noqa: E731
 
     def sampled(x, keys):
@@ -281,17 +287,20 @@ def test_drafts_are_unchanged_through_the_chunked_top_k(target):
         return jax.vmap(lambda kk, qq: jax.random.categorical(kk, jnp.log(qq)))(keys, q).astype(jnp.int32), q
 
     keys = jax.random.split(jax.random.key(4), 3)
-    assert str(jax.make_jaxpr(lambda h: drafter.candidates(h, target.model, chunked))(hidden)).count("top_k[") == 2
+    program = str(jax.make_jaxpr(lambda h: drafter.candidates(h, target.model, chunked))(hidden))
+    assert program.count("name=dflash_head_top_k") == fused and program.count("top_k[") == (1 if fused else 2)
+    same = np.testing.assert_array_equal if not fused else functools.partial(np.testing.assert_allclose, rtol=1e-5)
     want, got = (drafter.candidates(hidden, target.model, k) for k in (Kernels(), chunked))
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
-    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+    same(np.asarray(got[1]), np.asarray(want[1]))
     for pick, key in ((greedy, None), (sampled, keys)):
         want, got = (kind.draft(target.model, hidden, anchors, pick, key, kernels=k) for k in (Kernels(), chunked))
-        for w, g in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))  # the drafts
+        for w, g in zip(want[1:], got[1:]):
             if w is None:
                 assert g is None
             else:
-                np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+                same(np.asarray(g), np.asarray(w), atol=1e-6) if fused else same(np.asarray(g), np.asarray(w))
 
 
 def test_published_config_parses():
@@ -401,6 +410,9 @@ class OracleDFlash2(DFlash2Drafter):
     def head_logits(self, hidden, target):
         tok = jnp.round(hidden[..., 0] * VOCAB).astype(jnp.int32)
         return jax.nn.one_hot(tok, VOCAB) * 40.0 + jnp.sin(jnp.arange(VOCAB, dtype=jnp.float32))
+
+    def head_weight(self, target):
+        return None  # its logits are not a product with the target's head
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,8 @@
 """The top-K op (:mod:`dflash_jax.kernels.top_k`): the chunked two-stage form (:mod:`dflash_jax.cuda.top_k`) gives
 exactly what ``lax.top_k`` gives — values and indices, ties to the lowest index — on logits full of exact ties,
-over ragged vocabularies, and the dispatch runs it only where ``KernelTuning.top_k_chunked`` asks."""
+over ragged vocabularies, and the dispatch runs it only where ``KernelTuning.top_k_chunked`` asks. The LM head and
+top-K in one GPU kernel (:mod:`dflash_jax.cuda.head_top_k`, interpret mode) gives the reference's values and ids
+on integer-valued rows and heads (exact float32 sums, thousands of ties), both head layouts, ragged tiles."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from dflash_jax.cuda.head_top_k import head_top_k
 from dflash_jax.cuda.top_k import chunk_width, chunked_top_k
 from dflash_jax.kernels import top_k as top_k_op
 from dflash_jax.tuning import KernelTuning, Kernels
@@ -79,3 +82,52 @@ def test_the_dispatch_runs_chunked_only_when_asked():
     assert count(limited) == 2 and str(many).count("top_k[") == 1
     with pytest.raises(ValueError, match="k = 17"):
         top_k_op.top_k(jnp.zeros((2, 16)), 17)
+
+
+FUSED = Kernels("cuda", KernelTuning(head_top_k_kernel=True, head_top_k_block_v=128))
+
+
+@pytest.mark.parametrize("lead, d, v, vocab_major", [((1, 15), 72, 1000, False), ((3, 11), 64, 1024, True),
+                                                     ((1,), 40, 300, True)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_head_top_k_kernel_matches_the_reference(lead, d, v, vocab_major, dtype):
+    """Rows (15, 33 → padded to 64, 1) and heads of small integers: every logit is an exact float32 sum in any
+    order, with thousands of ties, so values and ids equal ``lax.top_k`` of XLA's product bitwise. D and V ragged
+    against the tiles (block_d 64, block_v 128) or not."""
+    rng = np.random.default_rng(d + v)
+    h = jnp.asarray(rng.integers(-2, 3, (*lead, d)), dtype)
+    w = jnp.asarray(rng.integers(-2, 3, (v, d) if vocab_major else (d, v)), dtype)
+    h = h.at[(0,) * len(lead)].set(0)  # a row of zeros: every logit +0, ids 0 … k-1
+    for k in (1, 16):
+        want = top_k_op.head_top_k(h, w, k, vocab_major=vocab_major)  # the reference: XLA's head, lax.top_k
+        got = head_top_k(h, w, k, vocab_major=vocab_major, interpret=True)
+        assert got[0].shape == (*lead, k) and got[0].dtype == jnp.float32 and got[1].dtype == jnp.int32
+        assert_same(got, want)
+    assert_same(top_k_op.head_top_k(h, w, 16, vocab_major=vocab_major, kernels=FUSED), want)
+
+
+def test_the_dispatch_runs_the_fused_head_only_when_asked():
+    """One kernel launch and no [N, V] product under ``head_top_k_kernel``; the head and lax.top_k by default,
+    under "xla", past ``head_top_k_max_rows`` rows and for a k above the tile."""
+    def program(kernels, rows=16, k=16):
+        return str(jax.make_jaxpr(lambda h, w: top_k_op.head_top_k(h, w, k, vocab_major=False, kernels=kernels))(
+            jnp.zeros((rows, 64)), jnp.zeros((64, 512))))
+
+    fused = program(FUSED)
+    assert fused.count("name=dflash_head_top_k") == 1 and "f32[16,512]" not in fused
+    for other in (program(Kernels("cuda")), program(Kernels("xla", FUSED.tuning)), program(FUSED, rows=17),
+                  program(FUSED, k=129)):
+        assert "name=dflash_head_top_k" not in other and other.count("top_k[") == 1
+    with pytest.raises(ValueError, match="k = 513"):
+        top_k_op.head_top_k(jnp.zeros((2, 64)), jnp.zeros((64, 512)), 513, vocab_major=False)
+
+
+def test_head_top_k_lowers_to_triton():
+    """Through Pallas' Triton rules for a GPU (what interpret mode does not check): Qwen3-8B's untied head (4096 ×
+    151,936) at 15 rows, and SmolLM2's tied embedding (49,152 × 576, vocabulary-major) at 1 row."""
+    sds = jax.ShapeDtypeStruct
+    for rows, d, v, vocab_major in ((15, 4096, 151936, False), (1, 576, 49152, True)):
+        w = sds((v, d) if vocab_major else (d, v), jnp.bfloat16)
+        text = jax.jit(lambda h, w, m=vocab_major: head_top_k(h, w, 16, vocab_major=m)).trace(
+            sds((rows, d), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 1 and "dflash_head_top_k" in text

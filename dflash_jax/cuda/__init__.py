@@ -6,6 +6,7 @@
 * :mod:`dflash_jax.cuda.delta_rule` — the short-block gated delta rule (linear attention);
 * :mod:`dflash_jax.cuda.quantized` — the fused dequantize-and-multiply of int8 / fp8 linear layers;
 * :mod:`dflash_jax.cuda.top_k` — the exact two-stage (chunked) top-K over a vocabulary (jnp, no Triton);
+* :mod:`dflash_jax.cuda.head_top_k` — the LM head and the top-K of its logits in one kernel (DFlash2's candidates);
 * :mod:`dflash_jax.cuda.common` — helpers they share; :mod:`dflash_jax.cuda.graphs` — CUDA-graph options.
 
 Model code never imports these: it calls the operations of :mod:`dflash_jax.kernels`, whose dispatch picks a

@@ -44,6 +44,7 @@ OPS = {
     "quantized_projections": "dflash_jax.kernels.quantized.quantized_projections (several int8 / fp8 kernels "
                              "over one input)",
     "top_k": "dflash_jax.kernels.top_k.top_k (the K largest of each row: DFlash2's candidates over the vocabulary)",
+    "head_top_k": "dflash_jax.kernels.top_k.head_top_k (the LM head, then the K largest logits of each row)",
 }
 
 # (op, impl) → "module:function" of the kernel entry. An op without an entry for an implementation runs its
@@ -64,13 +65,14 @@ REGISTRY: dict[tuple[str, str], str] = {
     ("quantized_matmul", "pallas"): "dflash_jax.pallas.quantized:quantized_matmul_kernel",
     ("quantized_projections", "cuda"): "dflash_jax.cuda.quantized:quantized_projections_kernel",
     ("top_k", "cuda"): "dflash_jax.cuda.top_k:chunked_top_k_kernel",
+    ("head_top_k", "cuda"): "dflash_jax.cuda.head_top_k:head_top_k_kernel",
 }
 
-# Ops whose kernel a KernelTuning field turns off (A/B runs): op → field name. ``top_k_chunked`` is off by default
-# (lax.top_k runs until a GPU measurement says otherwise).
+# Ops whose kernel a KernelTuning field turns off (A/B runs): op → field name. ``top_k_chunked`` and
+# ``head_top_k_kernel`` are off by default (XLA's head and lax.top_k run until a GPU measurement says otherwise).
 SWITCHES = {"packed_verify_attention": "packed_kernel", "cache_write": "write_kernel", "cache_place": "place_kernel",
             "delta_rule": "delta_rule_kernel", "quantized_matmul": "quant_kernel",
-            "quantized_projections": "quant_group_kernel", "top_k": "top_k_chunked"}
+            "quantized_projections": "quant_group_kernel", "top_k": "top_k_chunked", "head_top_k": "head_top_k_kernel"}
 
 
 def resolve_impl(impl: str, dtype=None) -> str:

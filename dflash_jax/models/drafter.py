@@ -18,7 +18,7 @@ from jaxtyping import Array, Float, Int
 
 from dflash_jax.config import ConfigError, DrafterConfig
 from dflash_jax.kernels.attention import draft_attention, read_after
-from dflash_jax.kernels.top_k import top_k
+from dflash_jax.kernels.top_k import head_top_k, top_k
 from dflash_jax.models.layers import MLP, Dense, Embed, RMSNorm, Rope, apply_rope, matmul, normal_init
 from dflash_jax.models.target import KVCache, write_rows
 from dflash_jax.tuning import Kernels
@@ -156,6 +156,12 @@ class DFlashDrafter(nnx.Module):
             return jnp.einsum("...d,vd->...v", hidden, self.draft_head[...], preferred_element_type=jnp.float32)
         logits = target.logits(hidden)
         return logits if self.d2t is None else jnp.take(logits, self.d2t[...], axis=-1)
+
+    def head_weight(self, target) -> tuple[jax.Array, bool] | None:
+        """What :meth:`head_logits` multiplies by when it is the target's whole, unquantized head (no draft head,
+        no reduced vocabulary): ``target.head_weight()``; else None. A kernel that forms the logits itself (the
+        op ``head_top_k``) reads it; a subclass with another :meth:`head_logits` returns None."""
+        return target.head_weight() if self.draft_head is None and self.d2t is None else None
 
     def scale_logits(self, logits: Float[Array, "*b n"]) -> Float[Array, "*b n"]:
         """z-lab's ``output_multiplier``, then ``final_logit_softcapping`` if set."""
@@ -364,7 +370,12 @@ class DFlash2Drafter(DFlashDrafter):
         """The K best tokens of each position (target ids, best first) and their unary scores: the top-K of the
         LM head's logits (the kernel op :func:`~dflash_jax.kernels.top_k.top_k`), then ``output_multiplier`` and
         soft-capping on the K values."""
-        values, ids = top_k(self.head_logits(hidden, target), self.config.selector_top_k, kernels=kernels)
+        k = self.config.selector_top_k
+        head = self.head_weight(target)
+        if head is not None:  # the whole target head: the op that may form the logits and their top-K together
+            values, ids = head_top_k(hidden, head[0], k, vocab_major=head[1], kernels=kernels)
+        else:
+            values, ids = top_k(self.head_logits(hidden, target), k, kernels=kernels)
         return self.to_target_ids(ids.astype(jnp.int32)), self.scale_logits(values)
 
     def keep_draft_columns(self, ids: Int[Array, "Vd"]) -> None:

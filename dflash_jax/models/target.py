@@ -224,6 +224,14 @@ class TargetModel(nnx.Module):
             return jnp.einsum("...d,dv->...v", h, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
         return self.lm_head.project(h, kernels, preferred_element_type=jnp.float32)
 
+    def head_weight(self) -> tuple[jax.Array, bool] | None:
+        """The weights :meth:`logits` multiplies by, unquantized, and whether they are vocabulary-major (``[V, D]``,
+        a tied embedding; else ``[D, V]``): what a kernel that forms the logits itself reads. None for a quantized
+        head (its product goes through the quantized kernels)."""
+        if self.lm_head is None:
+            return self.embed_tokens.embedding[...], True
+        return None if self.lm_head.quant is not None else (self.lm_head.kernel[...], False)
+
     def head_rows(self, ids: Int[Array, "N"]) -> Float[Array, "N D"]:
         """The lm_head's weights of tokens ``ids``, one row each (what :meth:`logits` multiplies them by),
         dequantized to the compute dtype where the head is quantized."""

@@ -1,7 +1,7 @@
 # Benchmarks on random weights of real shapes (no GGUF, no calls 1–2): carry `.whl`. The sweeps schedule with
 # `tools/remote_gpu/h100_8b_tables.json` (the H100 tables of the 8B shape at 1 / 16 / 32 / 64 / 128 rows; on
 # another GPU type drop it and let each batch be timed). Each phase fits one call; everything lands in $OUT. Usage: bash tools/remote_gpu/shaped.sh <phase>
-#   kinds   DFlash vs DFlash2 cycle at batch 1, lax.top_k and the chunked top-K (issue 57 item 4; ~3 min)
+#   kinds   DFlash vs DFlash2 cycle at batch 1: lax.top_k, the chunked top-K, the head + top-K kernel (issue 57 item 4; ~4 min)
 #   p02     8B shape, p = 0.2, auto and static at 64, 16, 128, 32 rows (tables: tools/remote_gpu/h100_8b_tables.json;
 #           each batch's JSON written as it ends) (~8 min)
 #   p03     8B shape, p = 0.3, at 64 and 16 rows with the same tables (~5 min)
@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 TABLES="--cost-table tools/remote_gpu/h100_8b_tables.json"
 case "$1" in
   kinds) timeout 560 python3 benchmarks/bench_drafter_kinds.py --shape 8b --batches 1 --kinds dflash,dflash2 \
-           --top-k-impl both --out $OUT/kinds_8b_b1.json 2>&1 | tail -n 12 ;;
+           --top-k-impl all --out $OUT/kinds_8b_b1.json 2>&1 | tail -n 12 ;;
   p02) timeout 570 python3 benchmarks/bench_compact_scaled.py --batches 64,16,128,32 --corrupt 0.2 --modes static,auto \
          --repeats 2 $TABLES --out $OUT/p02.json --plot $OUT/p02.png 2>&1 | grep -v "^  [^(]" | tail -n 20 ;;
   p03) timeout 570 python3 benchmarks/bench_compact_scaled.py --batches 64,16 --corrupt 0.3 --modes static,auto \
@@ -32,8 +32,8 @@ case "$1" in
          2>&1 | tail -n 3
        for k in on grouped; do timeout 130 python3 benchmarks/bench_quantized_step.py --quantizations int8 --batches 1 \
          --quant-kernel $k --profile --out $OUT/qstep_int8_b1_$k.json 2>&1 | tee $OUT/qstep_b1_$k.log | tail -n 2; done
-       [ "$1" = mini ] || timeout 200 python3 benchmarks/bench_drafter_kinds.py --shape 8b --batches 1 --kinds dflash,dflash2 \
-         --top-k-impl both --out $OUT/kinds_8b_b1.json 2>&1 | tail -n 12 ;;
+       [ "$1" = mini ] || timeout 230 python3 benchmarks/bench_drafter_kinds.py --shape 8b --batches 1 --kinds dflash,dflash2 \
+         --top-k-impl all --out $OUT/kinds_8b_b1.json 2>&1 | tail -n 12 ;;
   micro) timeout 70 python3 -m pytest -q -p no:cacheprovider tests/test_quantized_kernels.py -k "8b_grouped" 2>&1 | tail -n 2
          for k in on grouped; do timeout 85 python3 benchmarks/bench_quantized_step.py --quantizations int8 --batches 1 \
            --steps 10 --repeats 3 --quant-kernel $k --profile --out $OUT/qstep_int8_b1_$k.json 2>&1 | tee $OUT/qstep_b1_$k.log | tail -n 1; done ;;
