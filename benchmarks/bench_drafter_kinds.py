@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     fused = tuning.replace(head_top_k_kernel=True)
     top_k = {"lax": [("", tuning)], "chunked": [("+chunked", chunked)], "fused": [("+fused", fused)],
              "both": [("", tuning), ("+chunked", chunked)],
-             "all": [("", tuning), ("+chunked", chunked), ("+fused", fused)]}[args.top_k_impl]
+             "all": [("", tuning), ("+fused", fused), ("+chunked", chunked)]}[args.top_k_impl]
     runs = [(kind + suffix, kind, t) for kind in kinds
             for suffix, t in (top_k if kind == "dflash2" else [("", tuning)])]
     for batch in (int(b) for b in args.batches.split(",")):

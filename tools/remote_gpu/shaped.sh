@@ -11,6 +11,7 @@
 #   one     when one call is all the session may get: the grouped kernel's GPU tests, the int8 AR step at batch 1
 #           without / with it, then kinds (~8 min)
 #   mini    the first half of one (~5 min)
+#   pick    little budget left: kinds first (DFlash2's three top-K forms), then micro's two AR steps without the test (~7 min)
 #   micro   the grouped kernel's GPU test and the int8 AR step at batch 1 without / with it (~4 min)
 #   qsweep1 the int8 matmul alone at T = 1 over every block choice (issue 56: the AR step's kernel) (~4 min?)
 #   qsweep  the quantized matmul alone at the 8B layers (issue 56; int8 block choices) (~8 min?)
@@ -37,11 +38,15 @@ case "$1" in
          --quant-kernel $k --profile --out $OUT/qstep_int8_b1_$k.json 2>&1 | tee $OUT/qstep_b1_$k.log | tail -n 2; done
        [ "$1" = mini ] || timeout 230 python3 benchmarks/bench_drafter_kinds.py --shape 8b --batches 1 --kinds dflash,dflash2 \
          --top-k-impl all --out $OUT/kinds_8b_b1.json 2>&1 | tail -n 12 ;;
+  pick) timeout 240 python3 benchmarks/bench_drafter_kinds.py --shape 8b --batches 1 --kinds dflash,dflash2 \
+          --top-k-impl all --out $OUT/kinds_8b_b1.json 2>&1 | tail -n 6
+        for k in on grouped; do timeout 85 python3 benchmarks/bench_quantized_step.py --quantizations int8 --batches 1 \
+          --steps 10 --repeats 3 --quant-kernel $k --profile --out $OUT/qstep_int8_b1_$k.json 2>&1 | tee $OUT/qstep_b1_$k.log | tail -n 1; done ;;
   micro) timeout 70 python3 -m pytest -q -p no:cacheprovider tests/test_quantized_kernels.py -k "8b_grouped" 2>&1 | tail -n 2
          for k in on grouped; do timeout 85 python3 benchmarks/bench_quantized_step.py --quantizations int8 --batches 1 \
            --steps 10 --repeats 3 --quant-kernel $k --profile --out $OUT/qstep_int8_b1_$k.json 2>&1 | tee $OUT/qstep_b1_$k.log | tail -n 1; done ;;
   qsweep1) timeout 570 python3 benchmarks/bench_quantized_step.py --sweep --sweep-tokens 1 --sweep-schemes int8 \
             --repeats 3 --out $OUT/qsweep1.json 2>&1 | tail -n 80 ;;
   qsweep) timeout 570 python3 benchmarks/bench_quantized_step.py --sweep --out $OUT/qsweep.json 2>&1 | tail -n 40 ;;
-  *) echo "usage: $0 kinds|topk|p02|p03|qgroup|one|mini|micro|qsweep1|qsweep" >&2; exit 2 ;;
+  *) echo "usage: $0 kinds|pick|topk|p02|p03|qgroup|one|mini|micro|qsweep1|qsweep" >&2; exit 2 ;;
 esac
