@@ -15,10 +15,12 @@ row's caches hold ``--context`` tokens. Per quantization and batch B (``--batche
 each ``--steps`` steps in one ``lax.while_loop`` (``benchmarks/tools/step_parts.py``'s programs), median of
 ``--repeats`` calls. Floors: the bytes a step must read (the target's stored weights a step touches — of a MoE
 layer's experts the share B uniformly routed tokens touch — plus the K/V at that context) ÷ the device's HBM
-bandwidth (``step_parts.DEVICES``, or ``--hbm-gbps``). ``--quant-kernel off``: the quantized layers and MoE experts
-run the XLA references instead of the fused GPU kernels (A/B); ``on`` (and its older name ``float8``): the
-defaults, int8 and float8 weights through the kernels; ``grouped``: also a layer's q / k / v and an MLP's gate /
-up in one launch each (``quant_group_kernel``).
+bandwidth (``step_parts.DEVICES``, or ``--hbm-gbps``). ``--quant-kernel default``: the library's defaults (on a
+GPU the dense quantized layers through XLA's own fused conversion and GEMM, MoE experts through the grouped-expert
+kernel); ``off``: the quantized layers and MoE experts run the XLA references (A/B); ``on`` (and its older name
+``float8``): int8 and float8 weights through the fused kernels, the dense layers' GPU kernel included
+(``quant_kernel_impls``); ``grouped``: ``on``, and a layer's q / k / v and an MLP's gate / up in one launch each
+(``quant_group_kernel``).
 
 ``--sweep``: the quantized matmul alone on the shape's linear layers (Qwen3-8B: 4096 × 4096, 4096 × 1024,
 4096 × 12288, 12288 × 4096, 4096 × 151936) at T = 1, 16, 64 tokens (``--sweep-tokens``; schemes
@@ -282,10 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafter-layers", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20, help="steps per timed call")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls (median)")
-    ap.add_argument("--quant-kernel", choices=("on", "off", "float8", "grouped"), default="on",
-                    help="off: quantized layers (and MoE experts) run the XLA reference (A/B against the fused "
-                         "kernels); float8: on, float8 weights included (quant_kernel_float8); grouped: on, and a "
-                         "layer's q / k / v and gate / up each in one launch (quant_group_kernel)")
+    ap.add_argument("--quant-kernel", choices=("default", "on", "off", "float8", "grouped"), default="default",
+                    help="default: the library's; off: quantized layers (and MoE experts) run the XLA reference "
+                         "(A/B against the fused kernels); on / float8: every fused kernel, the dense layers' GPU "
+                         "kernel included (quant_kernel_impls); grouped: on, and a layer's q / k / v and gate / up "
+                         "each in one launch (quant_group_kernel)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one call of the AR step: kernel time and count a step, top kernels")
     ap.add_argument("--sweep", action="store_true", help="time the quantized matmul alone instead (docstring)")
@@ -300,9 +303,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown quantizations {sorted(unknown)}; one of {sorted(SCHEMES)}")
     name, full, small = SHAPES[args.shape]
     cfg = small if args.small else full
-    tuning = Tuning().replace(quant_kernel=args.quant_kernel != "off",
-                              quant_kernel_float8=args.quant_kernel != "off",
-                              quant_group_kernel=args.quant_kernel == "grouped")
+    tuning = Tuning()
+    if args.quant_kernel != "default":
+        tuning = tuning.replace(quant_kernel=args.quant_kernel != "off", quant_kernel_float8=args.quant_kernel != "off",
+                                quant_group_kernel=args.quant_kernel == "grouped",
+                                quant_kernel_impls=("cuda", "pallas"))
     if args.small and jax.default_backend() == "cpu":
         tuning = tuning.with_compiler_options(CPU_FAST_COMPILE)
     hbm, _ = device_rates(args)

@@ -48,12 +48,16 @@ class KernelTuning:
     moe_kernels_on: tuple[str, ...] = ("gpu", "tpu")
     moe_kernel_max_tokens: int = 64
     moe_grouped_on: tuple[str, ...] = ()
-    # Quantized linear layers: the fused dequantize-and-multiply kernel (GPU and TPU) for calls of at most
-    # ``quant_kernel_max_tokens`` tokens (more: the XLA reference, e.g. verify and prefill). The GPU kernel beat
-    # XLA on the one-token step and lost to it on a 16-token verify, where XLA fuses the conversion into its GEMM
-    # (docs/usage.md, "Quantized targets"); the TPU kernel is untimed.
+    # Quantized linear layers: the fused dequantize-and-multiply kernel (TPU; GPU where ``quant_kernel_impls`` says)
+    # for calls of at most ``quant_kernel_max_tokens`` tokens (more: the XLA reference, e.g. verify and prefill,
+    # where XLA fuses the conversion into its GEMM; docs/usage.md, "Quantized targets"). The TPU kernel is untimed.
     quant_kernel: bool = True
     quant_kernel_max_tokens: int = 1
+    # The implementations whose dense quantized kernel runs by default ("cuda": GPU, "pallas": TPU). Not the GPU's:
+    # on an H100 XLA fuses the int8 → bf16 conversion into its own GEMM (the int8 bytes are what it reads), and the
+    # Qwen3-8B int8 AR step ran 4.57 ms that way against 6.72 ms through the kernel and 6.34 ms in bf16
+    # (benchmarks/README.md, "Quantized targets"). ("cuda", "pallas") runs it on GPUs too.
+    quant_kernel_impls: tuple[str, ...] = ("pallas",)
     # float8 weights through that kernel too (off: they take the XLA reference, int8 still the kernel). Its float8
     # tiles match the reference in the GPU tests (tests/test_quantized_kernels.py, test_moe_kernels.py, run on a
     # GPU); the TPU kernel's in interpret mode only. Both switches also govern quantized MoE experts in the
@@ -61,8 +65,8 @@ class KernelTuning:
     # as experts).
     quant_kernel_float8: bool = True
     # Quantized kernels that share their input (a layer's q / k / v, an MLP's gate / up) in one launch of that GPU
-    # kernel (op "quantized_projections") instead of one each; under the same limits as a kernel alone. Off until
-    # a GPU step says it pays (benchmarks/bench_quantized_step.py).
+    # kernel (op "quantized_projections") instead of one each; under the same limits as a kernel alone. Off: it
+    # made the H100's int8 8B AR step slower (7.10 ms against 6.72 one launch a matrix).
     quant_group_kernel: bool = False
     # The top-K over a vocabulary (op "top_k": a DFlash2 drafter's candidates, K per block position) on GPUs as
     # the exact two-stage form (dflash_jax/cuda/top_k.py: the top-K of each chunk of about ``top_k_chunk``

@@ -10,6 +10,8 @@ for platform "tpu" at the Qwen3-8B shapes; on a TPU it is also compiled and run 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +26,8 @@ from dflash_jax.tuning import KernelTuning, Kernels
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
+# The GPU kernel asked for: by default GPUs run XLA's fused conversion and GEMM (KernelTuning.quant_kernel_impls).
+GPU_ON = KernelTuning(quant_kernel_impls=("cuda", "pallas"))
 
 
 @pytest.fixture(autouse=True)
@@ -129,8 +133,8 @@ def test_grouped_dispatch():
         jaxpr = jax.make_jaxpr(lambda x: op.quantized_projections(x, weights, kernels=kernels))(x)
         return str(jaxpr).count("pallas_call")
 
-    grouped = Kernels("cuda", KernelTuning(quant_group_kernel=True))
-    assert launches(grouped) == 1 and launches(Kernels("cuda")) == 2 and launches(Kernels("xla")) == 0
+    grouped = Kernels("cuda", dataclasses.replace(GPU_ON, quant_group_kernel=True))
+    assert launches(grouped) == 1 and launches(Kernels("cuda", GPU_ON)) == 2 and launches(Kernels("xla")) == 0
     assert launches(grouped, jnp.zeros((2, 64), jnp.float32)) == 0  # two tokens: the reference (token limit)
     _, q3, s3, b3 = _inputs(2, 1, 64, 16, Scheme("fp8"), jnp.float32)
     mixed = jax.make_jaxpr(lambda x: op.quantized_projections(x, [weights[0], (q3, s3, b3)], kernels=grouped))(x)
@@ -158,7 +162,7 @@ def test_layers_project_together():
     model = quantize(tiny_target("qwen3", seed=5), "int8").model
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
     x = jax.random.normal(jax.random.key(0), (1, 1, model.config.hidden_size), jnp.float32)
-    grouped, alone = (Kernels("cuda", KernelTuning(quant_group_kernel=g)) for g in (True, False))
+    grouped, alone = (Kernels("cuda", dataclasses.replace(GPU_ON, quant_group_kernel=g)) for g in (True, False))
 
     def projections(kernels):
         from dflash_jax.models.layers import project_together
@@ -181,8 +185,8 @@ def test_quantized_lm_head_runs_the_kernel():
     def launches(kernels):
         return str(jax.make_jaxpr(lambda h: model.logits(h, kernels))(h)).count("pallas_call")
 
-    assert launches(Kernels("cuda")) == 1 and launches(Kernels("xla")) == 0
-    got = jax.jit(lambda h: model.logits(h, Kernels("cuda")))(h)
+    assert launches(Kernels("cuda", GPU_ON)) == 1 and launches(Kernels("xla")) == 0
+    got = jax.jit(lambda h: model.logits(h, Kernels("cuda", GPU_ON)))(h)
     assert got.dtype == jnp.float32
     _check(got, model.logits(h, Kernels("xla")), jnp.float32)
 
@@ -194,15 +198,17 @@ def _runs_kernel(kernels: Kernels, t: int, kind: str = "int8", d: int = 64, e: i
 
 
 def test_dispatch():
-    """impl "cuda" runs the kernel up to ``quant_kernel_max_tokens`` tokens (default 1: the one-token step), for
-    int8 and float8 (``quant_kernel_float8`` off: int8 only); ``quant_kernel`` off turns it off; "xla" never."""
-    assert _runs_kernel(Kernels("cuda"), 1) and not _runs_kernel(Kernels("cuda"), 2)
-    wide = Kernels("cuda", KernelTuning(quant_kernel_max_tokens=64))
+    """impl "cuda" runs the kernel only where ``quant_kernel_impls`` names it (not by default), then up to
+    ``quant_kernel_max_tokens`` tokens (default 1: the one-token step), for int8 and float8
+    (``quant_kernel_float8`` off: int8 only); ``quant_kernel`` off turns it off; "xla" never."""
+    assert not _runs_kernel(Kernels("cuda"), 1) and not _runs_kernel(Kernels("cuda"), 1, "fp8")
+    assert _runs_kernel(Kernels("cuda", GPU_ON), 1) and not _runs_kernel(Kernels("cuda", GPU_ON), 2)
+    wide = Kernels("cuda", dataclasses.replace(GPU_ON, quant_kernel_max_tokens=64))
     assert _runs_kernel(wide, 64) and not _runs_kernel(wide, 65)
-    assert not _runs_kernel(Kernels("cuda", KernelTuning(quant_kernel=False)), 1)
+    assert not _runs_kernel(Kernels("cuda", dataclasses.replace(GPU_ON, quant_kernel=False)), 1)
     assert not _runs_kernel(Kernels("xla"), 1)
-    assert not _runs_kernel(Kernels("cuda", KernelTuning(quant_kernel_float8=False)), 1, "fp8")
-    float8 = Kernels("cuda")
+    assert not _runs_kernel(Kernels("cuda", dataclasses.replace(GPU_ON, quant_kernel_float8=False)), 1, "fp8")
+    float8 = Kernels("cuda", GPU_ON)
     assert _runs_kernel(float8, 1) and _runs_kernel(float8, 1, "fp8")
     x, q, s, block = _inputs(2, 4, 64, 32, Scheme("fp8"), jnp.float32)
     got = jax.jit(lambda x, q, s: op.quantized_matmul(x, q, s, block, kernels=float8))(x, q, s)
@@ -348,6 +354,7 @@ def test_tpu_leading_axes_and_output_dtype():
 def test_tpu_dispatch():
     """impl "pallas" runs the TPU kernel (interpret mode here) under the same knobs as the GPU one, and the
     reference for shapes it does not take (D, E not multiples of 128)."""
+    assert not _runs_kernel(Kernels("pallas", KernelTuning(quant_kernel_impls=("cuda",))), 1, d=256, e=256)
     wide = Kernels("pallas", KernelTuning(quant_kernel_max_tokens=64))
     assert _runs_kernel(Kernels("pallas"), 1, d=256, e=256) and not _runs_kernel(Kernels("pallas"), 2, d=256, e=256)
     assert _runs_kernel(wide, 64, d=256, e=256) and not _runs_kernel(wide, 65, d=256, e=256)

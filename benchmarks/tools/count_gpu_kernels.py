@@ -193,7 +193,8 @@ def main() -> int:
     args = ap.parse_args()
     tuning, switches = apply_kernel_switches(args, programs_per_sm=args.programs_per_sm or 0,
                                              dense_whole_blocks=args.dense == "on")
-    tuning = tuning.replace(quant_kernel=args.quant_kernel != "off", quant_group_kernel=args.quant_kernel == "grouped")
+    tuning = tuning.replace(quant_kernel=args.quant_kernel != "off", quant_group_kernel=args.quant_kernel == "grouped",
+                            quant_kernel_impls=("cuda", "pallas"))
     switches = {**switches, "quantization": args.quantization, "quant_kernel": args.quant_kernel}
     device = topologies.get_topology_desc(platform="cuda", target_config=H200, topology="1x1x1").devices[0]
     quantization = None if args.quantization == "none" else args.quantization

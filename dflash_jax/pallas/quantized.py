@@ -242,6 +242,8 @@ def quantized_matmul_kernel(x, q, scale, block, *, out_dtype, kernels: Kernels) 
     under a mesh: the op does not know how its kernel is split, and a custom call over sharded operands would
     gather them)."""
     interp = None if native("pallas") else pltpu.InterpretParams()
+    if "pallas" not in kernels.tuning.quant_kernel_impls:
+        return None  # asked not to (KernelTuning.quant_kernel_impls)
     if math.prod(x.shape[:-1]) > kernels.tuning.quant_kernel_max_tokens:
         return None  # prefill: the XLA path (not worth a log line)
     if jnp.dtype(q.dtype) == jnp.float8_e4m3fn and not kernels.tuning.quant_kernel_float8:
