@@ -47,6 +47,11 @@ from dflash_jax.cuda.head_top_k import MAX_ROWS as HEAD_TOP_K_MAX_ROWS, head_top
 from dflash_jax.cuda.top_k import chunk_width, chunked_top_k  # noqa: E402
 
 
+# The fused kernel's tiles beside its defaults (128, 64, 4 warps, 3 stages): (block_v, block_d, warps, stages).
+FUSED_TILES = ((256, 64, 4, 3), (128, 128, 4, 3), (64, 128, 4, 4), (128, 64, 8, 4), (256, 32, 8, 3), (128, 64, 4, 5),
+               (256, 64, 8, 4), (128, 32, 4, 4), (512, 32, 8, 3))
+
+
 def per_call_us(fn, x, consts: tuple, iters: int, reps: int, warm_s: float) -> float:
     """Median µs of one ``fn(x, *consts)`` over ``reps`` programs of ``iters`` dependent calls: each call's input
     has its first element rewritten from the previous call's output (so no call is hoisted or dropped), and
@@ -97,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=20, help="dependent calls per timed program")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warm-s", type=float, default=0.5)
+    ap.add_argument("--fused-tiles", action="store_true",
+                    help="also time the fused kernel at other tiles (block_v, block_d, warps, stages: FUSED_TILES)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     if args.small:
@@ -157,6 +164,15 @@ def main(argv: list[str] | None = None) -> int:
                                                chunk=None, us=us, vs_argmax=us / base, same_ids=same))
                     print(f"head   N {n:5d}  V {v:6d}  D {d}  fused head + top-K  {us:9.1f} µs  "
                           f"({us / base:.3f}× head + argmax; ids as head + top_k: {same:.4f})", flush=True)
+                    for bv, bd, nw, ns in FUSED_TILES if args.fused_tiles else ():
+                        us = time_it(lambda h, w, t=(bv, bd, nw, ns): head_top_k(
+                            h, w, args.k, vocab_major=False, block_v=t[0], block_d=t[1], num_warps=t[2],
+                            num_stages=t[3], interpret=jax.default_backend() != "gpu"), h, w)
+                        result["head"].append(dict(rows=n, vocab=v, hidden=d, dtype=args.head_dtype,
+                                                   case=f"fused kernel {bv},{bd},{nw},{ns}", chunk=None, us=us,
+                                                   vs_argmax=us / base))
+                        print(f"head   N {n:5d}  V {v:6d}  D {d}  fused, block_v {bv} block_d {bd} warps {nw} "
+                              f"stages {ns}  {us:9.1f} µs", flush=True)
                 del h, w
             args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"→ {args.out}")
