@@ -107,16 +107,17 @@ def test_head_top_k_kernel_matches_the_reference(lead, d, v, vocab_major, dtype)
 
 
 def test_the_dispatch_runs_the_fused_head_only_when_asked():
-    """One kernel launch and no [N, V] product under ``head_top_k_kernel``; the head and lax.top_k by default,
-    under "xla", past ``head_top_k_max_rows`` rows and for a k above the tile."""
+    """One kernel launch and no [N, V] product under "cuda" (``head_top_k_kernel``, on by default); the head and
+    lax.top_k with it off, under "xla", past ``head_top_k_max_rows`` rows and for a k above the tile."""
     def program(kernels, rows=16, k=16):
         return str(jax.make_jaxpr(lambda h, w: top_k_op.head_top_k(h, w, k, vocab_major=False, kernels=kernels))(
             jnp.zeros((rows, 64)), jnp.zeros((64, 512))))
 
     fused = program(FUSED)
     assert fused.count("name=dflash_head_top_k") == 1 and "f32[16,512]" not in fused
-    for other in (program(Kernels("cuda")), program(Kernels("xla", FUSED.tuning)), program(FUSED, rows=17),
-                  program(FUSED, k=129)):
+    assert program(Kernels("cuda")) == fused
+    off = Kernels("cuda", KernelTuning(head_top_k_kernel=False))
+    for other in (program(off), program(Kernels("xla", FUSED.tuning)), program(FUSED, rows=17), program(FUSED, k=129)):
         assert "name=dflash_head_top_k" not in other and other.count("top_k[") == 1
     with pytest.raises(ValueError, match="k = 513"):
         top_k_op.head_top_k(jnp.zeros((2, 64)), jnp.zeros((64, 512)), 513, vocab_major=False)

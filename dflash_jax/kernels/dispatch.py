@@ -68,8 +68,8 @@ REGISTRY: dict[tuple[str, str], str] = {
     ("head_top_k", "cuda"): "dflash_jax.cuda.head_top_k:head_top_k_kernel",
 }
 
-# Ops whose kernel a KernelTuning field turns off (A/B runs): op → field name. ``top_k_chunked`` and
-# ``head_top_k_kernel`` are off by default (XLA's head and lax.top_k run until a GPU measurement says otherwise).
+# Ops whose kernel a KernelTuning field turns off (A/B runs): op → field name. ``top_k_chunked`` is off by default
+# (lax.top_k runs where the fused head + top-K does not).
 SWITCHES = {"packed_verify_attention": "packed_kernel", "cache_write": "write_kernel", "cache_place": "place_kernel",
             "delta_rule": "delta_rule_kernel", "quantized_matmul": "quant_kernel",
             "quantized_projections": "quant_group_kernel", "top_k": "top_k_chunked", "head_top_k": "head_top_k_kernel"}
