@@ -113,8 +113,8 @@ def settle_fp8(tensors: Mapping[str, np.ndarray], blocks: tuple[int, int] | None
     ``experts``, the routed experts' weights, when ``blocks`` are given) stay FP8 beside their scales, folded
     into the checkpoint's blocks where every block's rows share a scale (rows the map moved by whole blocks;
     else one scale per row), and ``kept`` gives each one's scheme; every other FP8 tensor is dequantized
-    (float32 for a linear layer or expert, to be quantized again; ``dtype`` for the rest), except those the map
-    ``ignore``\ s."""
+    (float32 for a linear layer or expert, to be quantized again; ``dtype`` for the rest), except those the map's
+    ``ignore`` lists."""
     out = dict(tensors)
     kept: dict[str, Scheme] = {}
     for name, w in tensors.items():
