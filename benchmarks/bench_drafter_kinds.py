@@ -12,7 +12,8 @@ way), ``--repeats`` calls after a warm-up, median. Verify widths are equal: DSpa
 drafts, so it gets L − 1. ``--top-k-impl`` picks DFlash2's top-K over the vocabulary: ``lax.top_k``, the exact
 chunked two-stage form (``KernelTuning(top_k_chunked=True)``, chunks of about ``--top-k-chunk``; it runs under the
 GPU kernels only, i.e. bf16 on a GPU: elsewhere both are lax.top_k), the LM head and top-K in one kernel
-(``KernelTuning(head_top_k_kernel=True)``, ``fused``: at most 16 rows, i.e. batch 1; interpret mode off a GPU),
+(``KernelTuning(head_top_k_kernel=True)``, ``fused``, the default: at most 16 rows, i.e. batch 1, unless
+``--fused-max-rows`` says more; interpret mode off a GPU),
 ``both`` (``dflash2`` and ``dflash2+chunked``) or ``all`` (the three).
 
     # GPU: the 8B shape and the embedded pair's shape at batch 1 and 64
@@ -100,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="DFlash2's top-K over the vocabulary (both: dflash2 and dflash2+chunked; all: and +fused)")
     ap.add_argument("--top-k-chunk", type=int, default=KernelTuning().top_k_chunk,
                     help="KernelTuning.top_k_chunk for the chunked top-K")
+    ap.add_argument("--fused-max-rows", type=int, default=KernelTuning().head_top_k_max_rows,
+                    help="head_top_k_max_rows of the +fused runs (0: any; the library's default otherwise)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
@@ -119,11 +122,12 @@ def main(argv: list[str] | None = None) -> int:
                   device_kind=jax.devices()[0].device_kind, jax_version=jax.__version__,
                   shape=("small-" if args.small else "") + args.shape, drafter_layers=layers,
                   args={k: str(v) for k, v in vars(args).items()}, batches={})
-    chunked = tuning.replace(top_k_chunked=True, top_k_chunk=args.top_k_chunk)
-    fused = tuning.replace(head_top_k_kernel=True)
-    top_k = {"lax": [("", tuning)], "chunked": [("+chunked", chunked)], "fused": [("+fused", fused)],
-             "both": [("", tuning), ("+chunked", chunked)],
-             "all": [("", tuning), ("+fused", fused), ("+chunked", chunked)]}[args.top_k_impl]
+    plain = tuning.replace(head_top_k_kernel=False)  # XLA's head, then lax.top_k
+    chunked = plain.replace(top_k_chunked=True, top_k_chunk=args.top_k_chunk)
+    fused = tuning.replace(head_top_k_kernel=True, head_top_k_max_rows=args.fused_max_rows)
+    top_k = {"lax": [("", plain)], "chunked": [("+chunked", chunked)], "fused": [("+fused", fused)],
+             "both": [("", plain), ("+chunked", chunked)],
+             "all": [("", plain), ("+fused", fused), ("+chunked", chunked)]}[args.top_k_impl]
     runs = [(kind + suffix, kind, t) for kind in kinds
             for suffix, t in (top_k if kind == "dflash2" else [("", tuning)])]
     for batch in (int(b) for b in args.batches.split(",")):

@@ -15,8 +15,8 @@ program), median per call over ``--reps`` runs after ``--warm-s`` of warm-up:
   reduction) for scale. Each chunked result is checked equal to ``lax.top_k``'s (``exact``).
 * ``head`` (hidden ``[N, --hidden]`` and an LM head ``[--hidden, V]`` in ``--head-dtype``, float32 logits as
   ``TargetModel.logits``): the head + argmax (DFlash), the head + ``lax.top_k`` (DFlash2 today), the head +
-  each chunked form, and up to 64 rows the fused kernel (``dflash_jax.cuda.head_top_k``: the head and top-K in one
-  launch) with the share of its ids equal to head + ``lax.top_k``'s (its own float32 sums).
+  each chunked form, and the fused kernel (``dflash_jax.cuda.head_top_k``: the head and top-K in one launch; the
+  head read once per 64 rows) with the share of its ids equal to head + ``lax.top_k``'s (its own float32 sums).
 
     # GPU (the Qwen3-8B head: hidden 4096)
     python benchmarks/bench_top_k.py --out $OUT/top_k.json
@@ -43,7 +43,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository (dflash_jax)
 
-from dflash_jax.cuda.head_top_k import MAX_ROWS as HEAD_TOP_K_MAX_ROWS, head_top_k  # noqa: E402
+from dflash_jax.cuda.head_top_k import head_top_k  # noqa: E402
 from dflash_jax.cuda.top_k import chunk_width, chunked_top_k  # noqa: E402
 
 
@@ -154,25 +154,25 @@ def main(argv: list[str] | None = None) -> int:
                                                chunk=width, us=us, vs_argmax=us / base))
                     print(f"head   N {n:5d}  V {v:6d}  D {d}  head + {name:14s} {us:9.1f} µs  "
                           f"({us / base:.3f}× head + argmax)", flush=True)
-                if n <= HEAD_TOP_K_MAX_ROWS:  # the head and top-K in one kernel (interpret mode off a GPU)
-                    fused = lambda h, w: head_top_k(h, w, args.k, vocab_major=False,  # noqa: E731
-                                                    interpret=jax.default_backend() != "gpu")
-                    got, want = jax.jit(fused)(h, w), jax.jit(lambda h, w: jax.lax.top_k(head(h, w), args.k))(h, w)
-                    same = float((got[1] == want[1]).mean())  # its own float32 sums: near-ties may order otherwise
-                    us = time_it(fused, h, w)
-                    result["head"].append(dict(rows=n, vocab=v, hidden=d, dtype=args.head_dtype, case="fused kernel",
-                                               chunk=None, us=us, vs_argmax=us / base, same_ids=same))
-                    print(f"head   N {n:5d}  V {v:6d}  D {d}  fused head + top-K  {us:9.1f} µs  "
-                          f"({us / base:.3f}× head + argmax; ids as head + top_k: {same:.4f})", flush=True)
-                    for bv, bd, nw, ns in FUSED_TILES if args.fused_tiles else ():
-                        us = time_it(lambda h, w, t=(bv, bd, nw, ns): head_top_k(
-                            h, w, args.k, vocab_major=False, block_v=t[0], block_d=t[1], num_warps=t[2],
-                            num_stages=t[3], interpret=jax.default_backend() != "gpu"), h, w)
-                        result["head"].append(dict(rows=n, vocab=v, hidden=d, dtype=args.head_dtype,
-                                                   case=f"fused kernel {bv},{bd},{nw},{ns}", chunk=None, us=us,
-                                                   vs_argmax=us / base))
-                        print(f"head   N {n:5d}  V {v:6d}  D {d}  fused, block_v {bv} block_d {bd} warps {nw} "
-                              f"stages {ns}  {us:9.1f} µs", flush=True)
+                # the head and top-K in one kernel (interpret mode off a GPU)
+                fused = lambda h, w: head_top_k(h, w, args.k, vocab_major=False,  # noqa: E731
+                                                interpret=jax.default_backend() != "gpu")
+                got, want = jax.jit(fused)(h, w), jax.jit(lambda h, w: jax.lax.top_k(head(h, w), args.k))(h, w)
+                same = float((got[1] == want[1]).mean())  # its own float32 sums: near-ties may order otherwise
+                us = time_it(fused, h, w)
+                result["head"].append(dict(rows=n, vocab=v, hidden=d, dtype=args.head_dtype, case="fused kernel",
+                                           chunk=None, us=us, vs_argmax=us / base, same_ids=same))
+                print(f"head   N {n:5d}  V {v:6d}  D {d}  fused head + top-K  {us:9.1f} µs  "
+                      f"({us / base:.3f}× head + argmax; ids as head + top_k: {same:.4f})", flush=True)
+                for bv, bd, nw, ns in FUSED_TILES if args.fused_tiles else ():
+                    us = time_it(lambda h, w, t=(bv, bd, nw, ns): head_top_k(
+                        h, w, args.k, vocab_major=False, block_v=t[0], block_d=t[1], num_warps=t[2],
+                        num_stages=t[3], interpret=jax.default_backend() != "gpu"), h, w)
+                    result["head"].append(dict(rows=n, vocab=v, hidden=d, dtype=args.head_dtype,
+                                               case=f"fused kernel {bv},{bd},{nw},{ns}", chunk=None, us=us,
+                                               vs_argmax=us / base))
+                    print(f"head   N {n:5d}  V {v:6d}  D {d}  fused, block_v {bv} block_d {bd} warps {nw} "
+                          f"stages {ns}  {us:9.1f} µs", flush=True)
                 del h, w
             args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"→ {args.out}")

@@ -78,7 +78,8 @@ class KernelTuning:
     top_k_chunked_max_rows: int = 16
     # The LM head and that top-K in one GPU kernel (op "head_top_k", dflash_jax/cuda/head_top_k.py: each program
     # keeps its vocabulary tile's K best, the [N, V] logits are never written) for at most ``head_top_k_max_rows``
-    # rows (≤ 64: the head is read once) over tiles of ``head_top_k_block_v`` columns. On an H100 at 16 rows it
+    # rows (0: any; the head is read once per 64 rows, so more rows only where measured) over tiles of
+    # ``head_top_k_block_v`` columns. On an H100 at 16 rows it
     # took 589 µs against 753 for the head + lax.top_k (Qwen3's vocabulary; the head + argmax: 435), and a DFlash2
     # cycle on the Qwen3-8B shape at batch 1 1.041× DFlash's against 1.054× (benchmarks/README.md).
     head_top_k_kernel: bool = True

@@ -88,10 +88,10 @@ FUSED = Kernels("cuda", KernelTuning(head_top_k_kernel=True, head_top_k_block_v=
 
 
 @pytest.mark.parametrize("lead, d, v, vocab_major", [((1, 15), 72, 1000, False), ((3, 11), 64, 1024, True),
-                                                     ((1,), 40, 300, True)])
+                                                     ((1,), 40, 300, True), ((10, 15), 40, 300, False)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_head_top_k_kernel_matches_the_reference(lead, d, v, vocab_major, dtype):
-    """Rows (15, 33 → padded to 64, 1) and heads of small integers: every logit is an exact float32 sum in any
+    """Rows (15, 33 → padded to 64, 1, 150 → three tiles of 64) and heads of small integers: every logit is an exact float32 sum in any
     order, with thousands of ties, so values and ids equal ``lax.top_k`` of XLA's product bitwise. D and V ragged
     against the tiles (block_d 64, block_v 128) or not."""
     rng = np.random.default_rng(d + v)
@@ -125,9 +125,9 @@ def test_the_dispatch_runs_the_fused_head_only_when_asked():
 
 def test_head_top_k_lowers_to_triton():
     """Through Pallas' Triton rules for a GPU (what interpret mode does not check): Qwen3-8B's untied head (4096 ×
-    151,936) at 15 rows, and SmolLM2's tied embedding (49,152 × 576, vocabulary-major) at 1 row."""
+    151,936) at 15 rows, and SmolLM2's tied embedding (49,152 × 576, vocabulary-major) at 1 and 960 rows."""
     sds = jax.ShapeDtypeStruct
-    for rows, d, v, vocab_major in ((15, 4096, 151936, False), (1, 576, 49152, True)):
+    for rows, d, v, vocab_major in ((15, 4096, 151936, False), (1, 576, 49152, True), (960, 576, 49152, True)):
         w = sds((v, d) if vocab_major else (d, v), jnp.bfloat16)
         text = jax.jit(lambda h, w, m=vocab_major: head_top_k(h, w, 16, vocab_major=m)).trace(
             sds((rows, d), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()

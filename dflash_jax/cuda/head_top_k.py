@@ -9,12 +9,13 @@ each whole row with little parallelism. Here every program multiplies the rows b
 and keeps only that tile's K best per row; a ``lax.top_k`` over those candidates (K per tile: 19k a row for
 Qwen3) finishes in XLA.
 
-Layout: grid ``(V / block_v,)``; program j owns vocabulary columns ``[j · block_v, (j + 1) · block_v)`` of every
-row (N ≤ 64 rows, padded to a power of two ≥ 16 for ``tl.dot``: the head is read once). It steps over D
+Layout: grid ``(N / rows, V / block_v)``; program (r, j) owns vocabulary columns ``[j · block_v, (j + 1) ·
+block_v)`` of row tile r (``rows`` = N rounded up to a power of two in [16, 64]: ``tl.dot`` takes 16 rows at
+least; the head is read once per row tile, so once up to 64 rows). It steps over D
 ``block_d`` rows at a time into a float32 ``[rows, block_v]`` accumulator (``h`` tile ``[rows, block_d]``, weight
 tile ``[block_d, block_v]``, or ``[block_v, block_d]`` for a vocabulary-major head, a tied embedding), then takes
-the tile's K best per row by K rounds of (max, its lowest column, mask it out). It writes ``[V / block_v, rows,
-K]`` values and column ids.
+the tile's K best per row by K rounds of (max, its lowest column, mask it out). It writes ``[V / block_v, N',
+K]`` values and column ids (N' = N rounded up to whole row tiles).
 
 Exactness, given the logits the kernel forms: an entry among a row's K best (values descending, ties by the lowest
 column) is among its tile's K best, and the candidates are laid out tile by tile, each tile's best first, so the
@@ -43,13 +44,13 @@ from dflash_jax.kernels.common import log_once, mesh_sizes, native
 __all__ = ["head_top_k", "head_top_k_kernel"]
 
 _MIN_ROWS = 16  # tl.dot's smallest M
-MAX_ROWS = 64  # one row tile: more rows would read the head once per tile (the GEMM + TopK is better there)
+MAX_TILE_ROWS = 64  # rows a program multiplies at once (past them the head is read again, once per row tile)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
     rows: int  # row tile (power of two in [16, 64])
-    n: int  # real rows
+    n: int  # real rows (over every row tile)
     d: int
     v: int
     k: int
@@ -60,18 +61,18 @@ class _Config:
 
 
 def _kernel(h_ref, w_ref, val_ref, idx_ref, *, c: _Config):
-    j = pl.program_id(0)
-    v0 = j * c.block_v
+    r, j = pl.program_id(0), pl.program_id(1)
+    r0, v0 = r * c.rows, j * c.block_v
     cols = v0 + jnp.arange(c.block_v, dtype=jnp.int32)
     vmask = None if c.v % c.block_v == 0 else cols < c.v
-    rmask = None if c.n == c.rows else jnp.arange(c.rows) < c.n
+    rmask = None if c.n % c.rows == 0 else r0 + jnp.arange(c.rows) < c.n
     prec = lax.Precision.HIGHEST if c.ieee_f32 else lax.Precision.DEFAULT
 
     def step(i, acc):
         d0 = i * c.block_d
         dmask = None if c.d % c.block_d == 0 else d0 + jnp.arange(c.block_d) < c.d
         hmask = _and(None if rmask is None else rmask[:, None], None if dmask is None else dmask[None, :])
-        x = _load(h_ref.at[pl.ds(0, c.rows), pl.ds(d0, c.block_d)], hmask)
+        x = _load(h_ref.at[pl.ds(r0, c.rows), pl.ds(d0, c.block_d)], hmask)
         if c.vocab_major:  # [block_v, block_d] tile: contract both on D
             wmask = _and(None if vmask is None else vmask[:, None], None if dmask is None else dmask[None, :])
             w = _load(w_ref.at[pl.ds(v0, c.block_v), pl.ds(d0, c.block_d)], wmask)
@@ -95,8 +96,8 @@ def _kernel(h_ref, w_ref, val_ref, idx_ref, *, c: _Config):
         vals = jnp.where(slots[None, :] == t, best[:, None], vals)
         ids = jnp.where(slots[None, :] == t, at[:, None], ids)
         acc = jnp.where(cols[None, :] == at[:, None], -jnp.inf, acc)
-    plgpu.store(val_ref.at[j], vals)
-    plgpu.store(idx_ref.at[j], ids)
+    plgpu.store(val_ref.at[j, pl.ds(r0, c.rows)], vals)
+    plgpu.store(idx_ref.at[j, pl.ds(r0, c.rows)], ids)
 
 
 def _and(*masks):
@@ -111,28 +112,28 @@ def _load(ref, mask):
 def head_top_k(h: jax.Array, w: jax.Array, k: int, *, vocab_major: bool, block_v: int = 128, block_d: int = 64,
                num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """(float32 values, int32 ids) of the ``k`` largest logits ``h @ w`` of each row (``w [D, V]``, or ``[V, D]``
-    with ``vocab_major``), best first, ties by the lowest id (module docstring). ``h [*b, D]`` with at most
-    :data:`MAX_ROWS` rows in all; ``k ≤ block_v``."""
+    with ``vocab_major``), best first, ties by the lowest id (module docstring). ``h [*b, D]``; ``k ≤ block_v``."""
     *lead, d = h.shape
     v = w.shape[0] if vocab_major else w.shape[1]
     n = 1
     for s in lead:
         n *= s
-    if n > MAX_ROWS or not 1 <= k <= min(block_v, v) or (w.shape[1] if vocab_major else w.shape[0]) != d:
-        raise ValueError(f"head_top_k: {n} rows (at most {MAX_ROWS}), k = {k} (at most block_v {block_v} and V "
-                         f"{v}), h {h.shape} against a head of {w.shape} (vocab_major={vocab_major})")
-    rows = max(_MIN_ROWS, next_pow2(n))
+    if not 1 <= k <= min(block_v, v) or (w.shape[1] if vocab_major else w.shape[0]) != d:
+        raise ValueError(f"head_top_k: k = {k} (at most block_v {block_v} and V {v}), h {h.shape} against a head of "
+                         f"{w.shape} (vocab_major={vocab_major})")
+    rows = min(MAX_TILE_ROWS, max(_MIN_ROWS, next_pow2(n)))
+    padded = cdiv(n, rows) * rows
     tiles = cdiv(v, block_v)
     c = _Config(rows=rows, n=n, d=d, v=v, k=k, block_v=block_v, block_d=block_d, vocab_major=vocab_major,
                 ieee_f32=jnp.dtype(h.dtype) == jnp.float32 and highest_precision_requested())
     x = h.reshape(n, d)
-    if n < rows:  # padded rows multiply zeros; their candidates are dropped below
-        x = jnp.pad(x, ((0, rows - n), (0, 0)))
+    if n < padded:  # padded rows multiply zeros; their candidates are dropped below
+        x = jnp.pad(x, ((0, padded - n), (0, 0)))
     vals, ids = pl.pallas_call(
         functools.partial(_kernel, c=c),
-        out_shape=(jax.ShapeDtypeStruct((tiles, rows, k), jnp.float32),
-                   jax.ShapeDtypeStruct((tiles, rows, k), jnp.int32)),
-        grid=(tiles,), compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        out_shape=(jax.ShapeDtypeStruct((tiles, padded, k), jnp.float32),
+                   jax.ShapeDtypeStruct((tiles, padded, k), jnp.int32)),
+        grid=(padded // rows, tiles), compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret, name="dflash_head_top_k")(x, w)
     # Stage 2: the K best of each row's candidates, laid out tile by tile (ties: the lowest position, i.e. id).
     vals = vals[:, :n].transpose(1, 0, 2).reshape(n, tiles * k)
@@ -143,12 +144,13 @@ def head_top_k(h: jax.Array, w: jax.Array, k: int, *, vocab_major: bool, block_v
 
 def head_top_k_kernel(h, w, k, *, vocab_major: bool, kernels) -> tuple[jax.Array, jax.Array] | None:
     """The dispatch's entry: :func:`head_top_k` (interpret mode off a GPU), or None (the head, then the op
-    ``"top_k"``) for more rows than ``kernels.tuning.head_top_k_max_rows`` (at most :data:`MAX_ROWS`), a ``k``
-    above the vocabulary tile, dtypes the kernel does not take, or under a device mesh (a sharded head)."""
+    ``"top_k"``) for more rows than ``kernels.tuning.head_top_k_max_rows`` (0: any), a ``k`` above the vocabulary
+    tile, dtypes the kernel does not take, or under a device mesh (a sharded head)."""
     n = h.size // max(h.shape[-1], 1)
     v = w.shape[0] if vocab_major else w.shape[1]
     block_v = kernels.tuning.head_top_k_block_v
-    if n > min(kernels.tuning.head_top_k_max_rows, MAX_ROWS) or not 1 <= k <= min(block_v, v):
+    most = kernels.tuning.head_top_k_max_rows
+    if (most and n > most) or not 1 <= k <= min(block_v, v):
         return None
     if jnp.dtype(h.dtype) not in SUPPORTED_DTYPES or jnp.dtype(w.dtype) not in SUPPORTED_DTYPES:
         log_once(f"head_top_k: the head, then lax.top_k ({h.dtype} rows, {w.dtype} head)")

@@ -2,6 +2,9 @@
 # `tools/remote_gpu/h100_8b_tables.json` (the H100 tables of the 8B shape at 1 / 16 / 32 / 64 / 128 rows; on
 # another GPU type drop it and let each batch be timed). Each phase fits one call; everything lands in $OUT. Usage: bash tools/remote_gpu/shaped.sh <phase>
 #   kinds   DFlash vs DFlash2 cycle at batch 1: lax.top_k, the chunked top-K, the head + top-K kernel (issue 57 item 4; ~4 min)
+#   kinds64 DFlash vs DFlash2 at 64 rows, the fused head + top-K at any row count (8B and SmolLM2 shapes; ~8 min)
+#   qnext   the 8B quantized step with the defaults (XLA's fusion on GPUs): int8, fp8, fp8 blocks at 1 / 16 / 64 rows
+#   qmoe    the same for the Qwen3-30B-A3B shape: bf16, int8, fp8 blocks at 1 / 16 rows
 #   topk    the LM head + top-K at 16 rows (Qwen3's and SmolLM2's vocabularies): lax.top_k, chunked, the fused kernel (~2 min)
 #   p02     8B shape, p = 0.2, auto and static at 64, 16, 128, 32 rows (tables: tools/remote_gpu/h100_8b_tables.json;
 #           each batch's JSON written as it ends) (~8 min)
@@ -23,6 +26,14 @@ TABLES="--cost-table tools/remote_gpu/h100_8b_tables.json"
 case "$1" in
   kinds) timeout 560 python3 benchmarks/bench_drafter_kinds.py --shape 8b --batches 1 --kinds dflash,dflash2 \
            --top-k-impl all --out $OUT/kinds_8b_b1.json 2>&1 | tail -n 12 ;;
+  kinds64) timeout 330 python3 benchmarks/bench_drafter_kinds.py --shape 8b --batches 64 --kinds dflash,dflash2 \
+             --top-k-impl all --fused-max-rows 0 --out $OUT/kinds_8b_b64.json 2>&1 | tail -n 5
+           timeout 200 python3 benchmarks/bench_drafter_kinds.py --shape smollm2 --batches 64 --kinds dflash,dflash2 \
+             --top-k-impl all --fused-max-rows 0 --out $OUT/kinds_smollm2_b64.json 2>&1 | tail -n 5 ;;
+  qnext) timeout 570 python3 benchmarks/bench_quantized_step.py --quantizations int8,fp8,fp8-block --batches 1,16,64 \
+           --out $OUT/qstep_8b_default.json 2>&1 | tail -n 8 ;;
+  qmoe) timeout 570 python3 benchmarks/bench_quantized_step.py --shape moe --quantizations bf16,int8,fp8-block \
+          --batches 1,16 --out $OUT/qstep_moe_default.json 2>&1 | tail -n 8 ;;
   topk) timeout 300 python3 benchmarks/bench_top_k.py --rows 16 --vocabs 151936,49152 --dtypes bfloat16 --chunks 8192 \
           --out $OUT/top_k.json 2>&1 | grep -E "^head" | tail -n 12 ;;
   p02) timeout 570 python3 benchmarks/bench_compact_scaled.py --batches 64,16,128,32 --corrupt 0.2 --modes static,auto \
@@ -48,5 +59,5 @@ case "$1" in
   qsweep1) timeout 570 python3 benchmarks/bench_quantized_step.py --sweep --sweep-tokens 1 --sweep-schemes int8 \
             --repeats 3 --out $OUT/qsweep1.json 2>&1 | tail -n 80 ;;
   qsweep) timeout 570 python3 benchmarks/bench_quantized_step.py --sweep --out $OUT/qsweep.json 2>&1 | tail -n 40 ;;
-  *) echo "usage: $0 kinds|pick|topk|p02|p03|qgroup|one|mini|micro|qsweep1|qsweep" >&2; exit 2 ;;
+  *) echo "usage: $0 kinds|kinds64|qnext|qmoe|pick|topk|p02|p03|qgroup|one|mini|micro|qsweep1|qsweep" >&2; exit 2 ;;
 esac
