@@ -146,7 +146,10 @@ def run_steps(args, name, cfg, tuning, hbm, results: dict, out: Path | None) -> 
             quantize_model(target.model, scheme)
         jax.block_until_ready(jax.tree.leaves(target.model))
         drafter = random_drafter(target, num_layers=args.drafter_layers, block_size=l)
+        if args.drafter_quantization and scheme is not None:  # the drafter's linear layers in the target's scheme
+            quantize_model(drafter.model, scheme)
         row = dict(scheme=str(scheme) if scheme else "bf16", weight_bytes=target.weight_bytes,
+                   drafter_quantized=bool(args.drafter_quantization and scheme is not None),
                    build_s=time.perf_counter() - t0, batches={})
         print(f"{qname}: weights {target.weight_bytes / 1e9:.3f} GB (built in {row['build_s']:.0f} s)",
               file=sys.stderr, flush=True)
@@ -289,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                          "(A/B against the fused kernels); on / float8: every fused kernel, the dense layers' GPU "
                          "kernel included (quant_kernel_impls); grouped: on, and a layer's q / k / v and gate / up "
                          "each in one launch (quant_group_kernel)")
+    ap.add_argument("--drafter-quantization", action="store_true",
+                    help="quantize the drafter's linear layers too, as the target's (load_pair's drafter_quantization)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile one call of the AR step: kernel time and count a step, top kernels")
     ap.add_argument("--sweep", action="store_true", help="time the quantized matmul alone instead (docstring)")

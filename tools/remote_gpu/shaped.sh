@@ -31,7 +31,9 @@ case "$1" in
            timeout 200 python3 benchmarks/bench_drafter_kinds.py --shape smollm2 --batches 64 --kinds dflash,dflash2 \
              --top-k-impl all --fused-max-rows 0 --out $OUT/kinds_smollm2_b64.json 2>&1 | tail -n 5 ;;
   qnext) timeout 570 python3 benchmarks/bench_quantized_step.py --quantizations int8,fp8,fp8-block --batches 1,16,64 \
-           --out $OUT/qstep_8b_default.json 2>&1 | tail -n 8 ;;
+           --out $OUT/qstep_8b_default.json 2>&1 | tail -n 8
+         timeout 200 python3 benchmarks/bench_quantized_step.py --quantizations int8 --batches 1 --drafter-quantization \
+           --out $OUT/qstep_8b_int8_drafter_int8.json 2>&1 | tail -n 3 ;;
   qmoe) timeout 570 python3 benchmarks/bench_quantized_step.py --shape moe --quantizations bf16,int8,fp8-block \
           --batches 1,16 --out $OUT/qstep_moe_default.json 2>&1 | tail -n 8 ;;
   topk) timeout 300 python3 benchmarks/bench_top_k.py --rows 16 --vocabs 151936,49152 --dtypes bfloat16 --chunks 8192 \
