@@ -54,9 +54,9 @@ class KernelTuning:
     quant_kernel: bool = True
     quant_kernel_max_tokens: int = 1
     # The implementations whose dense quantized kernel runs by default ("cuda": GPU, "pallas": TPU). Not the GPU's:
-    # on an H100 XLA fuses the int8 → bf16 conversion into its own GEMM (the int8 bytes are what it reads), and the
-    # Qwen3-8B int8 AR step ran 4.57 ms that way against 6.72 ms through the kernel and 6.34 ms in bf16
-    # (benchmarks/README.md, "Quantized targets"). ("cuda", "pallas") runs it on GPUs too.
+    # there XLA fuses the int8 / fp8 → bf16 conversion into its own GEMM (it reads the quantized bytes) and its
+    # one-token step was the faster (benchmarks/README.md, "Quantized targets"). ("cuda", "pallas") runs it on
+    # GPUs too.
     quant_kernel_impls: tuple[str, ...] = ("pallas",)
     # float8 weights through that kernel too (off: they take the XLA reference, int8 still the kernel). Its float8
     # tiles match the reference in the GPU tests (tests/test_quantized_kernels.py, test_moe_kernels.py, run on a
@@ -66,7 +66,7 @@ class KernelTuning:
     quant_kernel_float8: bool = True
     # Quantized kernels that share their input (a layer's q / k / v, an MLP's gate / up) in one launch of that GPU
     # kernel (op "quantized_projections") instead of one each; under the same limits as a kernel alone. Off: it
-    # made the H100's int8 8B AR step slower (7.10 ms against 6.72 one launch a matrix).
+    # made the one-token step slower than one launch a matrix (benchmarks/README.md, "Quantized targets").
     quant_group_kernel: bool = False
     # The top-K over a vocabulary (op "top_k": a DFlash2 drafter's candidates, K per block position) on GPUs as
     # the exact two-stage form (dflash_jax/cuda/top_k.py: the top-K of each chunk of about ``top_k_chunk``
@@ -79,9 +79,8 @@ class KernelTuning:
     # The LM head and that top-K in one GPU kernel (op "head_top_k", dflash_jax/cuda/head_top_k.py: each program
     # keeps its vocabulary tile's K best, the [N, V] logits are never written) for at most ``head_top_k_max_rows``
     # rows (0: any; the head is read once per 64 rows, so more rows only where measured) over tiles of
-    # ``head_top_k_block_v`` columns. On an H100 at 16 rows it
-    # took 589 µs against 753 for the head + lax.top_k (Qwen3's vocabulary; the head + argmax: 435), and a DFlash2
-    # cycle on the Qwen3-8B shape at batch 1 1.041× DFlash's against 1.054× (benchmarks/README.md).
+    # ``head_top_k_block_v`` columns. At batch 1 it was faster than XLA's head + TopK (benchmarks/README.md,
+    # "Drafter kinds").
     head_top_k_kernel: bool = True
     head_top_k_max_rows: int = 16
     head_top_k_block_v: int = 128

@@ -10,9 +10,10 @@ little next to the products).
 Why: a decode step is bound by the weights it reads. Whether XLA fuses the reference's int8 → bfloat16
 conversion into its dot or writes the converted kernel out first is XLA's choice, backend by backend; this
 kernel loads weight tiles as stored (1 byte a value), converts them in registers and accumulates in float32.
-On an H100 XLA does fuse it (its Triton GEMM fusion reads the int8 bytes) and ran the Qwen3-8B int8 AR step in
-4.57 ms against this kernel's 6.72, so GPUs run XLA's by default (``KernelTuning.quant_kernel_impls``); the kernel
-stays for A/B runs, for XLA versions that do not fuse, and as the quantized grouped-expert kernel's base.
+On GPUs XLA does fuse it (its Triton GEMM fusion reads the int8 bytes) and its one-token step was the faster
+(benchmarks/README.md, "Quantized targets"), so GPUs run XLA's by default (``KernelTuning.quant_kernel_impls``);
+the kernel stays for A/B runs, for XLA versions that do not fuse, and as the quantized grouped-expert kernel's
+base.
 
 Several kernels that share their input (a layer's q / k / v, an MLP's gate / up: :func:`quantized_matmuls`) run in
 one launch: the grid's column axis runs over each kernel's column blocks in turn, and a program works on the

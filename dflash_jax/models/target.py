@@ -217,12 +217,11 @@ class TargetModel(nnx.Module):
     def logits(self, h: Float[Array, "*b D"], kernels: Kernels = Kernels()) -> Float[Array, "*b V"]:
         """Float32 logits from final-normed hidden states (tied or separate lm_head, quantized or not); a quantized
         head's product goes through the kernel op under ``kernels``, as every other quantized layer's."""
-        if self.lm_head is None:
-            w = self.embed_tokens.embedding[...].T
-            return jnp.einsum("...d,dv->...v", h, w, preferred_element_type=jnp.float32)
-        if self.lm_head.quant is None:
-            return jnp.einsum("...d,dv->...v", h, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
-        return self.lm_head.project(h, kernels, preferred_element_type=jnp.float32)
+        head = self.head_weight()
+        if head is None:
+            return self.lm_head.project(h, kernels, preferred_element_type=jnp.float32)
+        w, vocab_major = head
+        return jnp.einsum("...d,dv->...v", h, w.T if vocab_major else w, preferred_element_type=jnp.float32)
 
     def head_weight(self) -> tuple[jax.Array, bool] | None:
         """The weights :meth:`logits` multiplies by, unquantized, and whether they are vocabulary-major (``[V, D]``,
