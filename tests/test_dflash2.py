@@ -267,6 +267,35 @@ def test_selector_walk_ties_take_the_lowest_index():
     np.testing.assert_allclose(np.asarray(conf), 0.25)
 
 
+
+def test_selector_walk_equals_the_sequential_walk():
+    """The walk picks every row at once and then follows the chosen indices; a walk that picks position by
+    position from the row its previous choice selects (the definition), with the same key per position, draws
+    the same drafts, greedy (ties included: scores rounded to one decimal) and sampled, and q / confidence of
+    the rows it went through."""
+    scores = jnp.asarray(np.random.default_rng(3).normal(size=(3, 6, 5, 5)).round(1), jnp.float32)
+    keys = jax.random.split(jax.random.key(4), 3)
+
+    def pick(x, k):
+        if k is None:
+            return jnp.argmax(x, -1).astype(jnp.int32), None
+        q = jax.nn.softmax(x / 0.7, -1)
+        return jax.vmap(lambda kk, qq: jax.random.categorical(kk, jnp.log(qq)).astype(jnp.int32))(k, q), q
+
+    for key in (None, keys):
+        idx, q, conf = selector_walk(scores, pick, key)
+        per_position = None if key is None else jax.vmap(lambda x: jax.random.split(x, 6))(key)  # [B, G]
+        prev = jnp.zeros((3,), jnp.int32)
+        for pos in range(6):
+            row = scores[jnp.arange(3), pos, prev]  # [B, K]
+            want, want_q = pick(row, None if key is None else per_position[:, pos])
+            np.testing.assert_array_equal(np.asarray(idx[:, pos]), np.asarray(want))
+            np.testing.assert_allclose(np.asarray(conf[:, pos]), np.asarray(jax.nn.softmax(row, -1).max(-1)),
+                                       rtol=1e-6)
+            if key is not None:
+                np.testing.assert_allclose(np.asarray(q[:, pos]), np.asarray(want_q), rtol=1e-6)
+            prev = want
+
 @pytest.mark.parametrize("fused", [False, True], ids=["chunked", "fused"])
 def test_drafts_are_unchanged_through_the_chunked_top_k(target, fused):
     """The kind's drafting with the candidates' top-K through the chunked two-stage op (``top_k_chunked``,

@@ -79,21 +79,25 @@ def selector_walk(scores: Float[Array, "B G K K"], pick: Pick, key: jax.Array | 
     own probability verifies likely draws more often than q gives them, and rejection sampling is then no
     longer exact); the row depends on the choices before it only."""
     b, g, k = scores.shape[:3]
-    if key is not None:
-        keys = jax.vmap(lambda x: jax.random.split(x, g))(key).swapaxes(0, 1)  # [G, B]
+    # Every row of every position is picked from at once and the walk then only follows the chosen indices:
+    # picking inside a sequential walk costs a reduction kernel per position on a GPU, following indices costs
+    # gathers that fuse. A row's pick is the walk's pick when the walk reaches it: the same row and, when
+    # sampling, the same key (one per position, shared by its K rows, as the walk would draw it).
+    if key is None:
+        choice, q_all = pick(scores, None)  # [B, G, K]
     else:
-        keys = jnp.zeros((g, b), jnp.int32)  # unused
-
-    def step(prev, xs):
-        edges, kk = xs  # [B, K, K], [B]
-        row = jnp.take_along_axis(edges, prev[:, None, None], axis=1)[:, 0]  # [B, K]
-        idx, q = pick(row, kk if key is not None else None)
-        conf = jax.nn.softmax(row, axis=-1).max(-1)
-        return idx, (idx, q, conf)
-
-    # Unrolled like DSpark's scan: G small steps of [B, K] work each.
-    _, (idx, q, conf) = jax.lax.scan(step, jnp.zeros((b,), jnp.int32), (scores.swapaxes(0, 1), keys), unroll=True)
-    return idx.swapaxes(0, 1), (q.swapaxes(0, 1) if key is not None else None), conf.swapaxes(0, 1)
+        keys = jax.vmap(lambda x: jax.random.split(x, g))(key).swapaxes(0, 1)  # [G, B]
+        per_row = jax.vmap(pick, in_axes=(1, None), out_axes=(1, 1))  # the K rows of one position
+        choice, q_all = jax.vmap(per_row, in_axes=(1, 0), out_axes=(1, 1))(scores, keys)  # [B, G, K(, K)]
+    conf_all = jax.nn.softmax(scores, axis=-1).max(-1)  # [B, G, K]
+    prev, rows = jnp.zeros((b,), jnp.int32), []
+    for pos in range(g):  # the row the walk reaches at each position: the candidate chosen before it
+        rows.append(prev)
+        prev = jnp.take_along_axis(choice[:, pos], prev[:, None], axis=1)[:, 0]
+    rows = jnp.stack(rows, axis=1)  # [B, G]
+    at_row = lambda x: jnp.take_along_axis(x, rows.reshape(b, g, *[1] * (x.ndim - 2)), axis=2)[:, :, 0]  # noqa: E731
+    q = at_row(q_all) if key is not None else None
+    return at_row(choice), q, at_row(conf_all)
 
 
 def scaled_confidence(conf: Float[Array, "B G"], temperatures) -> Float[Array, "B G"]:
