@@ -27,7 +27,7 @@ from dflash_jax.decode import verify_modes
 from dflash_jax.decode.sampling import SamplingParams
 from dflash_jax.decode.state import LoopSpec
 from dflash_jax.kernels import IMPLS, resolve_impl
-from dflash_jax.tuning import Tuning
+from dflash_jax.tuning import SwitchTuning, Tuning
 
 if TYPE_CHECKING:
     from dflash_jax.loading import Drafter, Target
@@ -347,7 +347,7 @@ class DecodeSettings:
 # Knobs the host has used up before a spec is built (the verify mode is resolved with them): the spec carries
 # them at a fixed value, so that they do not split the program cache.
 _HOST_ONLY = dict(auto_compact_ratio=1.0, ar_fallback=True, drafted_segment_cycles=128, probe_cycles=2,
-                  fallback_steps=32, remember_acceptance=True)
+                  fallback_steps=32, remember_acceptance=True, switching=SwitchTuning())
 
 
 def traced(tuning: Tuning) -> Tuning:

@@ -127,6 +127,46 @@ TRAINED_WIDTHS_SPAN = 2
 
 
 @dataclasses.dataclass(frozen=True)
+class SwitchTuning:
+    """When verify mode ``"auto"`` falls back to autoregressive steps and returns to drafting
+    (:class:`dflash_jax.engine.switching.SwitchPolicy`; host-side only: no program depends on it)."""
+
+    # Armed only where the cheapest drafted step costs more than this many autoregressive steps. Below it drafting
+    # loses only on text the drafter cannot draft at all (under 1.3 tokens a step: a trained drafter's τ is 2–7),
+    # while the segments' returns to the host cost a few percent of every run where steps are short (a large model
+    # at batch 1 on a GPU: docs/verify-modes.md).
+    arm_breakeven: float = 1.3
+    # Leave drafting once it is estimated this much slower than autoregressive steps (return as soon as it is not
+    # slower): a margin against the table's noise, so that a batch near break-even does not switch back and forth.
+    leave_margin: float = 0.05
+    # Drafting is left only if it loses with the τs read this many standard errors up (τ̂ / √(row steps seen)).
+    leave_optimism: float = 1.5
+    # Weight of the newest drafted segment in the running acceptance estimate (and of the newest timing).
+    smoothing: float = 0.5
+    # A probe costs at most this share of the fallback's time between two probes (times the backoff, which doubles
+    # up to max_backoff while probes keep losing).
+    probe_share: float = 0.05
+    max_backoff: int = 8
+    # A probe (and the first drafted segment) runs ``Tuning.probe_cycles`` cycles, fewer where the batch gives this
+    # many row steps in fewer: τ̂'s standard error is read from the row steps seen, and at large batches a drafted
+    # step costs several autoregressive ones (3.1× at 128 rows on a 2-core CPU), so a second cycle there buys
+    # little. (Drafted segments while it is not yet clear that drafting pays keep ``probe_cycles``: each ends with
+    # a return to the host.)
+    probe_row_steps: int = 32
+    # A row's own τ counts against the batch's as if the batch's had been seen over this many of its steps.
+    row_prior_steps: int = 16
+    # Where drafting seems to pay less than this many times over by the cost table, one short fallback segment of
+    # ar_check_steps steps times an autoregressive step on this machine: a table timed on another machine can be
+    # off by more than that (a CPU of another make), and the drafted segments are timed anyway.
+    ar_check: float = 2.0
+    ar_check_steps: int = 8
+    # The timed ratio of the two steps' costs replaces the table's only where they differ by more than this
+    # factor: short drafted segments carry their return to the host, which the table's steps do not, and a table
+    # timed on this machine should keep deciding.
+    timing_trust: float = 1.25
+
+
+@dataclasses.dataclass(frozen=True)
 class Tuning:
     """Every run-time knob; the decode settings carry one, and it is part of every program's cache key."""
 
@@ -138,11 +178,12 @@ class Tuning:
     # not pay (dflash_jax.engine.switching; default: $DFLASH_JAX_AR_FALLBACK, on unless "0"), in segments: drafted
     # ones of probe_cycles, doubling up to drafted_segment_cycles while drafting clearly pays; autoregressive ones
     # of fallback_steps (rounded up to a multiple of the block size). Probes are shorter where the batch observes
-    # enough rows in fewer cycles (dflash_jax.engine.switching.PROBE_ROW_STEPS).
+    # enough rows in fewer cycles; when to switch: ``switching``.
     ar_fallback: bool = dataclasses.field(default_factory=_env_fallback)
     drafted_segment_cycles: int = 128
     probe_cycles: int = 2
     fallback_steps: int = 32
+    switching: SwitchTuning = SwitchTuning()
     # ... and a later run of the same batch shape with the same drafter starts from the acceptance the earlier ones
     # observed (their running τ, mode and probe countdown) instead of a drafted probe.
     remember_acceptance: bool = True

@@ -19,7 +19,8 @@ from dflash_jax.decode import loop, verify_modes
 from dflash_jax.engine import job as jobs
 from dflash_jax.engine import switching
 from dflash_jax.engine.switching import AUTOREGRESSIVE, DRAFT, Fallback, SwitchPolicy
-from dflash_jax.tuning import Tuning
+from dflash_jax.settings import traced
+from dflash_jax.tuning import SwitchTuning, Tuning
 from test_dspark import oracle_dspark
 from test_sampling import N, PROMPT, STEPS, V, chi2_pvalue, exact_distribution
 from test_sampling import logits, pair  # noqa: F401 — fixtures
@@ -256,9 +257,9 @@ def test_a_snapshot_resumes_the_policy():
 
 
 def test_a_table_timed_elsewhere_is_checked_here():
-    """The table says drafting pays (τ 3 at 2 ms against 1 ms: 1.5×, under AR_CHECK); timed here, a drafted step
+    """The table says drafting pays (τ 3 at 2 ms against 1 ms: 1.5×, under `ar_check`); timed here, a drafted step
     takes 6 autoregressive ones: one short fallback segment times the other side, then the fallback. Where the
-    timing agrees with the table (within TIMING_TRUST), drafting goes on and is not checked again; untimed
+    timing agrees with the table (within `timing_trust`), drafting goes on and is not checked again; untimed
     segments use the table."""
     p = SwitchPolicy(FB)
     p.drafted(*segment(3), 2.0, wall_ms=6.0)
@@ -289,10 +290,10 @@ def test_probes_are_shorter_where_the_batch_observes_enough_rows(tiny, rows):
                                tuning=tuning(fallback_steps=16, remember_acceptance=False))
     assert out.token_ids == ref.token_ids
     drafted = out.stats["cycles"] - out.stats["ar_fallback_steps"]
-    assert drafted == (1 if rows >= switching.PROBE_ROW_STEPS else 2)
+    assert drafted == (1 if rows >= SwitchTuning().probe_row_steps else 2)
     # only probes are shortened: a drafted segment after an unclear one keeps probe_cycles (host returns)
     p = SwitchPolicy(FB, rows=rows)
-    assert p.probe_len == (1 if rows >= switching.PROBE_ROW_STEPS else 2) and p.next_segment() == DRAFT
+    assert p.probe_len == (1 if rows >= SwitchTuning().probe_row_steps else 2) and p.next_segment() == DRAFT
     p.drafted(*segment(1.3), 1.2)  # 1.08× AR: drafting stays, not clearly
     assert p.mode == DRAFT and p.cycles == p.probe_cycles == 2
 
@@ -379,6 +380,9 @@ def test_when_the_fallback_is_armed():
     assert switching.fallback_for(auto, resolved, no_ar, fast) is None
     cheap = verify_modes.BatchCosts(4, L, 1, False, lambda: dataclasses.replace(table(4), ar_ms={4: 1.8 / 1.25}))
     assert switching.fallback_for(auto, resolved, cheap, fast) is None  # drafted steps ≤ 1.3 AR steps: not armed
+    lower = fast.replace(switching=SwitchTuning(arm_breakeven=1.2))  # the threshold is a knob
+    assert switching.fallback_for(auto, resolved, cheap, lower) == Fallback(1.8 / 1.25, (1.8,), (L,))
+    assert traced(lower) == traced(fast)  # host-side only: it never splits the program cache
     compact = verify_modes.by_name("compact").resolve(costs, fast)
     got = switching.fallback_for(auto, compact, costs, fast)
     assert got.tokens_per_row[:len(compact.tiers)] == tuple(t // 4 for t in compact.tiers)

@@ -30,11 +30,16 @@ class Programs:
 
 
 class ProgramCache:
-    """Compiled programs by key, and how many this process compiled."""
+    """Compiled programs by key, how many this process compiled, and which have run warm."""
 
     def __init__(self):
         self.programs: dict[tuple, Any] = {}
         self.compiled = 0
+        # Keys of programs that have run in this process (:mod:`dflash_jax.engine.switching` times a segment only
+        # then): on a CPU a program's first runs also set up its kernels — each branch of a drafted program's on
+        # its first use, several times a later run's time for a while — so a drafted program is timed from its
+        # second call on, the fallback's (one branch) from its second segment on.
+        self.warm: set[tuple] = set()
 
     def get(self, key: tuple, build: Callable[[], Any], count: int = 1):
         """The program(s) of ``key``, built (``count`` programs compiled) on first use."""
@@ -54,6 +59,7 @@ class ProgramCache:
     def clear(self) -> None:
         """Forget every program (the next call traces afresh; the count stays)."""
         self.programs.clear()
+        self.warm.clear()
 
     def __len__(self) -> int:
         return len(self.programs)

@@ -2,7 +2,7 @@
 
 A drafted step costs more than an autoregressive one — at large batches several times more (docs/verify-modes.md)
 — and pays only while the rows commit enough tokens per step. Where the cost table times both steps and every
-drafted step costs more than :data:`ARM_BREAKEVEN` autoregressive ones, :func:`decoder` runs a job's decode loop in
+drafted step costs more than ``Tuning.switching.arm_breakeven`` (:class:`~dflash_jax.tuning.SwitchTuning`) autoregressive ones, :func:`decoder` runs a job's decode loop in
 *segments* and, between them, compares the two rates with the acceptance observed so far:
 
     drafted:        τ̂ / (ms of the drafted steps run)     tokens per row and ms
@@ -11,9 +11,9 @@ drafted step costs more than :data:`ARM_BREAKEVEN` autoregressive ones, :func:`d
 τ̂ is the tokens a row committed per drafted step, averaged over recent segments (an estimate that follows the
 text), and the drafted steps' cost is the table's cost of the tiers they ran. Each segment is also timed here
 (from its dispatch to its counts on the host); once both kinds were timed and the ratio of their costs is off the
-table's by more than :data:`TIMING_TRUST`, the autoregressive step's cost is the drafted one's times the ratio
+table's by more than ``timing_trust``, the autoregressive step's cost is the drafted one's times the ratio
 timed, so a table measured on another machine cannot keep a batch drafting at a loss: where the table says
-drafting pays by less than :data:`AR_CHECK`, one short fallback segment times the other side early. While drafting loses, the loop runs
+drafting pays by less than ``ar_check``, one short fallback segment times the other side early. While drafting loses, the loop runs
 the plain autoregressive program (:func:`dflash_jax.decode.loop.fallback`: the step ``generate`` runs, whose
 captured features write the drafter's context once per segment) and, from time to time, one drafted *probe*
 segment to see whether the text has become easier (:class:`SwitchPolicy` says when). Every token is still the
@@ -38,45 +38,9 @@ import numpy as np
 from dflash_jax.decode import loop, verify_modes
 from dflash_jax.decode.state import DecodeState
 from dflash_jax.engine import programs as progs
-from dflash_jax.tuning import Tuning
+from dflash_jax.tuning import SwitchTuning, Tuning
 
 DRAFT, AUTOREGRESSIVE = "draft", "autoregressive"
-# Armed only where the cheapest drafted step costs more than this many autoregressive steps. Below it drafting
-# loses only on text the drafter cannot draft at all (under 1.3 tokens a step: a trained drafter's τ is 2–7), while
-# the segments' returns to the host cost a few percent of every run where steps are short (a large model at batch
-# 1 on a GPU: docs/verify-modes.md).
-ARM_BREAKEVEN = 1.3
-# Leave drafting once it is estimated this much slower than autoregressive steps (return as soon as it is not
-# slower): a margin against the table's noise, so that a batch near break-even does not switch back and forth.
-LEAVE_MARGIN = 0.05
-# Drafting is left only if it loses with the τs read this many standard errors up (τ̂ / √(row steps seen)).
-LEAVE_OPTIMISM = 1.5
-# Weight of the newest drafted segment in the running acceptance estimate.
-SMOOTHING = 0.5
-# A probe costs at most this share of the fallback's time between two probes (times the backoff, which doubles
-# up to MAX_BACKOFF while probes keep losing).
-PROBE_SHARE = 0.05
-MAX_BACKOFF = 8
-# A probe (and the first drafted segment) runs ``Tuning.probe_cycles`` cycles, fewer where the batch gives this many
-# row steps in fewer: τ̂'s standard error is read from the row steps seen, and at large batches a drafted step costs
-# several autoregressive ones (3.1× at 128 rows on a 2-core CPU), so a second cycle there buys little. (Drafted
-# segments while it is not yet clear that drafting pays keep ``probe_cycles``: each ends with a return to the host.)
-PROBE_ROW_STEPS = 32
-# A row's own τ counts against the batch's as if the batch's had been seen over this many of its steps.
-ROW_PRIOR_STEPS = 16
-# Where drafting seems to pay less than this many times over by the cost table, one short fallback segment of
-# AR_CHECK_STEPS steps times an autoregressive step on this machine: a table timed on another machine can be off by
-# more than that (a CPU of another make), and the drafted segments are timed anyway.
-AR_CHECK = 2.0
-AR_CHECK_STEPS = 8
-# The timed ratio of the two steps' costs replaces the table's only where they differ by more than this factor:
-# short drafted segments carry their return to the host, which the table's steps do not, and a table timed on
-# this machine should keep deciding.
-TIMING_TRUST = 1.25
-# Programs (their cache keys) warm in this process. On a CPU a program's first runs also set up its kernels —
-# each branch of a drafted program's on its first use, taking several times a later run's time for a while — so a
-# drafted program is timed from its second call on, the fallback's (one branch) from its second segment on.
-_WARM: set[tuple] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +62,8 @@ class Fallback:
 def fallback_for(policy: verify_modes.VerifyPolicy, resolved: verify_modes.Resolved,
                  costs: verify_modes.BatchCosts, tuning: Tuning) -> Fallback | None:
     """The fallback's costs for a batch, where ``policy`` falls back (``"auto"``, :attr:`Tuning.ar_fallback`)
-    and the table times an autoregressive step more than :data:`ARM_BREAKEVEN` times cheaper than every drafted
-    step (else None)."""
+    and the table times an autoregressive step more than ``tuning.switching.arm_breakeven`` times cheaper than
+    every drafted step (else None)."""
     if not (policy.falls_back and tuning.ar_fallback) or costs.block_size < 2:
         return None
     ar_ms = costs.fallback_cost
@@ -117,7 +81,7 @@ def fallback_for(policy: verify_modes.VerifyPolicy, resolved: verify_modes.Resol
         static = costs.static_cost
         per_row, ms = [costs.block_size], [float(costs.step_cost[-1] if static is None else static)]
         drafted = ms[0]
-    if drafted <= ARM_BREAKEVEN * ar_ms:
+    if drafted <= tuning.switching.arm_breakeven * ar_ms:
         return None
     return Fallback(float(ar_ms), tuple(ms), tuple(per_row))
 
@@ -131,20 +95,21 @@ class SwitchPolicy:
     rows get new prompts) is paid by its throughput: the rows' mean τ.
 
     The first segment and every probe draft ``probe_len`` cycles (short: where drafting loses, each costs);
-    drafting is left only when it loses even by an optimistic reading of what was seen (τ̂ :data:`LEAVE_OPTIMISM`
+    drafting is left only when it loses even by an optimistic reading of what was seen (τ̂ ``leave_optimism``
     standard errors up, a standard error taken as τ̂ / √(row steps seen)): a row or two of a few cycles may have been unlucky. Probes come after enough
-    fallback segments that a probe costs at most :data:`PROBE_SHARE` of the time between two (more while probes
-    keep losing: up to :data:`MAX_BACKOFF` times that). Drafted segments are probe-sized while it is not clear
+    fallback segments that a probe costs at most ``probe_share`` of the time between two (more while probes
+    keep losing: up to ``max_backoff`` times that). Drafted segments are probe-sized while it is not clear
     that drafting pays, and double (up to ``max_cycles``) while it clearly does (even with the τs read
-    LEAVE_OPTIMISM standard errors down): each segment ends with a return to the host, a few ms with a large
-    model."""
+    leave_optimism standard errors down): each segment ends with a return to the host, a few ms with a large
+    model. The thresholds: ``settings`` (:class:`~dflash_jax.tuning.SwitchTuning`)."""
 
     def __init__(self, fallback: Fallback, pooled: bool = False, probe_cycles: int = 2, fallback_steps: int = 32,
-                 max_cycles: int = 128, rows: int | None = None):
-        self.fallback, self.pooled = fallback, pooled
+                 max_cycles: int = 128, rows: int | None = None, settings: SwitchTuning = SwitchTuning()):
+        self.fallback, self.pooled, self.settings = fallback, pooled, settings
         self.probe_cycles, self.fallback_steps, self.max_cycles = probe_cycles, fallback_steps, max_cycles
-        # a probe's cycles: fewer where ``rows`` rows observe PROBE_ROW_STEPS row steps in fewer
-        self.probe_len = probe_cycles if rows is None else max(1, min(probe_cycles, -(-PROBE_ROW_STEPS // rows)))
+        # a probe's cycles: fewer where ``rows`` rows observe ``probe_row_steps`` row steps in fewer
+        self.probe_len = (probe_cycles if rows is None
+                          else max(1, min(probe_cycles, -(-settings.probe_row_steps // rows))))
         self.tau: float | None = None  # tokens per row and drafted step over the batch, running
         self.seen = 0  # row steps behind self.tau since it was last restarted
         self.row_tokens: np.ndarray | None = None  # [B] each row's tokens from drafted steps so far
@@ -172,19 +137,20 @@ class SwitchPolicy:
     def ar_ms(self) -> float:
         """An autoregressive step's cost in the table's drafted-step units: the table's own, or — once both
         kinds of segment were timed here and the ratio timed is off the table's by more than
-        :data:`TIMING_TRUST` — the drafted cost times the ratio timed."""
+        ``timing_trust`` — the drafted cost times the ratio timed."""
         table = self.fallback.ar_ms
         if self.ar_wall_ms is None or self.drafted_wall_ms is None or self.step_ms is None:
             return table
         timed = self.step_ms * self.ar_wall_ms / self.drafted_wall_ms
-        return timed if max(timed / table, table / timed) > TIMING_TRUST else table
+        return timed if max(timed / table, table / timed) > self.settings.timing_trust else table
 
     @property
     def row_tau(self) -> np.ndarray:
-        """Each row's τ: its own drafted steps, shrunk towards the batch's running τ by :data:`ROW_PRIOR_STEPS`
+        """Each row's τ: its own drafted steps, shrunk towards the batch's running τ by ``row_prior_steps``
         pseudo-steps (a few cycles of one row say little: the slowest-looking row of a large batch would
         otherwise be mostly noise)."""
-        return (self.row_tokens + ROW_PRIOR_STEPS * self.tau) / (self.row_steps + ROW_PRIOR_STEPS)
+        prior = self.settings.row_prior_steps
+        return (self.row_tokens + prior * self.tau) / (self.row_steps + prior)
 
     def value(self, optimism: float = 0.0) -> float:
         """Drafting's speed ÷ the fallback's (> 1: drafting pays), from the running estimates; ``optimism``: the
@@ -205,10 +171,11 @@ class SwitchPolicy:
         ran = steps > 0
         if not ran.any():
             return
+        cfg = self.settings
         if wall_ms is not None:
-            self.drafted_wall_ms = _running(self.drafted_wall_ms, wall_ms)
+            self.drafted_wall_ms = self._running(self.drafted_wall_ms, wall_ms)
         stale = self.mode == AUTOREGRESSIVE or self.tau is None  # a probe: the running figures are stale
-        w = 1.0 if stale else SMOOTHING
+        w = 1.0 if stale else self.settings.smoothing
         tau = float(tokens[ran].sum() / steps[ran].sum())
         self.tau = tau if stale else w * tau + (1 - w) * self.tau
         self.seen = int(steps.sum()) + (0 if stale else self.seen)
@@ -223,28 +190,29 @@ class SwitchPolicy:
             if self.value() >= 1.0:
                 self.mode, self.backoff = DRAFT, 1
             else:
-                self.backoff = min(2 * self.backoff, MAX_BACKOFF)
+                self.backoff = min(2 * self.backoff, cfg.max_backoff)
                 self._fall_back()
-        elif self.value(optimism=LEAVE_OPTIMISM) < 1.0 - LEAVE_MARGIN:
+        elif self.value(optimism=cfg.leave_optimism) < 1.0 - cfg.leave_margin:
             self.mode = AUTOREGRESSIVE
             self._fall_back()
-        if self.mode == DRAFT and self.value(optimism=-LEAVE_OPTIMISM) >= 1.0 + LEAVE_MARGIN:
+        if self.mode == DRAFT and self.value(optimism=-cfg.leave_optimism) >= 1.0 + cfg.leave_margin:
             self.cycles = min(2 * self.cycles, self.max_cycles)  # clearly paying: fewer returns to the host
         else:
             self.cycles = self.probe_cycles  # not clear yet: decide again soon
         # Paying by the table, but not by so much that the table cannot be wrong here: time the other side once.
         self.checking = (self.mode == DRAFT and wall_ms is not None and self.ar_wall_ms is None
-                         and self.value() < AR_CHECK)
+                         and self.value() < cfg.ar_check)
 
     def fell_back(self, wall_ms: float | None) -> None:
         """A fallback segment ran (``wall_ms``: what a step of it took here; None: not timed). After a timing check,
         drafting goes on only if it still pays with the autoregressive step as timed."""
         if wall_ms is not None:
-            self.ar_wall_ms = _running(self.ar_wall_ms, wall_ms)
-            self.segment_wall_ms = _running(self.segment_wall_ms, wall_ms)
+            self.ar_wall_ms = self._running(self.ar_wall_ms, wall_ms)
+            self.segment_wall_ms = self._running(self.segment_wall_ms, wall_ms)
         if self.mode == DRAFT and self.checking:
             self.checking = False  # (untimed: the next timed drafted segment asks again)
-            if self.value(optimism=LEAVE_OPTIMISM) < 1.0 - LEAVE_MARGIN:
+            cfg = self.settings
+            if self.value(optimism=cfg.leave_optimism) < 1.0 - cfg.leave_margin:
                 self.mode = AUTOREGRESSIVE
                 self._fall_back()
 
@@ -285,13 +253,13 @@ class SwitchPolicy:
         """A call ran ``segments`` segments' worth of autoregressive steps without this policy (``wall_ms`` a
         step): count them towards the next probe."""
         if wall_ms is not None:
-            self.ar_wall_ms = _running(self.ar_wall_ms, wall_ms)
-            self.plain_wall_ms = _running(self.plain_wall_ms, wall_ms)
+            self.ar_wall_ms = self._running(self.ar_wall_ms, wall_ms)
+            self.plain_wall_ms = self._running(self.plain_wall_ms, wall_ms)
         if self.mode == AUTOREGRESSIVE:
             self.until_probe = max(0, self.until_probe - segments)
 
     def _fall_back(self) -> None:
-        """Fallback segments until the next probe: a probe's cost ≤ PROBE_SHARE of the time between two, times
+        """Fallback segments until the next probe: a probe's cost ≤ ``probe_share`` of the time between two, times
         the backoff. Its cost is its drafted cycles and, where timed, what running the rest of its call in
         segments costs over ``generate``'s programs (the whole call's fallback steps at the difference)."""
         probe_ms = self.probe_len * self.step_ms
@@ -299,7 +267,8 @@ class SwitchPolicy:
         if self.segment_wall_ms is not None and self.plain_wall_ms is not None and self.ar_wall_ms:
             extra_wall = max(0.0, self.segment_wall_ms - self.plain_wall_ms) * self.fallback_steps * self.call_segments
             probe_ms += extra_wall * self.ar_ms / self.ar_wall_ms  # wall ms in the table's units
-        self.until_probe = self.backoff * max(1, int(np.ceil(probe_ms / (PROBE_SHARE * segment_ms))))
+        share = self.settings.probe_share
+        self.until_probe = self.backoff * max(1, int(np.ceil(probe_ms / (share * segment_ms))))
 
     def next_segment(self) -> str:
         """What the next segment runs (a fallback segment counts down to the next probe)."""
@@ -313,9 +282,9 @@ class SwitchPolicy:
         self.until_probe -= 1
         return AUTOREGRESSIVE
 
-
-def _running(old: float | None, new: float) -> float:
-    return new if old is None else SMOOTHING * new + (1 - SMOOTHING) * old
+    def _running(self, old: float | None, new: float) -> float:
+        w = self.settings.smoothing
+        return new if old is None else w * new + (1 - w) * old
 
 
 @dataclasses.dataclass
@@ -378,15 +347,15 @@ class SwitchingDecoder(Decoder):
                                         check=mode == AUTOREGRESSIVE and self.policy.checking)
             seg = self.segment
             if seg.mode == AUTOREGRESSIVE:
-                length = AR_CHECK_STEPS if seg.check else self.ar_steps
+                length = self.policy.settings.ar_check_steps if seg.check else self.ar_steps
             else:
                 length = self.policy.probe_len if seg.probe else self.policy.cycles
             n = min(left, length - seg.ran)
             program = self.job.programs.decode if seg.mode == DRAFT else self._fallback_program()
             key = self.job.key + ((seg.mode, self.ar_steps) if seg.mode == AUTOREGRESSIVE else ())
-            seg.timed &= key in _WARM
+            seg.timed &= key in progs.CACHE.warm
             if seg.mode == AUTOREGRESSIVE:
-                _WARM.add(key)
+                progs.CACHE.warm.add(key)
             else:
                 self.ran_drafted = True
             t0 = time.perf_counter()  # after any compile: the segment's own time, to its counts on the host
@@ -400,7 +369,7 @@ class SwitchingDecoder(Decoder):
                 self._finish(seg, after)
             if ran < n or left <= 0:
                 if self.ran_drafted:
-                    _WARM.add(self.job.key)
+                    progs.CACHE.warm.add(self.job.key)
                 return state, packed
 
     def skips_call(self, max_new: int) -> bool:
@@ -528,7 +497,7 @@ def decoder(job, record: Record | None = None, pooled: bool = False) -> Decoder:
     l = job.spec.block_size
     fallback_steps = max(1, -(-tuning.fallback_steps // l)) * l
     policy = SwitchPolicy(job.fallback, pooled, max(1, tuning.probe_cycles), fallback_steps,
-                          max(1, tuning.drafted_segment_cycles), rows=max(1, len(job.ids)))
+                          max(1, tuning.drafted_segment_cycles), rows=max(1, len(job.ids)), settings=tuning.switching)
     # Runs of one batch shape with this drafter share what they observed (the drafter handle keeps it).
     spec = job.spec
     key = (id(job.target), job.fallback, pooled, spec.verify_mode, spec.tiers, spec.block_size, spec.sampling,
