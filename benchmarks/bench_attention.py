@@ -31,7 +31,6 @@ import itertools
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import copy_bandwidth, read_bandwidth  # noqa: E402
+from common import copy_bandwidth, read_bandwidth, source_commit  # noqa: E402
 from dflash_jax.cuda import attention as cuda_attention  # noqa: E402
 from dflash_jax.kernels import attention  # noqa: E402
 
@@ -219,8 +218,7 @@ def main() -> int:
                 copy_bandwidth_GBps=copy_bw / 1e9, read_bandwidth_GBps=read_bw / 1e9, floor_bandwidth_GBps=bw / 1e9,
                 date=time.strftime("%Y-%m-%d"), host=platform.node(),
                 interpret=interpret, tuning=tuning,
-                commit=args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                     text=True).stdout.strip() or "unknown")
+                commit=args.commit or source_commit())
     print(json.dumps(info), flush=True)
     t_start = time.perf_counter()
     if args.sweep:

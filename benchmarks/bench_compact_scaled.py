@@ -41,10 +41,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -57,7 +55,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import QWEN3_8B, QWEN3_30B_A3B, random_target  # noqa: E402
+from common import QWEN3_8B, QWEN3_30B_A3B, random_target, source_commit  # noqa: E402
 from dflash_jax import costs, generate, random_drafter, speculative_generate  # noqa: E402
 from dflash_jax.config import model_config_from_hf  # noqa: E402
 from dflash_jax.engine import calibrate  # noqa: E402
@@ -333,8 +331,7 @@ def main() -> int:
     device = jax.devices()[0]
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=getattr(device, "device_kind", str(device)),
                   platform=platform.platform(), dtype=args.dtype, shape=args.shape_name, modes=list(args.modes),
-                  commit=os.environ.get("BENCH_COMMIT") or subprocess.run(
-                      ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+                  commit=source_commit(),
                   args={k: str(v) for k, v in vars(args).items()}, batches={})
     for batch in (int(b) for b in args.batches.split(",")):
         result["batches"][batch] = batch_case(target, batch, args, args.cost_table)

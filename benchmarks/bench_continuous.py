@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import source_commit  # noqa: E402
 from dflash_jax import load_drafter, load_target  # noqa: E402
 from dflash_jax.engine import job as jobs  # noqa: E402
 from dflash_jax.engine import pool as pools  # noqa: E402
@@ -160,8 +159,7 @@ def main() -> int:
     prompts = [r["ids"] for r in json.loads(PROMPTS.read_text()) if r["set"] != "poetry"][: args.limit]
     result = dict(date=time.strftime("%Y-%m-%d"), device=jax.devices()[0].device_kind, dtype=args.dtype,
                   max_new=args.max_new, drafter=args.drafter, prompts=len(prompts),
-                  commit=os.environ.get("BENCH_COMMIT") or subprocess.run(
-                      ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+                  commit=source_commit(),
                   runs=[])
     if args.profile_refill:
         b, r = int(args.batches.split(",")[0]), int(args.refill_sizes.split(",")[0])

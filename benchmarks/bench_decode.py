@@ -16,7 +16,6 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import QWEN3_8B, copy_bandwidth, param_bytes, random_target  # noqa: E402
+from common import QWEN3_8B, copy_bandwidth, param_bytes, random_target, source_commit  # noqa: E402
 from dflash_jax import generate, load_target, random_drafter, speculative_generate  # noqa: E402
 from dflash_jax.config import ModelConfig  # noqa: E402
 from dflash_jax.loading import SMOLLM2_MASK_TOKEN_ID  # noqa: E402
@@ -82,8 +81,7 @@ def main() -> int:
     bw = copy_bandwidth()
     info = dict(device=str(dev.device_kind), platform=dev.platform, jax=jax.__version__,
                 copy_bandwidth_GBps=bw / 1e9, date=time.strftime("%Y-%m-%d"), host=platform.node(),
-                commit=args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                                     text=True).stdout.strip() or "unknown")
+                commit=args.commit or source_commit())
     print(json.dumps(info), flush=True)
     rows = []
     if args.gguf:

@@ -28,7 +28,6 @@ import argparse
 import functools
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,7 +41,7 @@ from dflash_jax.cuda import delta_rule as dr  # noqa: E402
 from dflash_jax.kernels import delta_rule as ref  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import per_call_seconds  # noqa: E402
+from common import per_call_seconds, source_commit  # noqa: E402
 
 MODES = ("step", "verify")
 SWEEP = [dict(block_v=bv, num_warps=w) for bv in (16, 32, 64, 128) for w in (1, 2, 4, 8)]
@@ -139,9 +138,7 @@ def main() -> int:
     hk, hv, dk, dv = args.key_heads, args.value_heads, args.key_dim, args.value_dim
     dev = jax.devices()[0]
     info = dict(device=str(dev.device_kind), platform=dev.platform, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                host=platform.node(), commit=args.commit or subprocess.run(
-                    ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                    cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown",
+                host=platform.node(), commit=args.commit or source_commit(),
                 shape=dict(key_heads=hk, value_heads=hv, key_dim=dk, value_dim=dv, dtype=str(dtype)),
                 bandwidth_Bps=args.bandwidth, iters=args.iters, reps=args.reps, interpret=args.interpret)
     print(json.dumps(info), flush=True)

@@ -34,7 +34,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ (common,
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))  # step_parts
 
 from bench_compact_scaled import CPU_FAST_COMPILE, SMALL  # noqa: E402
-from common import QWEN3_8B, SMOLLM2_135M, random_target  # noqa: E402
+from common import QWEN3_8B, SMOLLM2_135M, random_target, source_commit  # noqa: E402
 from step_parts import program, timed  # noqa: E402
 from dflash_jax import random_drafter  # noqa: E402
 from dflash_jax.decode import loop  # noqa: E402
@@ -114,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         if jax.default_backend() == "cpu":
             tuning = tuning.with_compiler_options(CPU_FAST_COMPILE)
     target = random_target(cfg, jnp.dtype(args.dtype))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
+    commit = source_commit()
     result = dict(command=" ".join(["python", "benchmarks/bench_drafter_kinds.py",
                                     *(sys.argv[1:] if argv is None else argv)]),
                   date=datetime.datetime.now().isoformat(timespec="seconds"), commit=commit,

@@ -48,7 +48,6 @@ import logging
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -61,7 +60,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import QWEN3_30B_A3B, copy_bandwidth, device_profile, param_bytes, print_profile  # noqa: E402
+from common import QWEN3_30B_A3B, copy_bandwidth, device_profile, param_bytes, print_profile, source_commit  # noqa: E402
 from dflash_jax import generate, random_drafter, speculative_generate  # noqa: E402
 from dflash_jax import families  # noqa: E402
 from dflash_jax.engine import job as jobs  # noqa: E402
@@ -351,16 +350,6 @@ def table(results: dict, batches: list[int]) -> str:
     return "\n".join(rows)
 
 
-def git_commit() -> str:
-    """HEAD's short hash (+ "+dirty" when tracked files differ from it); "unknown" outside a git checkout."""
-    here = Path(__file__).resolve().parent
-    run = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=here).stdout.strip()  # noqa
-    head = run("rev-parse", "--short", "HEAD")
-    if not head:
-        return "unknown"
-    return head + ("+dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="moe,hybrid", help="comma-separated: moe, hybrid (in this order)")
@@ -402,7 +391,7 @@ def main() -> int:
     info = dict(device=str(dev.device_kind), platform=dev.platform, jax=jax.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M:%S"), host=platform.node(), small=args.small,
                 xla_flags=os.environ.get("XLA_FLAGS", ""), dtype="bfloat16", delta_rule=args.delta_rule,
-                commit=args.commit or git_commit(),
+                commit=args.commit or source_commit(),
                 setting=dict(batches=args.batches, prompt_len=args.prompt_len, max_new=args.max_new,
                              repeats=args.repeats, block_size=args.block_size, drafter_layers=args.drafter_layers,
                              draft_vocab=args.draft_vocab,

@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,7 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import QWEN3_8B, SMOLLM2_135M, copy_bandwidth, param_bytes, random_target  # noqa: E402
+from common import QWEN3_8B, SMOLLM2_135M, copy_bandwidth, param_bytes, random_target, source_commit  # noqa: E402
 from dflash_jax import (generate, load_drafter, load_target, random_drafter, speculative_generate,  # noqa: E402
                         speculative_stream, stream_generate)
 from dflash_jax import streaming  # noqa: E402
@@ -301,8 +300,7 @@ def main() -> int:
     dev = jax.devices()[0]
     info = dict(device=str(dev.device_kind), platform=dev.platform, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
                 xla_flags=os.environ.get("XLA_FLAGS", ""),
-                host=platform.node(), commit=args.commit or subprocess.run(
-                    ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip())
+                host=platform.node(), commit=args.commit or source_commit())
     print(json.dumps(info), flush=True)
     results = {"info": info}
     if args.depths:

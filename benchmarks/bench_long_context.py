@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import QWEN3_8B, SMOLLM2_135M, random_target  # noqa: E402
+from common import QWEN3_8B, SMOLLM2_135M, random_target, source_commit  # noqa: E402
 from dflash_jax import generate, random_drafter, speculative_generate  # noqa: E402
 
 SHAPES = {"smollm2": dataclasses.replace(SMOLLM2_135M, max_position_embeddings=40960),
@@ -74,7 +74,7 @@ def main() -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
     info = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, shape=args.shape, dtype=args.dtype,
-                date=time.strftime("%Y-%m-%d"), commit=args.commit)
+                date=time.strftime("%Y-%m-%d"), commit=args.commit or source_commit())
     Path(args.out).write_text(json.dumps({"info": info, "rows": rows}, indent=1))
     print(f"\n{info['device']}  {args.shape} {args.dtype}, context {args.context}, {args.max_new} new tokens, "
           f"commit {args.commit}")

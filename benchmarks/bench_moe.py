@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash_jax.kernels import moe  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import per_call_seconds  # noqa: E402
+from common import per_call_seconds, source_commit  # noqa: E402
 
 IMPLS = ("kernel", "sorted", "pair", "ragged_dot", "gathered", "dense")
 # Tuning alternatives for --sweep, per GPU kernel (the defaults: sorted 64-wide blocks; pair 32-wide F blocks,
@@ -129,9 +128,7 @@ def main() -> int:
     expert_bytes = 3 * d * f * dtype.itemsize
     dev = jax.devices()[0]
     info = dict(device=str(dev.device_kind), platform=dev.platform, jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
-                host=platform.node(), commit=args.commit or subprocess.run(
-                    ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                    cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown",
+                host=platform.node(), commit=args.commit or source_commit(),
                 shape=dict(experts=e, dim=d, ffn=f, top_k=k, dtype=str(dtype)), bandwidth_Bps=args.bandwidth,
                 iters=args.iters, reps=args.reps, interpret=backend == "cpu",
                 all_experts_floor_us=e * expert_bytes / args.bandwidth * 1e6)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_attention import time_chain  # noqa: E402
+from common import source_commit  # noqa: E402
 from dflash_jax.cuda import attention as cuda_attention  # noqa: E402
 
 # Windows (tokens a row: the anchor + drafts) and their share of compact's rows at batch 64, a rough picture of
@@ -109,8 +109,7 @@ def main() -> int:
     dev = jax.devices()[0]
     info = dict(device=str(dev.device_kind), jax=jax.__version__, date=time.strftime("%Y-%m-%d"), interpret=interpret,
                 heads=args.heads, block=args.block, dtype=args.dtype, shorts=args.shorts,
-                commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                      text=True).stdout.strip() or "unknown")
+                commit=source_commit())
     print(json.dumps(info), flush=True)
     rows = []
     for b in (int(x) for x in args.batches.split(",")):

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,7 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import QWEN3_8B, SMOLLM2_135M, random_target, warm_up  # noqa: E402
+from common import QWEN3_8B, SMOLLM2_135M, random_target, source_commit, warm_up  # noqa: E402
 from dflash_jax.models.split import merge_model, split_model  # noqa: E402
 from dflash_jax.tuning import Kernels  # noqa: E402
 
@@ -41,8 +39,7 @@ def main() -> int:
     target = random_target(cfg, jnp.bfloat16)
     split = split_model(target.model)
     result = dict(date=time.strftime("%Y-%m-%d"), device=jax.devices()[0].device_kind, model=args.model,
-                  commit=os.environ.get("BENCH_COMMIT") or subprocess.run(
-                      ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+                  commit=source_commit(),
                   cases=[])
     for case in args.cases.split(","):
         b, p = map(int, case.split("x"))

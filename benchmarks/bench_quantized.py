@@ -21,7 +21,6 @@ import argparse
 import datetime
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import source_commit  # noqa: E402
 from dflash_jax import generate, load_pair, speculative_generate  # noqa: E402
 
 PROMPTS = Path(__file__).parent / "data" / "latency_prompts.json"
@@ -86,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [p["ids"] for p in json.loads(PROMPTS.read_text())][: args.limit]
     kw = dict(max_new_tokens=args.max_new)
     dtype = {"dtype": args.dtype} if args.dtype else {}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
+    commit = source_commit()
     result = dict(command=" ".join(sys.argv), date=datetime.date.today().isoformat(), commit=commit,
                   device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
                   host=platform.node(), pair=args.pair, prompts=len(prompts), max_new=args.max_new, runs={})

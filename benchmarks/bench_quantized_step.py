@@ -51,7 +51,6 @@ import argparse
 import datetime
 import functools
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ (common,
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))  # step_parts
 
 from bench_compact_scaled import CPU_FAST_COMPILE, SHAPES  # noqa: E402
-from common import device_profile, print_profile, random_target  # noqa: E402
+from common import device_profile, print_profile, random_target, source_commit  # noqa: E402
 from step_parts import device_rates, parts, program, timed  # noqa: E402
 from dflash_jax import random_drafter  # noqa: E402
 from dflash_jax.cuda import quantized as cuda_quantized  # noqa: E402
@@ -317,8 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         tuning = tuning.with_compiler_options(CPU_FAST_COMPILE)
     hbm, _ = device_rates(args)
     kind = jax.devices()[0].device_kind
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
+    commit = source_commit()
     results = dict(command=" ".join(["python", "benchmarks/bench_quantized_step.py",
                                      *(sys.argv[1:] if argv is None else argv)]),
                    date=datetime.datetime.now().isoformat(timespec="seconds"), commit=commit, device_kind=kind,

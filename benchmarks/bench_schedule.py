@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -47,7 +45,7 @@ from dflash_jax.tuning import Tuning  # noqa: E402
 from dflash_jax.loading import restrict_draft_vocab, shipped_drafter_dir  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_kernel_switches, apply_kernel_switches  # noqa: E402
+from common import add_kernel_switches, apply_kernel_switches, source_commit  # noqa: E402
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "schedule_prompts.json"
 # Poetry: free-form text that a drafter predicts worst (seed 002's "poetry" kind).
@@ -354,8 +352,7 @@ def main() -> int:
     result = dict(date=time.strftime("%Y-%m-%d"), device=jax.devices()[0].device_kind, dtype=args.dtype,
                   **{**switches, "programs_per_sm": args.programs_per_sm or PROGRAMS_PER_SM},
                   platform=platform.platform(), max_new=args.max_new, drafter=drafter_dir.name,
-                  commit=os.environ.get("BENCH_COMMIT") or subprocess.run(
-                      ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip())
+                  commit=source_commit())
     if args.calibrate:
         t0 = time.perf_counter()
         table = calibrate.measure(target, drafter, batches=[int(b) for b in args.batches.split(",")],

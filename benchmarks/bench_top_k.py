@@ -32,7 +32,6 @@ import argparse
 import datetime
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository (dflash_jax)
 
+from common import source_commit  # noqa: E402
 from dflash_jax.cuda.head_top_k import head_top_k  # noqa: E402
 from dflash_jax.cuda.top_k import chunk_width, chunked_top_k  # noqa: E402
 
@@ -113,8 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     vocabs = [int(v) for v in args.vocabs.split(",")]
     chunks = [int(c) for c in args.chunks.split(",")]
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
+    commit = source_commit()
     result = dict(command=" ".join(["python", "benchmarks/bench_top_k.py", *(sys.argv[1:] if argv is None else argv)]),
                   date=datetime.datetime.now().isoformat(timespec="seconds"), commit=commit,
                   device_kind=jax.devices()[0].device_kind, jax_version=jax.__version__,

@@ -44,7 +44,7 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import QWEN3_8B, copy_bandwidth, param_bytes, random_target  # noqa: E402
+from common import QWEN3_8B, copy_bandwidth, param_bytes, random_target, source_commit  # noqa: E402
 from dflash_jax import generate, make_mesh, random_drafter, shard, speculative_generate  # noqa: E402
 from dflash_jax.config import ModelConfig  # noqa: E402
 
@@ -139,7 +139,7 @@ def main() -> int:
     cfg: ModelConfig = SHAPES[args.shape]
 
     info = dict(devices=n_dev, device=jax.devices()[0].device_kind, platform=jax.default_backend(),
-                jax=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M"), commit=args.commit, shape=args.shape,
+                jax=jax.__version__, date=time.strftime("%Y-%m-%d %H:%M"), commit=args.commit or source_commit(), shape=args.shape,
                 nccl_nvls=os.environ.get("NCCL_NVLS_ENABLE"), copy_bandwidth_GBps=copy_bandwidth(64 << 20, 5) / 1e9
                 if args.shape == "tiny" else copy_bandwidth() / 1e9)
     print(json.dumps(info), flush=True)

@@ -4,8 +4,11 @@ bandwidth probes and warm-up, switches that turn compact's GPU kernels off for A
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +36,25 @@ QWEN3_30B_A3B = {
     "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False, "bos_token_id": 151643,
     "eos_token_id": 151645,
 }
+
+
+def source_commit() -> str:
+    """The commit a result was produced at, for its JSON: ``$BENCH_COMMIT`` when set (set it on a machine whose
+    git metadata may be older than the files that run there, e.g. the remote GPU copy), else HEAD's short hash in
+    this repository, with "+changes" when tracked files differ from HEAD; "unknown" when git fails or is absent."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], capture_output=True, text=True, cwd=root, check=True).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return (head + ("+changes" if changed else "")) if head else "unknown"
 
 
 def random_target(cfg: ModelConfig, dtype, seed: int = 0) -> Target:

@@ -48,9 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -60,7 +58,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: common
 
+from common import source_commit  # noqa: E402
 from dflash_jax import (draft_vocab, drafters, generate, load_drafter, load_pair, load_target,  # noqa: E402
                         speculative_generate)
 from dflash_jax.loading import restrict_draft_vocab  # noqa: E402
@@ -252,8 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads(out.read_text()) if out.is_file() else {}
     results["info"] = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
                        "date": time.strftime("%Y-%m-%d"), "host": platform.node(),
-                       "commit": os.environ.get("BENCH_COMMIT") or subprocess.run(
-                           ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+                       "commit": source_commit(),
                        "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "method": args.method}
     sizes = [int(n) for n in args.draft_vocab.split(",")]
     widths = [int(n) for n in args.block_sizes.split(",")]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import source_commit  # noqa: E402
 from dflash_jax import load_pair, speculative_generate  # noqa: E402
 from dflash_jax.train.data import evaluation_prompts  # noqa: E402
 
@@ -43,8 +43,7 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     info = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"),
-            "host": platform.node(), "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                              capture_output=True, text=True).stdout.strip()}
+            "host": platform.node(), "commit": source_commit()}
     if args.out:
         Path(args.out).write_text(json.dumps({"info": info, "rows": rows}, indent=1))
     print(f"\n{info}\n| set | prompts | τ greedy | τ T=1.0 argmax drafts | τ T=1.0 sampled drafts |\n|---|---|---|---|---|")

@@ -38,7 +38,6 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -51,7 +50,7 @@ from jax.experimental import topologies
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, bench_schedule
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_kernel_switches, apply_kernel_switches  # noqa: E402
+from common import add_kernel_switches, apply_kernel_switches, source_commit  # noqa: E402
 from profile_cpu_step import compact_cycle, compact_step, plain_step, static_step  # noqa: E402
 
 from dflash_jax import load_drafter, load_target  # noqa: E402
@@ -219,8 +218,7 @@ def main() -> int:
                   drafter=args.drafter, dense=args.dense, shape=args.shape,
                   layers=args.layers if args.shape != "embedded" else None,
                   **{**switches, "programs_per_sm": args.programs_per_sm or PROGRAMS_PER_SM},
-                  context=args.context, commit=subprocess.run(
-                      ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+                  context=args.context, commit=source_commit(),
                   batches={})
     for batch in (int(b) for b in args.batches.split(",")):
         ids = np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, args.context)).tolist()

@@ -18,7 +18,6 @@ import dataclasses
 import glob
 import json
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +29,8 @@ import numpy as np
 from jax.profiler import ProfileData
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common
+from common import source_commit  # noqa: E402
 from dflash_jax import costs, load_pair  # noqa: E402
 from dflash_jax.costs import CostTable  # noqa: E402
 from dflash_jax.decode import loop  # noqa: E402
@@ -166,8 +167,7 @@ def main() -> int:
     cases = {name: case for i, (name, case) in enumerate(cases.items()) if args.cases is None or i in args.cases}
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=jax.devices()[0].device_kind, batch=args.batch,
                   dense=args.dense, tie_cache_reads=args.tie_cache_reads,
-                  context=args.context, commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                              capture_output=True, text=True).stdout.strip(),
+                  context=args.context, commit=source_commit(),
                   cases={})
     for name, (j, s, tier) in cases.items():
         r = result["cases"][name] = profile(j, s, tier, args.steps)

@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, bench_schedule
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_kernel_switches, apply_kernel_switches, device_profile  # noqa: E402
+from common import add_kernel_switches, apply_kernel_switches, device_profile, source_commit  # noqa: E402
 from profile_cpu_step import compact_cycle, compact_step, plain_step, static_step, step_loop  # noqa: E402
 
 from dflash_jax import load_drafter, load_target  # noqa: E402
@@ -91,8 +90,7 @@ def main() -> int:
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=jax.devices()[0].device_kind, dtype=args.dtype,
                   xla_flags=os.environ.get("XLA_FLAGS", ""), **switches, dense=args.dense,
                   context=args.context, steps=args.steps, drafter=args.drafter,
-                  commit=os.environ.get("BENCH_COMMIT") or subprocess.run(
-                      ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+                  commit=source_commit(),
                   batches={})
     for batch in (int(b) for b in args.batches.split(",")):
         ids = np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, args.context)).tolist()

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common, bench_schedule
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_schedule import DEFAULT_PROMPTS, evaluation_ids, sweep_prompts  # noqa: E402
+from common import source_commit  # noqa: E402
 from dflash_jax import costs, load_drafter, load_target, speculative_generate  # noqa: E402
 from dflash_jax.engine import job as jobs  # noqa: E402
 from dflash_jax.tuning import Tuning  # noqa: E402
@@ -167,8 +167,7 @@ def main() -> int:
     prompts = evaluation_ids(json.loads(args.prompts.read_text()))
     result = dict(date=time.strftime("%Y-%m-%d %H:%M"), drafter=args.drafter, cost_table=table.to_json(),
                   dtype=args.dtype, max_new=args.max_new,
-                  commit=subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                        text=True).stdout.strip(),
+                  commit=source_commit(),
                   tiers_per_row=args.tiers_per_row, tier_scale=args.tier_scale,
                   simulated=simulate(target, drafter, prompts, table, batch_sizes, args.max_new, args.chunk,
                                      json.loads(args.static_from.read_text())["simulated"]

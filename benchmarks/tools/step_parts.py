@@ -35,7 +35,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/ (common, bench_compact_scaled)
 
 from bench_compact_scaled import CPU_FAST_COMPILE, SHAPES  # noqa: E402
-from common import random_target  # noqa: E402
+from common import random_target, source_commit  # noqa: E402
 from dflash_jax import drafters, random_drafter  # noqa: E402
 from dflash_jax.decode import loop, sampling  # noqa: E402
 from dflash_jax.engine import calibrate  # noqa: E402
@@ -278,8 +277,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt(r['compute_floor_ms'], '.3f')} | {fmt(r['ratio'], '.2f')} |")
     print(f"| parts 1–5 summed | {summed:.3f} | {100 * summed / cycle:.1f} | | | |")
     if args.out:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
+        commit = source_commit()
         result = dict(command=" ".join(["python", "benchmarks/tools/step_parts.py", *(sys.argv[1:] if argv is None
                                                                                           else argv)]),
                       date=datetime.datetime.now().isoformat(timespec="seconds"), commit=commit, device_kind=kind,
