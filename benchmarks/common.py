@@ -41,7 +41,9 @@ QWEN3_30B_A3B = {
 def source_commit() -> str:
     """The commit a result was produced at, for its JSON: ``$BENCH_COMMIT`` when set (set it on a machine whose
     git metadata may be older than the files that run there, e.g. the remote GPU copy), else HEAD's short hash in
-    this repository, with "+changes" when tracked files differ from HEAD; "unknown" when git fails or is absent."""
+    this repository, with "+changes" when tracked files differ from HEAD (files only untracked while kept off a
+    device call, ``tools/remote_gpu/stash.sh``, are still on disk and do not count); "unknown" when git fails or is
+    absent."""
     if os.environ.get("BENCH_COMMIT"):
         return os.environ["BENCH_COMMIT"]
     root = Path(__file__).resolve().parent.parent
@@ -51,9 +53,10 @@ def source_commit() -> str:
 
     try:
         head = git("rev-parse", "--short", "HEAD")
-        changed = git("status", "--porcelain", "--untracked-files=no")
+        status = git("status", "--porcelain", "--untracked-files=no").splitlines()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    changed = [line for line in status if not (line.startswith("D  ") and (root / line[3:]).exists())]
     return (head + ("+changes" if changed else "")) if head else "unknown"
 
 
