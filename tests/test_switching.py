@@ -189,6 +189,34 @@ def test_compiled_ahead_nothing_compiles_mid_run(tiny, random_switches):
     assert programs.compile_count() == before
 
 
+def test_a_program_compiled_mid_run_is_compile_time_not_decode_time(tiny, monkeypatch):
+    """The fallback's program compiles on first use, inside the decode: its compile time goes to ``compile_s``,
+    not ``decode_s`` (nor tokens/s). A frozen clock that only moves while a program compiles (5 s each) makes the
+    split exact: the decode itself then took no time."""
+    import time
+
+    from dflash_jax.engine import programs
+
+    target, prompts, ref = tiny
+    drafter = oracle_drafter(target, prompts, ref.token_ids, block_size=L, corrupt=0.3)
+    job = jobs.make(target, drafter, prompts, 40, stop_token_ids=[7, 21], cost_table=table(len(prompts)),
+                    tuning=tuning(fallback_steps=12))  # a fallback program no other test compiles
+    clock, compile_steps = [0.0], programs.compile_steps
+
+    def compiling(*args, **kw):
+        clock[0] += 5.0
+        return compile_steps(*args, **kw)
+
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(programs, "compile_steps", compiling)
+    monkeypatch.setattr(Scripted, "modes", (DRAFT, AUTOREGRESSIVE, DRAFT))
+    job.decoder.policy.__class__ = Scripted
+    job.decoder.policy.left_modes = list(Scripted.modes)
+    out = jobs.run(job)
+    assert out.token_ids == ref.token_ids and out.stats["ar_fallback_steps"] > 0
+    assert out.stats["compile_s"] >= 5.0 and out.stats["decode_s"] == 0.0
+
+
 def test_the_policy_falls_back_where_drafting_loses(tiny):
     """The real policy on scripted acceptance: an oracle that is always wrong (τ = 1) makes the loop fall back
     after its first segment (its probes come later than this run: tests above); an oracle always right never

@@ -427,7 +427,9 @@ class SwitchingDecoder(Decoder):
             with progs.mesh_context(job.spec):
                 return jax.jit(_counts).lower(job.programs.prefill.out_info[0]).compile()
 
-        return progs.CACHE.get(job.key + ("counts",), build)
+        program, seconds = progs.CACHE.timed_get(job.key + ("counts",), build)
+        job.compile_s += seconds
+        return program
 
     def _fallback_program(self):
         """The fallback's compiled loop, compiled on first use (its time counted as the job's compile time)."""
