@@ -436,7 +436,7 @@ class OracleDFlash2(DFlash2Drafter):
         tok = jnp.take_along_axis(self.table[...], positions, axis=1)  # token ids in the first channel
         return jnp.zeros((*tok.shape, self.config.layers.hidden_size)).at[..., 0].set(tok / VOCAB)
 
-    def head_logits(self, hidden, target):
+    def head_logits(self, hidden, target, kernels=None):
         tok = jnp.round(hidden[..., 0] * VOCAB).astype(jnp.int32)
         return jax.nn.one_hot(tok, VOCAB) * 40.0 + jnp.sin(jnp.arange(VOCAB, dtype=jnp.float32))
 

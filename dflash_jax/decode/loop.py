@@ -328,7 +328,7 @@ def compact_step(target: TargetModel, drafter: DFlashDrafter, state: DecodeState
             b, g = hidden.shape[:2]
             layout = PackedLayout.build(jnp.where(state.done, 0, window), jnp.zeros((b,), jnp.int32),
                                         size, g, spec.packed_groups, spec.kernels.tuning)
-            logits = kind.draft_logits(layout.pack(hidden)[None], target)[0]  # [T, Vd]
+            logits = kind.draft_logits(layout.pack(hidden)[None], target, spec.kernels)[0]  # [T, Vd]
             pick = _picker(state, spec)
             if k_draft is None:
                 drafts, q = layout.unpack(kind.to_target_ids(pick(logits, None)[0])), None

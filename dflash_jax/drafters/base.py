@@ -97,9 +97,10 @@ class DrafterKind:
 
     # -- the pieces every kind shares (the module's) ------------------------------------------------------
 
-    def draft_logits(self, hidden: Float[Array, "*b D"], target) -> Float[Array, "*b Vd"]:
+    def draft_logits(self, hidden: Float[Array, "*b D"], target, kernels: Kernels = Kernels()
+                     ) -> Float[Array, "*b Vd"]:
         """Per-position draft logits over the draft vocabulary (a parallel kind's drafts are their picks)."""
-        return self.module.draft_logits(hidden, target)
+        return self.module.draft_logits(hidden, target, kernels)
 
     def to_target_ids(self, ids: Int[Array, "*b"]) -> Int[Array, "*b"]:
         return self.module.to_target_ids(ids)

@@ -19,5 +19,5 @@ class DFlash(DrafterKind):
     module_class = DFlashDrafter
 
     def draft(self, target, hidden, anchor, pick, key, cap=None, kernels=Kernels()):
-        ids, q = pick(self.draft_logits(hidden, target), key)
+        ids, q = pick(self.draft_logits(hidden, target, kernels), key)
         return self.to_target_ids(ids), (self.to_target_probs(q) if q is not None else None), None

@@ -76,7 +76,7 @@ class DSpark(DrafterKind):
         g_all = hidden.shape[1]
         if cap and self.has_confidence:  # the LM head and the left-to-right head are most of the drafting
             hidden = hidden[:, :cap]
-        base = drafter.base_logits(hidden, target).swapaxes(0, 1)  # [G, B, Vd]
+        base = drafter.base_logits(hidden, target, kernels).swapaxes(0, 1)  # [G, B, Vd]
         g, b = base.shape[:2]
         if key is not None:
             keys = jax.vmap(lambda k: jax.random.split(k, g))(key).swapaxes(0, 1)  # [G, B]

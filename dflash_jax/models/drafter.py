@@ -145,16 +145,19 @@ class DFlashDrafter(nnx.Module):
             x = layer(x, positions, cos, sin, cache.k[i], cache.v[i], ctx_len, kernels=kernels)
         return self.norm(x)
 
-    def draft_logits(self, hidden: Float[Array, "*b D"], target) -> Float[Array, "*b Vd"]:
+    def draft_logits(self, hidden: Float[Array, "*b D"], target, kernels: Kernels = Kernels()
+                     ) -> Float[Array, "*b Vd"]:
         """Target lm_head on draft hidden states, with z-lab's optional multiplier / soft-capping, over the
         draft vocabulary (Vd = V without one; ids back to the target's with :meth:`to_target_ids`)."""
-        return self.scale_logits(self.head_logits(hidden, target))
+        return self.scale_logits(self.head_logits(hidden, target, kernels))
 
-    def head_logits(self, hidden: Float[Array, "*b D"], target) -> Float[Array, "*b Vd"]:
-        """The target's lm_head on draft hidden states over the draft vocabulary, before :meth:`scale_logits`."""
+    def head_logits(self, hidden: Float[Array, "*b D"], target, kernels: Kernels = Kernels()
+                    ) -> Float[Array, "*b Vd"]:
+        """The target's lm_head on draft hidden states over the draft vocabulary, before :meth:`scale_logits`
+        (a quantized target head through the kernel op under ``kernels``, as the target's own logits)."""
         if self.draft_head is not None:
             return jnp.einsum("...d,vd->...v", hidden, self.draft_head[...], preferred_element_type=jnp.float32)
-        logits = target.logits(hidden)
+        logits = target.logits(hidden, kernels)
         return logits if self.d2t is None else jnp.take(logits, self.d2t[...], axis=-1)
 
     def head_weight(self, target) -> tuple[jax.Array, bool] | None:
@@ -244,9 +247,10 @@ class DSparkDrafter(DFlashDrafter):
         w2 = self.markov_head.markov_w2.kernel
         w2.set_value(jnp.take(w2[...], jnp.asarray(ids, jnp.int32), axis=1))
 
-    def base_logits(self, hidden: Float[Array, "B G D"], target) -> Float[Array, "B G Vd"]:
+    def base_logits(self, hidden: Float[Array, "B G D"], target, kernels: Kernels = Kernels()
+                    ) -> Float[Array, "B G Vd"]:
         """``U_k``: the target's lm_head on the trunk's hidden states, over the draft vocabulary."""
-        return self.draft_logits(hidden, target)
+        return self.draft_logits(hidden, target, kernels)
 
     def temperatures(self, g: int) -> Float[Array, "G"]:
         temps = self.config.confidence_temperatures
@@ -375,7 +379,7 @@ class DFlash2Drafter(DFlashDrafter):
         if head is not None:  # the whole target head: the op that may form the logits and their top-K together
             values, ids = head_top_k(hidden, head[0], k, vocab_major=head[1], kernels=kernels)
         else:
-            values, ids = top_k(self.head_logits(hidden, target), k, kernels=kernels)
+            values, ids = top_k(self.head_logits(hidden, target, kernels), k, kernels=kernels)
         return self.to_target_ids(ids.astype(jnp.int32)), self.scale_logits(values)
 
     def keep_draft_columns(self, ids: Int[Array, "Vd"]) -> None:
