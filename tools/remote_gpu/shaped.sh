@@ -8,6 +8,8 @@
 #   topk    the LM head + top-K at 16 rows (Qwen3's and SmolLM2's vocabularies): lax.top_k, chunked, the fused kernel (~2 min)
 #   p02     8B shape, p = 0.2, auto and static at 64, 16, 128, 32 rows (tables: tools/remote_gpu/h100_8b_tables.json;
 #           each batch's JSON written as it ends) (~8 min)
+#   short   little budget left: the embedded pair's DFlash vs DFlash2 at 1 / 64 rows (every top-K form, the fused kernel
+#           at any rows), then p02 at 64 and 16 rows for what time is left (${P02_S:-330} s)
 #   p03     8B shape, p = 0.3, at 64 and 16 rows with the same tables (~5 min)
 #   qgroup  the quantized kernels' GPU tests, then the 8B int8 AR step and cycle at 1 / 16 rows with q / k / v and
 #           gate / up each in one launch (quant_group_kernel) against one launch a layer (issue 56) (~6 min)
@@ -42,6 +44,10 @@ case "$1" in
           --out $OUT/top_k.json 2>&1 | grep -E "^head" | tail -n 12 ;;
   p02) timeout 570 python3 benchmarks/bench_compact_scaled.py --batches $B02 --corrupt 0.2 --modes static,auto \
          --repeats 2 $TABLES --out $OUT/p02.json --plot $OUT/p02.png 2>&1 | grep -v "^  [^(]" | tail -n 20 ;;
+  short) timeout 200 python3 benchmarks/bench_drafter_kinds.py --shape smollm2 --batches 1,64 --kinds dflash,dflash2 \
+           --top-k-impl all --fused-max-rows 0 --out $OUT/kinds_smollm2_b1_b64.json 2>&1 | tail -n 8
+         timeout ${P02_S:-330} python3 benchmarks/bench_compact_scaled.py --batches 64,16 --corrupt 0.2 --modes static,auto \
+           --repeats 2 $TABLES --out $OUT/p02.json --plot $OUT/p02.png 2>&1 | grep -v "^  [^(]" | tail -n 12 ;;
   p03) timeout 570 python3 benchmarks/bench_compact_scaled.py --batches 64,16 --corrupt 0.3 --modes static,auto \
          --repeats 2 $TABLES --out $OUT/p03.json --plot $OUT/p03.png 2>&1 | grep -v "^  [^(]" | tail -n 20 ;;
   qgroup) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_quantized_kernels.py 2>&1 | tail -n 4
@@ -63,5 +69,5 @@ case "$1" in
   qsweep1) timeout 570 python3 benchmarks/bench_quantized_step.py --sweep --sweep-tokens 1 --sweep-schemes int8 \
             --repeats 3 --out $OUT/qsweep1.json 2>&1 | tail -n 80 ;;
   qsweep) timeout 570 python3 benchmarks/bench_quantized_step.py --sweep --out $OUT/qsweep.json 2>&1 | tail -n 40 ;;
-  *) echo "usage: $0 kinds|kinds64|qnext|qmoe|pick|topk|p02|p03|qgroup|one|mini|micro|qsweep1|qsweep" >&2; exit 2 ;;
+  *) echo "usage: $0 short|kinds|kinds64|qnext|qmoe|pick|topk|p02|p03|qgroup|one|mini|micro|qsweep1|qsweep" >&2; exit 2 ;;
 esac
