@@ -2,7 +2,8 @@
 
 A drafted step costs more than an autoregressive one — at large batches several times more (docs/verify-modes.md)
 — and pays only while the rows commit enough tokens per step. Where the cost table times both steps and every
-drafted step costs more than ``Tuning.switching.arm_breakeven`` (:class:`~dflash_jax.tuning.SwitchTuning`) autoregressive ones, :func:`decoder` runs a job's decode loop in
+drafted step costs more than ``arm_breakeven`` autoregressive ones (the thresholds here are the fields of
+``Tuning.switching``, :class:`~dflash_jax.tuning.SwitchTuning`), :func:`decoder` runs a job's decode loop in
 *segments* and, between them, compares the two rates with the acceptance observed so far:
 
     drafted:        τ̂ / (ms of the drafted steps run)     tokens per row and ms
@@ -13,12 +14,12 @@ text), and the drafted steps' cost is the table's cost of the tiers they ran. Ea
 (from its dispatch to its counts on the host); once both kinds were timed and the ratio of their costs is off the
 table's by more than ``timing_trust``, the autoregressive step's cost is the drafted one's times the ratio
 timed, so a table measured on another machine cannot keep a batch drafting at a loss: where the table says
-drafting pays by less than ``ar_check``, one short fallback segment times the other side early. While drafting loses, the loop runs
-the plain autoregressive program (:func:`dflash_jax.decode.loop.fallback`: the step ``generate`` runs, whose
-captured features write the drafter's context once per segment) and, from time to time, one drafted *probe*
-segment to see whether the text has become easier (:class:`SwitchPolicy` says when). Every token is still the
-target's own — the fallback's steps are the target's autoregressive steps — so a switch changes speed, never
-output.
+drafting pays by less than ``ar_check``, one short fallback segment times the other side early. While drafting
+loses, the loop runs the plain autoregressive program (:func:`dflash_jax.decode.loop.fallback`: the step
+``generate`` runs, whose captured features write the drafter's context once per segment) and, from time to
+time, one drafted *probe* segment to see whether the text has become easier (:class:`SwitchPolicy` says when).
+Every token is still the target's own — the fallback's steps are the target's autoregressive steps — so a
+switch changes speed, never output.
 
 Cost: one return to the host per segment (a call of a compiled loop and one small device-to-host read): hence
 segments that grow while drafting clearly pays, and no segments at all where a drafted step costs little more
@@ -96,12 +97,12 @@ class SwitchPolicy:
 
     The first segment and every probe draft ``probe_len`` cycles (short: where drafting loses, each costs);
     drafting is left only when it loses even by an optimistic reading of what was seen (τ̂ ``leave_optimism``
-    standard errors up, a standard error taken as τ̂ / √(row steps seen)): a row or two of a few cycles may have been unlucky. Probes come after enough
-    fallback segments that a probe costs at most ``probe_share`` of the time between two (more while probes
-    keep losing: up to ``max_backoff`` times that). Drafted segments are probe-sized while it is not clear
-    that drafting pays, and double (up to ``max_cycles``) while it clearly does (even with the τs read
-    leave_optimism standard errors down): each segment ends with a return to the host, a few ms with a large
-    model. The thresholds: ``settings`` (:class:`~dflash_jax.tuning.SwitchTuning`)."""
+    standard errors up, a standard error taken as τ̂ / √(row steps seen)): a row or two of a few cycles may have
+    been unlucky. Probes come after enough fallback segments that a probe costs at most ``probe_share`` of the
+    time between two (more while probes keep losing: up to ``max_backoff`` times that). Drafted segments are
+    probe-sized while it is not clear that drafting pays, and double (up to ``max_cycles``) while it clearly
+    does (even with the τs read leave_optimism standard errors down): each segment ends with a return to the
+    host, a few ms with a large model. The thresholds: ``settings`` (:class:`~dflash_jax.tuning.SwitchTuning`)."""
 
     def __init__(self, fallback: Fallback, pooled: bool = False, probe_cycles: int = 2, fallback_steps: int = 32,
                  max_cycles: int = 128, rows: int | None = None, settings: SwitchTuning = SwitchTuning()):
