@@ -90,14 +90,12 @@ def selector_walk(scores: Float[Array, "B G K K"], pick: Pick, key: jax.Array | 
         per_row = jax.vmap(pick, in_axes=(1, None), out_axes=(1, 1))  # the K rows of one position
         choice, q_all = jax.vmap(per_row, in_axes=(1, 0), out_axes=(1, 1))(scores, keys)  # [B, G, K(, K)]
     conf_all = jax.nn.softmax(scores, axis=-1).max(-1)  # [B, G, K]
-    prev, rows = jnp.zeros((b,), jnp.int32), []
-    for pos in range(g):  # the row the walk reaches at each position: the candidate chosen before it
-        rows.append(prev)
-        prev = jnp.take_along_axis(choice[:, pos], prev[:, None], axis=1)[:, 0]
-    rows = jnp.stack(rows, axis=1)  # [B, G]
+    picked = [jnp.zeros((b,), jnp.int32)]  # the row the walk reaches at each position: the candidate chosen before
+    for pos in range(g):
+        picked.append(jnp.take_along_axis(choice[:, pos], picked[-1][:, None], axis=1)[:, 0])
+    idx, rows = jnp.stack(picked[1:], axis=1), jnp.stack(picked[:-1], axis=1)  # [B, G] each
     at_row = lambda x: jnp.take_along_axis(x, rows.reshape(b, g, *[1] * (x.ndim - 2)), axis=2)[:, :, 0]  # noqa: E731
-    q = at_row(q_all) if key is not None else None
-    return at_row(choice), q, at_row(conf_all)
+    return idx, (at_row(q_all) if key is not None else None), at_row(conf_all)
 
 
 def scaled_confidence(conf: Float[Array, "B G"], temperatures) -> Float[Array, "B G"]:

@@ -176,7 +176,7 @@ class SwitchPolicy:
         if wall_ms is not None:
             self.drafted_wall_ms = self._running(self.drafted_wall_ms, wall_ms)
         stale = self.mode == AUTOREGRESSIVE or self.tau is None  # a probe: the running figures are stale
-        w = 1.0 if stale else self.settings.smoothing
+        w = 1.0 if stale else cfg.smoothing
         tau = float(tokens[ran].sum() / steps[ran].sum())
         self.tau = tau if stale else w * tau + (1 - w) * self.tau
         self.seen = int(steps.sum()) + (0 if stale else self.seen)
