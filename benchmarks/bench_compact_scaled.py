@@ -97,8 +97,8 @@ class KnownDrafter(DFlashDrafter):
         ids = jnp.take_along_axis(self.table[...], positions, axis=1)  # [B, L]
         return jnp.concatenate([h.astype(jnp.float32), ids[..., None].astype(jnp.float32)], axis=-1)
 
-    def draft_logits(self, hidden, target):
-        logits = super().draft_logits(hidden[..., :-1].astype(target.dtype), target)
+    def draft_logits(self, hidden, target, kernels=Kernels()):
+        logits = super().draft_logits(hidden[..., :-1].astype(target.dtype), target, kernels)
         ids = hidden[..., -1].astype(jnp.int32)
         return logits * 0.0 + jax.nn.one_hot(ids, logits.shape[-1], dtype=logits.dtype)
 
