@@ -55,7 +55,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import QWEN3_8B, QWEN3_30B_A3B, random_target, source_commit  # noqa: E402
+from common import QWEN3_8B, QWEN3_30B_A3B, fallback_log_line, random_target, source_commit  # noqa: E402
 from dflash_jax import costs, generate, random_drafter, speculative_generate  # noqa: E402
 from dflash_jax.config import model_config_from_hf  # noqa: E402
 from dflash_jax.engine import calibrate  # noqa: E402
@@ -217,12 +217,15 @@ def batch_case(target, batch: int, args, table_files: list[Path]) -> dict:
                          identical_to_ar=float(np.mean([a == b for a, b in zip(res.token_ids, ar.token_ids)])),
                          verify_mode=res.stats["verify_mode"], tier_steps=res.stats.get("tier_steps"),
                          ar_steps=res.stats.get("ar_steps"), ar_fallback_steps=res.stats.get("ar_fallback_steps"),
-                         fallback_switches=res.stats.get("fallback_switches"), cycles=res.stats.get("cycles"))
+                         fallback_switches=res.stats.get("fallback_switches"), cycles=res.stats.get("cycles"),
+                         fallback_log=res.stats.get("fallback_log"))
         fell_back = (f", {res.stats['ar_fallback_steps']} of {res.stats['cycles']} steps fallen back"
                      if res.stats.get("ar_fallback_steps") is not None else "")
         print(f"batch {batch:4d} {mode:8s} {n / wall:9.1f} tok/s  τ {res.tau:.2f}  "
               f"{out[mode]['verified_per_token']:.2f} verified per token  ({res.stats['verify_mode']}{fell_back})",
               flush=True)
+        if res.stats.get("fallback_log"):
+            print(f"  (segments: {fallback_log_line(res.stats['fallback_log'])})", flush=True)
     ratios = []
     if "compact" in out and "static" in out:
         out["compact_vs_static"] = out["compact"]["tokens_per_s"] / out["static"]["tokens_per_s"]

@@ -62,6 +62,7 @@ def batch_case(target, drafter, prompts: list[list[int]], max_new: int, rounds: 
                 ratio=(n_sp / best_sp) / (n_ar / best_ar), ar_s=best_ar, speculative_s=best_sp, tau=sp.tau,
                 verify_mode=sp.stats["verify_mode"], ar_fallback_steps=sp.stats.get("ar_fallback_steps"),
                 fallback_switches=sp.stats.get("fallback_switches"), cycles=sp.stats["cycles"],
+                fallback_log=sp.stats.get("fallback_log"),
                 rows_identical_to_ar=same, ar_calls_s=[c[0] for c in ar_calls],
                 speculative_calls_s=[c[0] for c in sp_calls],
                 speculative_calls_fallback_steps=[c[1].stats.get("ar_fallback_steps") for c in sp_calls])

@@ -216,3 +216,23 @@ def apply_kernel_switches(args: argparse.Namespace, **changes) -> tuple["Tuning"
                         # the options a GPU's planned tier switch compiles with
                         tier_switch_options=graphs.without_conditional_nodes() if args.host_tier_switch == "on"
                         else {}, **changes)
+
+
+def fallback_log_line(log: list[dict] | None) -> str:
+    """A run's fallback segments in one line (``stats["fallback_log"]``): each segment's kind and steps (P probe,
+    D drafted, C timing check, A autoregressive, G a whole call on ``generate``'s programs), then the policy's
+    value after it (drafting's speed ÷ the fallback's, estimated) where it had one, and ``→A`` / ``→D`` where the
+    mode it chose changed."""
+    if not log:
+        return ""
+    marks, mode = [], None
+    for e in log:
+        s = f"{e['segment'][0].upper()}{e['steps']}"
+        if e.get("value") is not None:
+            s += f"({e['value']:.2f})"
+        if e["then"] != mode and mode is not None:
+            s += "→" + e["then"][0].upper()
+        mode = e["then"]
+        marks.append(s)
+    return " ".join(marks)
+

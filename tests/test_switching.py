@@ -73,6 +73,18 @@ class Scripted(SwitchPolicy):
         return self.left_modes.pop(0) if self.left_modes else AUTOREGRESSIVE
 
 
+def check_log(stats: dict) -> list[dict]:
+    """The run's segment log agrees with its counts: one entry per segment (one for a call run by ``generate``'s
+    programs), the fallback's steps, the switches."""
+    log = stats["fallback_log"]
+    assert len(log) == stats["fallback_segments"] or [e["segment"] for e in log] == ["generate"]  # (a whole call)
+    assert sum(e["steps"] for e in log if e["segment"] in (AUTOREGRESSIVE, "check", "generate")) \
+        == stats["ar_fallback_steps"]
+    ran = [AUTOREGRESSIVE if e["segment"] == "check" else e["segment"].replace("probe", DRAFT) for e in log]
+    assert sum(a != b for a, b in zip(ran, ran[1:])) == stats["fallback_switches"]
+    return log
+
+
 @pytest.fixture
 def random_switches(monkeypatch):
     monkeypatch.setattr(switching, "SwitchPolicy", RandomSwitches)
@@ -101,6 +113,7 @@ def test_random_switches_are_lossless(tiny, random_switches, kind, mode):
         assert out.token_ids == ref.token_ids
         assert out.stats["verify_mode"] == mode
         assert out.stats["ar_fallback_steps"] > 0 and out.stats["fallback_switches"] >= 2
+        check_log(out.stats)
         assert sum(map(sum, out.acceptance_lengths)) == sum(map(len, out.token_ids)) - len(prompts)
         assert max(a for row in out.acceptance_lengths for a in row) > 1  # drafted cycles accepted drafts
 
@@ -227,6 +240,9 @@ def test_the_policy_falls_back_where_drafting_loses(tiny):
     out = speculative_generate(target, wrong, prompts, **kw)
     assert out.token_ids == ref.token_ids
     assert out.stats["ar_fallback_steps"] > 0.6 * out.stats["cycles"]  # most steps: fallback ones
+    first, *rest = check_log(out.stats)  # the log says why: the probe saw τ = 1, drafting lost
+    assert first["segment"] == "probe" and first["tau"] == 1.0 and first["value"] < 1.0
+    assert first["then"] == AUTOREGRESSIVE and rest and all(e["segment"] == AUTOREGRESSIVE for e in rest)
     right = oracle_drafter(target, prompts, ref.token_ids, block_size=L, corrupt=0.0)
     out = speculative_generate(target, right, prompts, **kw)
     assert out.token_ids == ref.token_ids and out.stats["ar_fallback_steps"] == 0
@@ -251,6 +267,7 @@ def test_a_later_run_starts_from_what_earlier_runs_observed(tiny, monkeypatch):
         second = speculative_generate(target, wrong, prompts, 16, tuning=tuning(), **kw)  # 4 segments of 4 steps
     assert second.token_ids == short and second.stats["ar_fallback_steps"] == second.stats["cycles"]
     assert second.stats["fallback_segments"] == 4 and {a for row in second.acceptance_lengths for a in row} == {1}
+    assert [e["segment"] for e in check_log(second.stats)] == ["generate"]
     assert wrong.observed[next(iter(wrong.observed))]["until_probe"] == snap["until_probe"] - 4  # counted down
     fresh = speculative_generate(target, wrong, prompts, 16, tuning=tuning(remember_acceptance=False), **kw)
     assert fresh.token_ids == short and fresh.stats["ar_fallback_steps"] < fresh.stats["cycles"]  # a probe first

@@ -290,16 +290,36 @@ class SwitchPolicy:
 
 @dataclasses.dataclass
 class Record:
-    """What switching did in one run (the output's stats)."""
+    """What switching did in one run (the output's stats): the counts, and ``log``, one entry per segment (the
+    first ``LOG_SEGMENTS``) saying what it ran and what the policy concluded after it — so that a run that fell
+    back, or kept drafting, shows why."""
+
+    LOG_SEGMENTS = 256
 
     ar_steps: int = 0  # autoregressive steps run by the fallback program
     row_ar_steps: int = 0  # the same, summed over the rows active in them
     switches: int = 0  # segments that ran another program than the one before
     segments: int = 0
+    log: list = dataclasses.field(default_factory=list)
 
-    def stats(self) -> dict[str, int]:
+    def note(self, segment: str, steps: int, wall_ms: float | None, policy: "SwitchPolicy") -> None:
+        """A segment ran: ``segment`` (``"draft"``, ``"probe"``, ``"autoregressive"``, ``"check"`` — the short
+        timing segment — or ``"generate"``: a whole call on ``generate``'s programs), its ``steps`` and wall ms a
+        step (None: untimed); then the policy's running figures and the mode it chose for what follows."""
+        if len(self.log) >= self.LOG_SEGMENTS:
+            return
+        value = policy.value() if policy.tau is not None and policy.step_ms else None
+        self.log.append(dict(segment=segment, steps=int(steps), wall_ms=_rounded(wall_ms), tau=_rounded(policy.tau),
+                             value=_rounded(value), ar_ms=_rounded(policy.ar_ms), step_ms=_rounded(policy.step_ms),
+                             then=policy.mode))
+
+    def stats(self) -> dict:
         return {"ar_fallback_steps": self.ar_steps, "fallback_switches": self.switches,
-                "fallback_segments": self.segments}
+                "fallback_segments": self.segments, "fallback_log": list(self.log)}
+
+
+def _rounded(x: float | None) -> float | None:
+    return None if x is None else round(float(x), 3)
 
 
 class Decoder:
@@ -381,7 +401,9 @@ class SwitchingDecoder(Decoder):
         self.record.ar_steps += steps
         self.record.row_ar_steps += row_steps
         self.record.segments += segments  # (no switch: the call had no segment before it)
-        self.policy.skipped(segments, 1e3 * seconds / steps if steps else None)
+        wall_ms = 1e3 * seconds / steps if steps else None
+        self.policy.skipped(segments, wall_ms)
+        self.record.note("generate", steps, wall_ms, self.policy)
         self._remember()
 
     def _finish(self, seg: "_Segment", after: np.ndarray) -> None:
@@ -396,10 +418,13 @@ class SwitchingDecoder(Decoder):
             self.record.ar_steps += seg.ran
             self.record.row_ar_steps += int(seg.cycles.sum())
             self.policy.fell_back(seg.wall_ms)
+            self.record.note("check" if seg.check else AUTOREGRESSIVE, seg.ran, seg.wall_ms, self.policy)
             self._remember()
             return
+        kind = "probe" if seg.probe else DRAFT
         done = after[:, 2] > 0
         if done.all():  # the run is over: nothing left to decide, and its last cycles say little (below)
+            self.record.note(kind, seg.ran, seg.wall_ms, self.policy)
             return
         left = np.where(done, 0, after[:, 3] - after[:, 1])
         fb = self.policy.fallback
@@ -410,6 +435,7 @@ class SwitchingDecoder(Decoder):
         # shape would then start from).
         keep = ~done
         self.policy.drafted(np.where(keep, seg.tokens, 0), np.where(keep, seg.cycles, 0), left, step_ms, seg.wall_ms)
+        self.record.note(kind, seg.ran, seg.wall_ms, self.policy)
         self._remember()
 
     def _remember(self) -> None:
