@@ -409,6 +409,38 @@ def test_a_whole_call_waits_for_its_slowest_row_and_a_pool_does_not():
     assert early.mode == DRAFT and early.row_tau[1] == pytest.approx((2 + 16 * 2.5) / 18)
 
 
+def test_the_slowest_row_of_many_needs_more_steps_than_tau_says():
+    """E[max] of normals: two alike rows 1/√π deviations past the mean, 128 rows 2.59; a row far ahead decides
+    alone. The variance of tokens per step is read within rows (rows of unlike τ do not add to it) where a row ran
+    two steps or more, else over every row's step."""
+    slowest = switching.expected_slowest
+    assert slowest(np.array([50.0, 50.0]), np.ones(2)) == pytest.approx(50 + 1 / math.sqrt(math.pi), abs=1e-3)
+    assert slowest(np.full(128, 50.0), np.ones(128)) == pytest.approx(52.594, abs=2e-3)
+    assert slowest(np.array([10.0, 50.0]), np.array([1.0, 0.5])) == pytest.approx(50.0, abs=1e-3)
+    # rows at τ 2 and 4, each alternating ±1 around it over 4 steps: within-row variance 4 · 1 / 3 each
+    tokens, steps, squares = np.array([8, 16]), np.array([4, 4]), np.array([1 + 9 + 1 + 9, 9 + 25 + 9 + 25])
+    assert switching._step_variance(tokens, steps, squares) == pytest.approx(8 / 6)
+    assert switching._step_variance(np.array([1, 3]), np.array([1, 1]), np.array([1, 9])) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("rows,pooled,squares,drafts", [(128, False, True, False), (128, False, False, True),
+                                                        (128, True, True, True), (4, False, True, True)])
+def test_a_whole_call_of_many_rows_counts_their_bad_luck(rows, pooled, squares, drafts):
+    """A probe: every row committed 4, 4 and 1 tokens in 3 steps (τ 3, variance 3 a step), 128 tokens left, a
+    drafted step 2.6 autoregressive ones (the 8B shape's 4-token tier at 128 rows on an H100). By τ alone drafting
+    pays 1.15×, but the slowest of 128 rows needs 2.6 standard deviations (3.8 steps each) more than 128 / τ: 0.94×,
+    the fallback stays. A pool is paid by the mean, and the slowest of 4 rows lags less (1.06×): both draft again;
+    so does a call whose squares were not observed."""
+    p = SwitchPolicy(Fallback(ar_ms=1.0, drafted_ms=(2.6,), tokens_per_row=(4,)), pooled=pooled)
+    p.mode = AUTOREGRESSIVE  # on the fallback: the next drafted segment is a probe
+    p.drafted(np.full(rows, 9), np.full(rows, 3), np.full(rows, 128), 2.6, None,
+              np.full(rows, 16 + 16 + 1) if squares else None)
+    assert p.mode == (DRAFT if drafts else AUTOREGRESSIVE)
+    expected = {(128, False, True): 128 / (2.6 * (128 / 3 + 2.594 * math.sqrt(128 * 3 / 27))),
+                (4, False, True): 128 / (2.6 * (128 / 3 + 1.029 * math.sqrt(128 * 3 / 27)))}
+    assert p.value() == pytest.approx(expected.get((rows, pooled, squares), 3 / 2.6), rel=1e-3)
+
+
 def test_when_the_fallback_is_armed():
     """Armed for "auto" where the table times an autoregressive step 1.3 times cheaper than every drafted step;
     never for a mode named explicitly, without the column, or where a drafted step is that cheap; never drafting where no

@@ -91,9 +91,12 @@ class SwitchPolicy:
     """When to draft and when to fall back, from the segments' statistics (host only).
 
     A batch that waits for its slowest row (a whole call) finishes when the row with the most work left does:
-    drafting's time is ``max_r(left_r / τ_r) × drafted ms``, the fallback's ``max_r(left_r) × autoregressive ms``,
-    with ``τ_r`` each row's own running estimate and ``left_r`` its budget left. A pool (``pooled``: finished
-    rows get new prompts) is paid by its throughput: the rows' mean τ.
+    the fallback's time is ``max_r(left_r) × autoregressive ms``, drafting's ``max_r(left_r / τ_r) × drafted ms``
+    — with ``τ_r`` each row's own running estimate and ``left_r`` its budget left — and chance adds to the slowest
+    row: a row's steps to commit ``left_r`` tokens vary by ``√(left_r σ² / τ_r³)`` (σ² the variance of a row's
+    tokens per step), so drafting's steps are the expected slowest of the rows' (:func:`expected_slowest`; at 128
+    rows, τ 3 and 128 tokens left, 15 % more than τ alone says). A pool (``pooled``: finished rows get new
+    prompts) is paid by its throughput: the rows' mean τ.
 
     The first segment and every probe draft ``probe_len`` cycles (short: where drafting loses, each costs);
     drafting is left only when it loses even by an optimistic reading of what was seen (τ̂ ``leave_optimism``
@@ -113,6 +116,7 @@ class SwitchPolicy:
                           else max(1, min(probe_cycles, -(-settings.probe_row_steps // rows))))
         self.tau: float | None = None  # tokens per row and drafted step over the batch, running
         self.seen = 0  # row steps behind self.tau since it was last restarted
+        self.var: float | None = None  # variance of a row's tokens per drafted step, running (None: not observed)
         self.row_tokens: np.ndarray | None = None  # [B] each row's tokens from drafted steps so far
         self.row_steps: np.ndarray | None = None  # [B] and its drafted steps
         self.left: np.ndarray | None = None  # [B] tokens each active row may still commit (0: done)
@@ -162,13 +166,18 @@ class SwitchPolicy:
             return up * self.tau * ar_ms / self.step_ms
         active = self.left > 0
         left = self.left[active]
-        return up * (left.max() * ar_ms) / ((left / self.row_tau[active]).max() * self.step_ms)
+        tau = self.row_tau[active]
+        steps = float((left / tau).max())
+        if self.var:  # the slowest row's bad luck still to come (class docstring)
+            steps = expected_slowest(left / tau, np.sqrt(left * self.var / tau ** 3))
+        return up * (left.max() * ar_ms) / (steps * self.step_ms)
 
     def drafted(self, tokens: np.ndarray, steps: np.ndarray, left: np.ndarray, step_ms: float,
-                wall_ms: float | None = None) -> None:
+                wall_ms: float | None = None, squares: np.ndarray | None = None) -> None:
         """A drafted segment: per row, the tokens it committed in its ``steps`` active steps and the budget it has
         ``left`` (0 once done); ``step_ms``: what a step of the segment cost by the table; ``wall_ms``: what one
-        took here (None: not timed)."""
+        took here (None: not timed); ``squares``: per row, the sum over its steps of the squared tokens a step
+        (None: not observed — then chance is left out of a whole call's time)."""
         ran = steps > 0
         if not ran.any():
             return
@@ -179,6 +188,9 @@ class SwitchPolicy:
         w = 1.0 if stale else cfg.smoothing
         tau = float(tokens[ran].sum() / steps[ran].sum())
         self.tau = tau if stale else w * tau + (1 - w) * self.tau
+        if squares is not None:
+            var = _step_variance(tokens[ran], steps[ran], squares[ran])
+            self.var = var if stale or self.var is None else w * var + (1 - w) * self.var
         self.seen = int(steps.sum()) + (0 if stale else self.seen)
         self.step_ms = step_ms if stale else w * step_ms + (1 - w) * self.step_ms
         if self.row_tokens is None or self.row_tokens.shape != tokens.shape:
@@ -221,7 +233,8 @@ class SwitchPolicy:
         """What a later run of the same batch shape starts from (:meth:`resume`): the batch's running τ and
         drafted step cost, the mode, the probes' backoff and countdown. Rows' own figures are left out: a later
         run's rows hold other text."""
-        return dict(tau=self.tau, seen=self.seen, step_ms=self.step_ms, mode=self.mode, backoff=self.backoff,
+        return dict(tau=self.tau, seen=self.seen, var=self.var, step_ms=self.step_ms, mode=self.mode,
+                    backoff=self.backoff,
                     until_probe=self.until_probe, drafted_wall_ms=self.drafted_wall_ms, ar_wall_ms=self.ar_wall_ms,
                     segment_wall_ms=self.segment_wall_ms, plain_wall_ms=self.plain_wall_ms,
                     call_segments=self.call_segments)
@@ -232,7 +245,7 @@ class SwitchPolicy:
         calls still probes as one long call would."""
         if not snap or snap.get("tau") is None or not self.fallback.can_pay:
             return
-        self.tau, self.seen, self.step_ms = snap["tau"], snap["seen"], snap["step_ms"]
+        self.tau, self.seen, self.step_ms, self.var = snap["tau"], snap["seen"], snap["step_ms"], snap.get("var")
         self.backoff, self.until_probe = snap["backoff"], snap["until_probe"]
         self.mode = snap["mode"]
         self.drafted_wall_ms, self.ar_wall_ms = snap.get("drafted_wall_ms"), snap.get("ar_wall_ms")
@@ -286,6 +299,42 @@ class SwitchPolicy:
     def _running(self, old: float | None, new: float) -> float:
         w = self.settings.smoothing
         return new if old is None else w * new + (1 - w) * old
+
+
+def _step_variance(tokens: np.ndarray, steps: np.ndarray, squares: np.ndarray) -> float:
+    """The variance of a row's tokens per step, from rows' sums over a segment: within rows (each about its own
+    mean) where some row ran two steps or more — rows draft texts of unlike difficulty, which the rows' own τs
+    already hold — else over every row's step."""
+    tokens, steps, squares = (np.asarray(a, np.float64) for a in (tokens, steps, squares))
+    several = steps >= 2
+    if several.any():
+        t, n, q = tokens[several], steps[several], squares[several]
+        return float(max(0.0, (q - t * t / n).sum()) / (n - 1).sum())
+    mean = tokens.sum() / steps.sum()
+    return float(max(0.0, squares.sum() / steps.sum() - mean * mean))
+
+
+def expected_slowest(means: np.ndarray, sds: np.ndarray) -> float:
+    """E[max_r X_r] for independent X_r ~ N(means_r, sds_r²), X ≥ 0 (steps a row still needs): ``low`` + ∫ P(max > x)
+    dx from ``low``, below which some row is past x all but surely."""
+    low = max(0.0, float((means - 6.0 * sds).max()))
+    top = float((means + 6.0 * sds).max())
+    if top <= low:
+        return low
+    x = np.linspace(low, top, 513)  # [G]
+    z = (x[None, :] - means[:, None]) / np.maximum(sds[:, None], 1e-9)  # [B, G]
+    below = np.prod(_normal_cdf(z), axis=0)  # P(every row done within x)
+    above = 1.0 - below
+    return low + float((above.sum() - 0.5 * (above[0] + above[-1])) * (x[1] - x[0]))  # trapezoids
+
+
+def _normal_cdf(z: np.ndarray) -> np.ndarray:
+    """Φ(z) to 1e-7 (Abramowitz & Stegun 7.1.26 for erf), vectorised: the host has no scipy to lean on."""
+    u = np.abs(z) / np.sqrt(2.0)
+    t = 1.0 / (1.0 + 0.3275911 * u)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    erf = 1.0 - poly * np.exp(-u * u)
+    return 0.5 * (1.0 + np.sign(z) * erf)
 
 
 @dataclasses.dataclass
@@ -434,7 +483,8 @@ class SwitchingDecoder(Decoder):
         # stop token or the budget, so counting it reads τ low (at the end of every run, which a later run of the
         # shape would then start from).
         keep = ~done
-        self.policy.drafted(np.where(keep, seg.tokens, 0), np.where(keep, seg.cycles, 0), left, step_ms, seg.wall_ms)
+        self.policy.drafted(np.where(keep, seg.tokens, 0), np.where(keep, seg.cycles, 0), left, step_ms, seg.wall_ms,
+                            np.where(keep, seg.squares, 0))
         self.record.note(kind, seg.ran, seg.wall_ms, self.policy)
         self._remember()
 
@@ -488,6 +538,7 @@ class _Segment:
         self.seconds = 0.0  # wall time of its calls, each from dispatch to its counts on the host
         self.timed = True  # no call was its program's first run in this process
         self.tokens = np.zeros(rows, np.int64)
+        self.squares = np.zeros(rows, np.int64)  # Σ over the row's steps of (tokens a step)²
         self.cycles = np.zeros(rows, np.int64)
         self.tiers = np.zeros(0)
 
@@ -503,15 +554,18 @@ class _Segment:
         self.ran += ran
         self.cycles += cycles
         self.tokens += after[:, 1] - before[:, 1]
-        tiers = (after[0, 4:] - before[0, 4:]).astype(np.float64)  # steps per tier (scheduled modes)
+        self.squares += after[:, 4] - before[:, 4]
+        tiers = (after[0, 5:] - before[0, 5:]).astype(np.float64)  # steps per tier (scheduled modes)
         self.tiers = tiers if not self.tiers.size else self.tiers + tiers
         return ran
 
 
 def _counts(state: DecodeState) -> jax.Array:
-    """[B, 4 + K]: each row's cycles, new tokens, done and budget, and the tier histogram (scheduled modes; the
-    same in every row) — what a segment's statistics are read from."""
-    cols = [state.num_cycles[:, None], state.num_new[:, None], state.done[:, None], state.max_new[:, None]]
+    """[B, 5 + K]: each row's cycles, new tokens, done, budget and Σ of its cycles' squared tokens, and the tier
+    histogram (scheduled modes; the same in every row) — what a segment's statistics are read from."""
+    squares = jnp.sum(jnp.square(state.acc_lens), axis=1)  # acc_lens: 0 past the row's cycles
+    cols = [state.num_cycles[:, None], state.num_new[:, None], state.done[:, None], state.max_new[:, None],
+            squares[:, None]]
     if state.schedule is not None:
         cols.append(state.schedule.tier_steps)
     return jnp.concatenate(cols, axis=1).astype(jnp.int32)
