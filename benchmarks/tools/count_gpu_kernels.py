@@ -90,8 +90,9 @@ def build_case(case: str, target, drafter, ids, tuning):
                         ar_step=case == "compact", tuning=tuning, impl="cuda")
 
 
-def compile_for(device, job, step) -> str:
-    """The optimized HLO of ``step`` in a ``while_loop`` (as decoding runs it), compiled for ``device``."""
+def compile_for(device, job, step) -> tuple[str, dict]:
+    """The optimized HLO of ``step`` in a ``while_loop`` (as decoding runs it), compiled for ``device``, and XLA's
+    memory analysis of it (bytes: arguments, outputs, temporaries — what the program needs beside its inputs)."""
     sharding = jax.sharding.SingleDeviceSharding(device)
     abstract = lambda tree: jax.tree.map(  # noqa: E731
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
@@ -109,7 +110,9 @@ def compile_for(device, job, step) -> str:
                                                           scalar).compile()
     finally:
         jax.default_backend = cpu_backend
-    return compiled.as_text()
+    mem = compiled.memory_analysis()
+    memory = {k: int(getattr(mem, f"{k}_size_in_bytes", 0) or 0) for k in ("argument", "output", "temp", "alias")}
+    return compiled.as_text(), memory
 
 
 def computations(hlo: str) -> tuple[dict[str, list[str]], str]:
@@ -223,14 +226,18 @@ def main() -> int:
     for batch in (int(b) for b in args.batches.split(",")):
         ids = np.random.default_rng(0).integers(0, target.config.vocab_size, (batch, args.context)).tolist()
         for case in args.cases.split(","):
-            comps, entry = computations(compile_for(device, *build_case(case, target, drafter, ids, tuning)))
+            hlo, memory = compile_for(device, *build_case(case, target, drafter, ids, tuning))
+            comps, entry = computations(hlo)
             parts: list = []
             count(comps, entry, "", parts)
             result["batches"].setdefault(str(batch), {})[case] = [
                 dict(part=label, kernels=n, kinds=dict(kinds.most_common())) for label, n, kinds in parts]
+            result.setdefault("memory", {}).setdefault(str(batch), {})[case] = memory
             early = before_conditional(comps, entry)
             print(f"== b{batch} {case}" + ("" if early is None else f" ({early} kernels before the loop body's "
-                                                                    "first conditional)"), flush=True)
+                                                                    "first conditional)")
+                  + f"; memory GB: arguments {memory['argument'] / 1e9:.3f}, temporaries {memory['temp'] / 1e9:.3f}",
+                  flush=True)
             for label, n, kinds in parts:
                 print(f"  {label}: {n} kernels ({', '.join(f'{k} ×{c}' for k, c in kinds.most_common(6))})",
                       flush=True)
