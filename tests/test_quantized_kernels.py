@@ -82,6 +82,21 @@ def _matches_reference(kernel_module, case, interpret) -> None:
     _check(got, want, dtype)
 
 
+@pytest.mark.parametrize("rows,dtype,scaled", [(1, jnp.float32, False), (99, jnp.float32, False),
+                                               (128, jnp.float32, True), (64, jnp.bfloat16, True)])
+def test_reference_scales_the_kernel_only_past_the_partial_products_size(rows, dtype, scaled):
+    """Row blocks (HF's 128 × 128 FP8): the reference forms per-block partial products ``[nbi, N, E]`` while they are
+    the smaller temporary, and past ``N = D · itemsize / (4 · nbi)`` rows (300 · 4 / 12 = 100 in float32, 50 in
+    bfloat16) scales the kernel and runs one dot without a batch dimension. Either way: x @ dequantized W."""
+    x, q, s, block = _inputs(7, rows, 300, 200, Scheme("fp8", (128, 128)), dtype)
+    dots = [e for e in jax.make_jaxpr(lambda x: op.reference(x, q, s, block, dtype))(x).eqns
+            if e.primitive.name == "dot_general"]
+    assert [bool(e.params["dimension_numbers"][1][0]) for e in dots][:1] == [not scaled]  # batch dims: partials
+    w = np.asarray(q, np.float64) * np.repeat(np.repeat(np.asarray(s, np.float64), 128, 0), 128, 1)[:300, :200]
+    want = np.asarray(x, np.float64) @ w
+    _check(fast_jit(op.reference, block=block, out_dtype=dtype)(x, q, s), want, dtype)
+
+
 def test_leading_axes_and_output_dtype():
     """x [B, T, D] as the op's callers pass it, logits-style float32 output from bfloat16 activations."""
     x, q, s, block = _inputs(1, 6, 96, 40, Scheme("int8"), jnp.bfloat16)

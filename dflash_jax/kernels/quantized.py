@@ -10,8 +10,12 @@ applied to the products:
   one dot, then a scale per output column;
 * several blocks over the input rows (group-wise int8, HF's 128 × 128 FP8 blocks): the input is cut into the
   same row blocks, each block's partial product ``x_k @ q_k`` formed (float32), scaled by its block's row of
-  scales and summed — one batched dot and a ``[*b, nbi, out]`` partial product instead of a kernel-sized
-  temporary.
+  scales and summed — one batched dot and a ``[nbi, N, out]`` partial product instead of a kernel-sized
+  temporary, for as long as that is the smaller one: past ``N = in · itemsize / (4 · nbi)`` rows (64 for
+  128-row blocks in bfloat16 — a verify, a prefill, a large batch's step) the partial products outweigh a scaled
+  copy of the kernel and their thin (``block``-deep) dots run far below a GEMM's rate (an H100 took 16.4 ms for
+  the Qwen3-8B shape's 64-row step this way, 2.5× per-channel fp8's), so there the kernel is scaled in the
+  activations' dtype (a temporary per layer) and multiplied once.
 
 Products accumulate in float32 and come back in ``out_dtype`` (the activations' dtype unless asked).
 """
@@ -87,8 +91,12 @@ def reference(x: Float[Array, "*b D"], q: jax.Array, scale: Float[Array, "nbi nb
     if nbi == 1:
         y = jnp.einsum("...d,de->...e", x, w, preferred_element_type=jnp.float32) * s[0]
         return y.astype(out_dtype)
-    pad = nbi * bi - d
     rows = x.reshape(-1, d)
+    if rows.shape[0] * nbi * 4 > d * jnp.dtype(x.dtype).itemsize:  # many rows: the scaled kernel is smaller
+        scaled = (q.astype(jnp.float32) * jnp.repeat(s, bi, axis=0)[:d]).astype(x.dtype)  # [D, E]
+        y = jnp.einsum("nd,de->ne", rows, scaled, preferred_element_type=jnp.float32)
+        return y.astype(out_dtype).reshape(*x.shape[:-1], e)
+    pad = nbi * bi - d
     # The block index leads (a batch dimension first: XLA's CPU dot takes bfloat16 operands with a float32
     # result only so).
     xb = jnp.pad(rows, ((0, 0), (0, pad))).reshape(-1, nbi, bi).transpose(1, 0, 2)  # [nbi, N, bi]
