@@ -79,10 +79,11 @@ class KernelTuning:
     # The LM head and that top-K in one GPU kernel (op "head_top_k", dflash_jax/cuda/head_top_k.py: each program
     # keeps its vocabulary tile's K best, the [N, V] logits are never written) for at most ``head_top_k_max_rows``
     # rows (0: any; the head is read once per 64 rows, so more rows only where measured) over tiles of
-    # ``head_top_k_block_v`` columns. At batch 1 it was faster than XLA's head + TopK (benchmarks/README.md,
-    # "Drafter kinds").
+    # ``head_top_k_block_v`` columns. Measured on an H100 at 1 and 960 rows (a DFlash2 cycle at batch 1 and 64):
+    # faster than XLA's head + TopK, or as fast (benchmarks/README.md, "Drafter kinds"); 1,024 rows cover a
+    # 64-row batch's block of 16.
     head_top_k_kernel: bool = True
-    head_top_k_max_rows: int = 16
+    head_top_k_max_rows: int = 1024
     head_top_k_block_v: int = 128
     # GPU kernels' split-KV concurrency target (programs per SM; 0 = the kernel's own default).
     programs_per_sm: int = 0

@@ -117,7 +117,7 @@ def test_the_dispatch_runs_the_fused_head_only_when_asked():
     assert fused.count("name=dflash_head_top_k") == 1 and "f32[16,512]" not in fused
     assert program(Kernels("cuda")) == fused
     off = Kernels("cuda", KernelTuning(head_top_k_kernel=False))
-    for other in (program(off), program(Kernels("xla", FUSED.tuning)), program(FUSED, rows=17), program(FUSED, k=129)):
+    for other in (program(off), program(Kernels("xla", FUSED.tuning)), program(FUSED, rows=1025), program(FUSED, k=129)):
         assert "name=dflash_head_top_k" not in other and other.count("top_k[") == 1
     with pytest.raises(ValueError, match="k = 513"):
         top_k_op.head_top_k(jnp.zeros((2, 64)), jnp.zeros((64, 512)), 513, vocab_major=False)
