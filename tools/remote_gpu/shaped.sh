@@ -10,6 +10,9 @@
 #           each batch's JSON written as it ends) (~8 min)
 #   short   little budget left: the embedded pair's DFlash vs DFlash2 at 1 / 64 rows (every top-K form, the fused kernel
 #           at any rows), then p02 at 64 and 16 rows for what time is left (${P02_S:-330} s)
+#   recheck session 42's changes on the 8B shape: auto at 128 rows p = 0.2 (the slowest row's luck in the policy) and
+#           at 64 rows p = 0.3 (its segment log), then block-scaled fp8 at 16 / 64 rows (the scaled-kernel
+#           reference) (~8 min)
 #   p03     8B shape, p = 0.3, at 64 and 16 rows with the same tables (~5 min)
 #   qgroup  the quantized kernels' GPU tests, then the 8B int8 AR step and cycle at 1 / 16 rows with q / k / v and
 #           gate / up each in one launch (quant_group_kernel) against one launch a layer (issue 56) (~6 min)
@@ -49,6 +52,12 @@ case "$1" in
            --top-k-impl all --fused-max-rows 0 --out $OUT/kinds_smollm2_b1_b64.json 2>&1 | tail -n 8
          timeout ${P02_S:-330} python3 benchmarks/bench_compact_scaled.py --batches 64,16 --corrupt 0.2 --modes static,auto \
            --repeats 2 $TABLES --out $OUT/p02.json --plot $OUT/p02.png 2>&1 | grep -v "^  [^(]" | tail -n 12 ;;
+  recheck) timeout 200 python3 benchmarks/bench_compact_scaled.py --batches 128 --corrupt 0.2 --modes auto --repeats 2 \
+             $TABLES --out $OUT/p02_b128.json 2>&1 | grep -v "^  [^(]" | tail -n 4
+           timeout 180 python3 benchmarks/bench_compact_scaled.py --batches 64 --corrupt 0.3 --modes auto --repeats 2 \
+             $TABLES --out $OUT/p03_b64.json 2>&1 | grep -v "^  [^(]" | tail -n 4
+           timeout 170 python3 benchmarks/bench_quantized_step.py --quantizations fp8-block --batches 16,64 \
+             --out $OUT/qstep_8b_fp8_block.json 2>&1 | tail -n 4 ;;
   p03) timeout 570 python3 benchmarks/bench_compact_scaled.py --batches 64,16 --corrupt 0.3 --modes static,auto \
          --repeats 2 $TABLES --out $OUT/p03.json --plot $OUT/p03.png 2>&1 | grep -v "^  [^(]" | tail -n 20 ;;
   qgroup) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_quantized_kernels.py 2>&1 | tail -n 4
@@ -70,5 +79,5 @@ case "$1" in
   qsweep1) timeout 570 python3 benchmarks/bench_quantized_step.py --sweep --sweep-tokens 1 --sweep-schemes int8 \
             --repeats 3 --out $OUT/qsweep1.json 2>&1 | tail -n 80 ;;
   qsweep) timeout 570 python3 benchmarks/bench_quantized_step.py --sweep --out $OUT/qsweep.json 2>&1 | tail -n 40 ;;
-  *) echo "usage: $0 short|kinds|kinds64|qnext|qmoe|pick|topk|p02|p03|qgroup|one|mini|micro|qsweep1|qsweep" >&2; exit 2 ;;
+  *) echo "usage: $0 recheck|short|kinds|kinds64|qnext|qmoe|pick|topk|p02|p03|qgroup|one|mini|micro|qsweep1|qsweep" >&2; exit 2 ;;
 esac
