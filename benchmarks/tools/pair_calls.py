@@ -21,14 +21,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-from common import source_commit  # noqa: E402
+from common import fallback_log_line, source_commit  # noqa: E402
 
 from dflash_jax import generate, load_pair, speculative_generate  # noqa: E402
 from dflash_jax.cli import DEMO_PROMPTS  # noqa: E402
 from dflash_jax.engine import switching  # noqa: E402
 from dflash_jax.tuning import Tuning  # noqa: E402
 
-STATS = ("cycles", "verify_mode", "ar_fallback_steps", "fallback_switches", "fallback_segments", "compile_s")
+STATS = ("cycles", "verify_mode", "ar_fallback_steps", "fallback_switches", "fallback_segments", "compile_s",
+         "fallback_log")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['cycles']} cycles, {row['ar_fallback_steps']} fallen back, {row['fallback_switches']} switches)"
               f"  AR {row['ar_tokens_per_s']:6.1f} tok/s  ratio {row['ratio']:.3f}  decode ms a step "
               f"{row['speculative_decode_ms_a_step']:.1f} / {row['ar_decode_ms_a_step']:.1f}", flush=True)
+        if row["fallback_log"]:
+            print(f"  (segments: {fallback_log_line(row['fallback_log'])})", flush=True)
     later = calls[1:] or calls
     fastest = min(c["speculative_decode_ms_a_step"] for c in later) / min(c["ar_decode_ms_a_step"] for c in later)
     print(f"fastest decode step after the first call, speculative ÷ AR: {fastest:.3f}", flush=True)
