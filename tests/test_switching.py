@@ -417,6 +417,10 @@ def test_the_slowest_row_of_many_needs_more_steps_than_tau_says():
     assert slowest(np.array([50.0, 50.0]), np.ones(2)) == pytest.approx(50 + 1 / math.sqrt(math.pi), abs=1e-3)
     assert slowest(np.full(128, 50.0), np.ones(128)) == pytest.approx(52.594, abs=2e-3)
     assert slowest(np.array([10.0, 50.0]), np.array([1.0, 0.5])) == pytest.approx(50.0, abs=1e-3)
+    rng = np.random.default_rng(0)  # rows of unlike means and spreads: against sampling
+    means, sds = rng.uniform(40, 43, 128), rng.uniform(1.5, 2.5, 128)
+    sampled = (rng.standard_normal((20000, 128)) * sds + means).max(axis=1).mean()
+    assert slowest(means, sds) == pytest.approx(sampled, abs=0.03)
     # rows at τ 2 and 4, each alternating ±1 around it over 4 steps: within-row variance 4 · 1 / 3 each
     tokens, steps, squares = np.array([8, 16]), np.array([4, 4]), np.array([1 + 9 + 1 + 9, 9 + 25 + 9 + 25])
     assert switching._step_variance(tokens, steps, squares) == pytest.approx(8 / 6)

@@ -321,7 +321,7 @@ def expected_slowest(means: np.ndarray, sds: np.ndarray) -> float:
     top = float((means + 6.0 * sds).max())
     if top <= low:
         return low
-    x = np.linspace(low, top, 513)  # [G]
+    x = np.linspace(low, top, 129)  # [G]: the integrand is smooth over these 12 standard deviations
     z = (x[None, :] - means[:, None]) / np.maximum(sds[:, None], 1e-9)  # [B, G]
     below = np.prod(_normal_cdf(z), axis=0)  # P(every row done within x)
     above = 1.0 - below
