@@ -37,9 +37,9 @@ case "$1" in
              --top-k-impl all --fused-max-rows 0 --out $OUT/kinds_8b_b64.json 2>&1 | tail -n 5
            timeout 200 python3 benchmarks/bench_drafter_kinds.py --shape smollm2 --batches 64 --kinds dflash,dflash2 \
              --top-k-impl all --fused-max-rows 0 --out $OUT/kinds_smollm2_b64.json 2>&1 | tail -n 5 ;;
-  qnext) timeout 570 python3 benchmarks/bench_quantized_step.py --quantizations int8,fp8,fp8-block --batches 1,16,64 \
-           --out $OUT/qstep_8b_default.json 2>&1 | tail -n 8
-         timeout 200 python3 benchmarks/bench_quantized_step.py --quantizations int8 --batches 1 --drafter-quantization \
+  qnext) timeout 400 python3 benchmarks/bench_quantized_step.py --quantizations int8,fp8,fp8-block --batches 1,16,64 \
+           --out $OUT/qstep_8b_default.json 2>&1 | tail -n 8  # 385 s in session 42; its JSON grows per scheme
+         timeout 180 python3 benchmarks/bench_quantized_step.py --quantizations int8 --batches 1 --drafter-quantization \
            --out $OUT/qstep_8b_int8_drafter_int8.json 2>&1 | tail -n 3 ;;
   qmoe) # JAX takes 75 % of a GPU's memory by default: the bf16 experts alone are 61 GB (session 42 ran out of memory)
         for q in int8 bf16; do XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 270 python3 benchmarks/bench_quantized_step.py \
