@@ -94,8 +94,8 @@ class SwitchPolicy:
     the fallback's time is ``max_r(left_r) × autoregressive ms``, drafting's ``max_r(left_r / τ_r) × drafted ms``
     — with ``τ_r`` each row's own running estimate and ``left_r`` its budget left — and chance adds to the slowest
     row: a row's steps to commit ``left_r`` tokens vary by ``√(left_r σ² / τ_r³)`` (σ² the variance of a row's
-    tokens per step), so drafting's steps are the expected slowest of the rows' (:func:`expected_slowest`; at 128
-    rows, τ 3 and 128 tokens left, 15 % more than τ alone says). A pool (``pooled``: finished rows get new
+    tokens per step), so drafting's steps are the expected slowest of the rows' (:func:`expected_slowest`; 128
+    rows, 128 tokens left, drafts that each survive with 0.8, 4 tokens a row: 16 % more than τ alone says). A pool (``pooled``: finished rows get new
     prompts) is paid by its throughput: the rows' mean τ.
 
     The first segment and every probe draft ``probe_len`` cycles (short: where drafting loses, each costs);
