@@ -54,7 +54,9 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))  # table_ceiling
 
+import table_ceiling  # noqa: E402
 from common import QWEN3_8B, QWEN3_30B_A3B, fallback_log_line, random_target, source_commit  # noqa: E402
 from dflash_jax import costs, generate, random_drafter, speculative_generate  # noqa: E402
 from dflash_jax.config import model_config_from_hf  # noqa: E402
@@ -233,6 +235,10 @@ def batch_case(target, batch: int, args, table_files: list[Path]) -> dict:
     for mode in args.modes:
         out[f"{mode}_vs_ar"] = out[mode]["tokens_per_s"] / out["ar"]["tokens_per_s"]
         ratios.append(f"{mode} ÷ AR {out[f'{mode}_vs_ar']:.2f}")
+    if args.corrupt > 0 and table.step_ms.get(batch):  # what the table allows (tools/table_ceiling.py)
+        out["ceiling"] = table_ceiling.ceiling(table, batch, args.corrupt, args.max_new)
+        ratios.append(f"table's whole-call ceiling {out['ceiling']['best_whole_call_ratio']:.2f} "
+                      f"(width {out['ceiling']['best_width']})")
     print(f"batch {batch:4d} " + ", ".join(ratios), flush=True)
     return out
 

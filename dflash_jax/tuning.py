@@ -145,8 +145,9 @@ class SwitchTuning:
     # Weight of the newest drafted segment in the running acceptance estimate (and of the newest timing).
     smoothing: float = 0.5
     # A probe costs at most this share of the fallback's time between two probes (times the backoff, which doubles
-    # up to max_backoff while probes keep losing).
-    probe_share: float = 0.05
+    # up to max_backoff while probes keep losing). At most the 2 % by which a call may trail ``generate``: at 5 % a
+    # 128-row batch of the 8B shape on an H100 probed in every 128-token call (benchmarks/README.md).
+    probe_share: float = 0.02
     max_backoff: int = 8
     # A probe (and the first drafted segment) runs ``Tuning.probe_cycles`` cycles, fewer where the batch gives this
     # many row steps in fewer: τ̂'s standard error is read from the row steps seen, and at large batches a drafted

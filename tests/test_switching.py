@@ -346,7 +346,7 @@ def test_probes_are_shorter_where_the_batch_observes_enough_rows(tiny, rows):
 def test_a_probe_call_pays_its_segments():
     """A call that holds a probe runs all its steps in segments, not ``generate``'s programs: where a segment's
     step was timed dearer than theirs, a probe costs that difference over the call's steps too, and probes
-    come further apart (here 19 fallback segments instead of 3)."""
+    come further apart (here 47 fallback segments instead of 7)."""
     def segments_to_probe(segment_wall_ms: float) -> int:
         p = SwitchPolicy(FB)
         assert not p.skips_call(2)  # calls of 2 fallback segments' steps; the first drafts
@@ -358,7 +358,7 @@ def test_a_probe_call_pays_its_segments():
         return p.until_probe
 
     # 2 probe cycles × 2 ms, plus (segment − plain) × 32 steps × 2 segments in the table's units (× 1 / 1.25 ms).
-    assert segments_to_probe(1.0) == 3 and segments_to_probe(1.5) == 19
+    assert segments_to_probe(1.0) == 7 and segments_to_probe(1.5) == 47
 
 
 def test_policy_decisions():
@@ -371,10 +371,10 @@ def test_policy_decisions():
     assert p.mode == DRAFT and p.cycles == 2
     p.drafted(*segment(1), 2.0)  # running 1.5 (rows 1.6 with their prior) → 0.8×: falls back
     assert p.mode == AUTOREGRESSIVE
-    # A probe (2 cycles × 2 ms) costs ≤ 5 % of the fallback time between two: 3 segments of 32 × 1 ms first.
-    assert [p.next_segment() for _ in range(4)] == [AUTOREGRESSIVE] * 3 + [DRAFT] and p.probing
+    # A probe (2 cycles × 2 ms) costs ≤ 2 % of the fallback time between two: 7 segments of 32 × 1 ms first.
+    assert [p.next_segment() for _ in range(8)] == [AUTOREGRESSIVE] * 7 + [DRAFT] and p.probing
     p.drafted(*segment(1), 2.0)  # the probe loses: the backoff doubles
-    assert p.mode == AUTOREGRESSIVE and [p.next_segment() for _ in range(7)] == [AUTOREGRESSIVE] * 6 + [DRAFT]
+    assert p.mode == AUTOREGRESSIVE and [p.next_segment() for _ in range(15)] == [AUTOREGRESSIVE] * 14 + [DRAFT]
     p.drafted(*segment(4), 2.0)  # the text got easy: drafting again
     assert p.mode == DRAFT and p.next_segment() == DRAFT and p.backoff == 1 and not p.probing
 
