@@ -60,20 +60,28 @@ def source_commit() -> str:
     return (head + ("+changes" if changed else "")) if head else "unknown"
 
 
-def random_target(cfg: ModelConfig, dtype, seed: int = 0) -> Target:
+def random_target(cfg: ModelConfig, dtype, seed: int = 0, after_layer=None) -> Target:
     """Random weights generated on the device, one jitted draw per parameter (no host round trip). The model is
     the family's (``families.of(cfg).model``: MoE layers for a ``qwen3_moe`` config); kernels are scaled by
-    their fan-in (stacked experts ``[E, in, out]`` by ``in``)."""
+    their fan-in (stacked experts ``[E, in, out]`` by ``in``). ``after_layer(layer)``: called on each decoder
+    layer once its weights are drawn (e.g. to quantize it, so that the whole model never sits in ``dtype``)."""
     model = nnx.eval_shape(lambda: families.of(cfg).model(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
     draw = jax.jit(lambda key, shape, scale: (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype),
                    static_argnums=(1,))
     key = jax.random.key(seed)
+    layer = None  # the decoder layer whose weights are being drawn (parameters come layer by layer)
     for i, (path, var) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.Param))):
+        current = path[1] if path[0] == "layers" else None
+        if after_layer is not None and layer is not None and current != layer:
+            after_layer(model.layers[layer])
+        layer = current
         scale = 1.0 if path[-1] == "weight" else 1.0 / np.sqrt(var.shape[-2] if len(var.shape) >= 3 else var.shape[0])
         value = draw(jax.random.fold_in(key, i), tuple(var.shape), scale)
         if path[-1] == "weight":  # norms: around 1
             value = (1.0 + 0.1 * value).astype(dtype)
         var.set_value(value)
+    if after_layer is not None and layer is not None:
+        after_layer(model.layers[layer])
     return Target(model, None, f"random {cfg.family} {cfg.num_layers}L d{cfg.hidden_size}", ())
 
 
