@@ -79,9 +79,9 @@ class KernelTuning:
     # The LM head and that top-K in one GPU kernel (op "head_top_k", dflash_jax/cuda/head_top_k.py: each program
     # keeps its vocabulary tile's K best, the [N, V] logits are never written) for at most ``head_top_k_max_rows``
     # rows (0: any; the head is read once per 64 rows, so more rows only where measured) over tiles of
-    # ``head_top_k_block_v`` columns. Measured on an H100 at 1 and 960 rows (a DFlash2 cycle at batch 1 and 64):
-    # faster than XLA's head + TopK, or as fast (benchmarks/README.md, "Drafter kinds"); 1,024 rows cover a
-    # 64-row batch's block of 16.
+    # ``head_top_k_block_v`` columns. At 1 and 960 rows (a DFlash2 cycle at batch 1 and 64) it was faster than
+    # XLA's head + TopK, or as fast (benchmarks/README.md, "Drafter kinds"); 1,024 rows cover a 64-row batch's
+    # block of 16.
     head_top_k_kernel: bool = True
     head_top_k_max_rows: int = 1024
     head_top_k_block_v: int = 128
@@ -145,8 +145,8 @@ class SwitchTuning:
     # Weight of the newest drafted segment in the running acceptance estimate (and of the newest timing).
     smoothing: float = 0.5
     # A probe costs at most this share of the fallback's time between two probes (times the backoff, which doubles
-    # up to max_backoff while probes keep losing). At most the 2 % by which a call may trail ``generate``: at 5 % a
-    # 128-row batch of the 8B shape on an H100 probed in every 128-token call (benchmarks/README.md).
+    # up to max_backoff while probes keep losing). At most the 2 % by which a call may trail ``generate``: a call
+    # that holds a probe runs the speculative path throughout (benchmarks/README.md, "Large batches").
     probe_share: float = 0.02
     max_backoff: int = 8
     # A probe (and the first drafted segment) runs ``Tuning.probe_cycles`` cycles, fewer where the batch gives this

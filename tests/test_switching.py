@@ -423,8 +423,8 @@ def test_the_slowest_row_of_many_needs_more_steps_than_tau_says():
     assert slowest(means, sds) == pytest.approx(sampled, abs=0.03)
     # rows at τ 2 and 4, each alternating ±1 around it over 4 steps: within-row variance 4 · 1 / 3 each
     tokens, steps, squares = np.array([8, 16]), np.array([4, 4]), np.array([1 + 9 + 1 + 9, 9 + 25 + 9 + 25])
-    assert switching._step_variance(tokens, steps, squares) == pytest.approx(8 / 6)
-    assert switching._step_variance(np.array([1, 3]), np.array([1, 1]), np.array([1, 9])) == pytest.approx(1.0)
+    assert switching.step_variance(tokens, steps, squares) == pytest.approx(8 / 6)
+    assert switching.step_variance(np.array([1, 3]), np.array([1, 1]), np.array([1, 9])) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("rows,pooled,squares,drafts", [(128, False, True, False), (128, False, False, True),

@@ -94,9 +94,9 @@ class SwitchPolicy:
     the fallback's time is ``max_r(left_r) × autoregressive ms``, drafting's ``max_r(left_r / τ_r) × drafted ms``
     — with ``τ_r`` each row's own running estimate and ``left_r`` its budget left — and chance adds to the slowest
     row: a row's steps to commit ``left_r`` tokens vary by ``√(left_r σ² / τ_r³)`` (σ² the variance of a row's
-    tokens per step), so drafting's steps are the expected slowest of the rows' (:func:`expected_slowest`; 128
-    rows, 128 tokens left, drafts that each survive with 0.8, 4 tokens a row: 16 % more than τ alone says). A pool (``pooled``: finished rows get new
-    prompts) is paid by its throughput: the rows' mean τ.
+    tokens per step), so drafting's steps are the expected slowest of the rows' (:func:`expected_slowest`; at 128
+    rows, markedly more than τ alone says: docs/verify-modes.md). A pool (``pooled``: finished rows get new prompts)
+    is paid by its throughput: the rows' mean τ.
 
     The first segment and every probe draft ``probe_len`` cycles (short: where drafting loses, each costs);
     drafting is left only when it loses even by an optimistic reading of what was seen (τ̂ ``leave_optimism``
@@ -189,7 +189,7 @@ class SwitchPolicy:
         tau = float(tokens[ran].sum() / steps[ran].sum())
         self.tau = tau if stale else w * tau + (1 - w) * self.tau
         if squares is not None:
-            var = _step_variance(tokens[ran], steps[ran], squares[ran])
+            var = step_variance(tokens[ran], steps[ran], squares[ran])
             self.var = var if stale or self.var is None else w * var + (1 - w) * self.var
         self.seen = int(steps.sum()) + (0 if stale else self.seen)
         self.step_ms = step_ms if stale else w * step_ms + (1 - w) * self.step_ms
@@ -234,8 +234,8 @@ class SwitchPolicy:
         drafted step cost, the mode, the probes' backoff and countdown. Rows' own figures are left out: a later
         run's rows hold other text."""
         return dict(tau=self.tau, seen=self.seen, var=self.var, step_ms=self.step_ms, mode=self.mode,
-                    backoff=self.backoff,
-                    until_probe=self.until_probe, drafted_wall_ms=self.drafted_wall_ms, ar_wall_ms=self.ar_wall_ms,
+                    backoff=self.backoff, until_probe=self.until_probe, drafted_wall_ms=self.drafted_wall_ms,
+                    ar_wall_ms=self.ar_wall_ms,
                     segment_wall_ms=self.segment_wall_ms, plain_wall_ms=self.plain_wall_ms,
                     call_segments=self.call_segments)
 
@@ -301,7 +301,7 @@ class SwitchPolicy:
         return new if old is None else w * new + (1 - w) * old
 
 
-def _step_variance(tokens: np.ndarray, steps: np.ndarray, squares: np.ndarray) -> float:
+def step_variance(tokens: np.ndarray, steps: np.ndarray, squares: np.ndarray) -> float:
     """The variance of a row's tokens per step, from rows' sums over a segment: within rows (each about its own
     mean) where some row ran two steps or more — rows draft texts of unlike difficulty, which the rows' own τs
     already hold — else over every row's step."""
@@ -315,8 +315,8 @@ def _step_variance(tokens: np.ndarray, steps: np.ndarray, squares: np.ndarray) -
 
 
 def expected_slowest(means: np.ndarray, sds: np.ndarray) -> float:
-    """E[max_r X_r] for independent X_r ~ N(means_r, sds_r²), X ≥ 0 (steps a row still needs): ``low`` + ∫ P(max > x)
-    dx from ``low``, below which some row is past x all but surely."""
+    """E[max_r X_r] for independent X_r ~ N(means_r, sds_r²), X ≥ 0 (steps a row still needs): ``low`` +
+    ∫ P(max > x) dx from ``low``, below which some row is past x all but surely."""
     low = max(0.0, float((means - 6.0 * sds).max()))
     top = float((means + 6.0 * sds).max())
     if top <= low:

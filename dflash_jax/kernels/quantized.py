@@ -13,9 +13,9 @@ applied to the products:
   scales and summed — one batched dot and a ``[nbi, N, out]`` partial product instead of a kernel-sized
   temporary, for as long as that is the smaller one: past ``N = in · itemsize / (4 · nbi)`` rows (64 for
   128-row blocks in bfloat16 — a verify, a prefill, a large batch's step) the partial products outweigh a scaled
-  copy of the kernel and their thin (``block``-deep) dots run far below a GEMM's rate (an H100 took 16.4 ms for
-  the Qwen3-8B shape's 64-row step this way, 2.5× per-channel fp8's), so there the kernel is scaled in the
-  activations' dtype (a temporary per layer) and multiplied once.
+  copy of the kernel and their thin (``block``-deep) dots run far below a GEMM's rate (benchmarks/README.md,
+  "Quantized targets"), so there the kernel is scaled in the activations' dtype (a temporary per layer) and
+  multiplied once.
 
 Products accumulate in float32 and come back in ``out_dtype`` (the activations' dtype unless asked).
 """
