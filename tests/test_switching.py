@@ -50,7 +50,7 @@ class RandomSwitches(SwitchPolicy):
         super().__init__(*args, **kw)
         self.rng = np.random.default_rng(RandomSwitches.seed)
 
-    def drafted(self, *args) -> None:
+    def drafted(self, *args, **kw) -> None:
         pass
 
     def next_segment(self) -> str:
@@ -66,7 +66,7 @@ class Scripted(SwitchPolicy):
         super().__init__(*args, **kw)
         self.left_modes = list(Scripted.modes)
 
-    def drafted(self, *args) -> None:
+    def drafted(self, *args, **kw) -> None:
         pass
 
     def next_segment(self) -> str:
@@ -359,6 +359,48 @@ def test_a_probe_call_pays_its_segments():
 
     # 2 probe cycles × 2 ms, plus (segment − plain) × 32 steps × 2 segments in the table's units (× 1 / 1.25 ms).
     assert segments_to_probe(1.0) == 7 and segments_to_probe(1.5) == 47
+
+
+def test_a_cold_probe_costs_its_wall_and_times_no_step():
+    """A call's first drafted segment (``cold``: after the prefill or fallback segments) may take several steps'
+    time more than its steps — 92 ms for a 26 ms step once at 128 rows on an H100. Its wall is then what a probe
+    costs (probes come further apart: here 63 fallback segments instead of 7), never a drafted step's time: the
+    timed ratio of the two steps, and with it the value of drafting, stays the table's (a cold wall read as a step
+    once made a 1.26× batch fall back)."""
+    def after(wall_ms: float, cold: bool) -> SwitchPolicy:
+        p = SwitchPolicy(FB)
+        p.fell_back(1.0)  # the fallback timed here as the table says: 1 ms a step
+        p.drafted(*segment(1, steps=2), 2.0, wall_ms=wall_ms, cold=cold)  # a probe of 2 cycles, τ 1: 0.5×
+        assert p.mode == AUTOREGRESSIVE
+        return p
+
+    warm, cold = after(2.0, cold=False), after(20.0, cold=True)
+    assert warm.until_probe == 7 and cold.until_probe == 63  # 40 ms ≤ 2 % of 63 segments × 32 ms
+    assert cold.drafted_wall_ms is None and cold.ar_ms == 1.0 and cold.value() == pytest.approx(0.5)
+    late = after(20.0, cold=False)  # the same wall read as two steps: 10× the table's step
+    assert late.ar_ms == pytest.approx(0.1) and late.value() == pytest.approx(0.05)
+    resumed = SwitchPolicy(FB)
+    resumed.resume(cold.snapshot())
+    assert resumed.probe_wall_ms == cold.probe_wall_ms == 40.0
+
+
+def test_each_calls_first_drafted_segment_is_cold(tiny, monkeypatch):
+    """The decoder tells the policy which drafted segments were their call's first: after the prefill, and after
+    fallback segments; a drafted segment after a drafted one is not."""
+    target, prompts, ref = tiny
+    seen = []
+
+    class Spy(Scripted):
+        def drafted(self, *args, cold=False, **kw) -> None:
+            seen.append(cold)
+
+    monkeypatch.setattr(Scripted, "modes", (DRAFT, DRAFT, AUTOREGRESSIVE, DRAFT))
+    monkeypatch.setattr(switching, "SwitchPolicy", Spy)
+    right = oracle_drafter(target, prompts, ref.token_ids, block_size=L, corrupt=0.0)
+    out = speculative_generate(target, right, prompts, 40, stop_token_ids=[7, 21], cost_table=table(3),
+                               tuning=tuning(drafted_segment_cycles=1, probe_cycles=1, remember_acceptance=False))
+    assert out.token_ids == ref.token_ids
+    assert seen[:3] == [True, False, True]
 
 
 def test_policy_decisions():

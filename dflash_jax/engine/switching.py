@@ -130,6 +130,9 @@ class SwitchPolicy:
         # every step in segments, so it pays their difference too (:meth:`_fall_back`).
         self.segment_wall_ms: float | None = None
         self.plain_wall_ms: float | None = None
+        # Wall ms of a whole probe as timed here, running: a probe is a call's first drafted segment, and that can
+        # take several steps' time more than its steps (bench_switch_cost.py; benchmarks/README.md).
+        self.probe_wall_ms: float | None = None
         self.call_segments = 1  # fallback segments in a call, as the last call asked (:meth:`skips_call`)
         self.checking = False  # the next autoregressive segment is a short timing check (drafting goes on after)
         self.mode = DRAFT if fallback.can_pay else AUTOREGRESSIVE
@@ -173,18 +176,22 @@ class SwitchPolicy:
         return up * (left.max() * ar_ms) / (steps * self.step_ms)
 
     def drafted(self, tokens: np.ndarray, steps: np.ndarray, left: np.ndarray, step_ms: float,
-                wall_ms: float | None = None, squares: np.ndarray | None = None) -> None:
+                wall_ms: float | None = None, squares: np.ndarray | None = None, cold: bool = False) -> None:
         """A drafted segment: per row, the tokens it committed in its ``steps`` active steps and the budget it has
         ``left`` (0 once done); ``step_ms``: what a step of the segment cost by the table; ``wall_ms``: what one
         took here (None: not timed); ``squares``: per row, the sum over its steps of the squared tokens a step
-        (None: not observed — then chance is left out of a whole call's time)."""
+        (None: not observed — then chance is left out of a whole call's time); ``cold``: the segment was its
+        call's first drafted one (after the prefill or fallback segments), whose wall may hold more than its
+        steps: it then times a probe's cost, not a drafted step's."""
         ran = steps > 0
         if not ran.any():
             return
         cfg = self.settings
-        if wall_ms is not None:
-            self.drafted_wall_ms = self._running(self.drafted_wall_ms, wall_ms)
         stale = self.mode == AUTOREGRESSIVE or self.tau is None  # a probe: the running figures are stale
+        if wall_ms is not None and not cold:
+            self.drafted_wall_ms = self._running(self.drafted_wall_ms, wall_ms)
+        elif wall_ms is not None and stale:
+            self.probe_wall_ms = self._running(self.probe_wall_ms, wall_ms * int(steps.max()))
         w = 1.0 if stale else cfg.smoothing
         tau = float(tokens[ran].sum() / steps[ran].sum())
         self.tau = tau if stale else w * tau + (1 - w) * self.tau
@@ -213,7 +220,7 @@ class SwitchPolicy:
         else:
             self.cycles = self.probe_cycles  # not clear yet: decide again soon
         # Paying by the table, but not by so much that the table cannot be wrong here: time the other side once.
-        self.checking = (self.mode == DRAFT and wall_ms is not None and self.ar_wall_ms is None
+        self.checking = (self.mode == DRAFT and wall_ms is not None and not cold and self.ar_wall_ms is None
                          and self.value() < cfg.ar_check)
 
     def fell_back(self, wall_ms: float | None) -> None:
@@ -237,7 +244,7 @@ class SwitchPolicy:
                     backoff=self.backoff, until_probe=self.until_probe, drafted_wall_ms=self.drafted_wall_ms,
                     ar_wall_ms=self.ar_wall_ms,
                     segment_wall_ms=self.segment_wall_ms, plain_wall_ms=self.plain_wall_ms,
-                    call_segments=self.call_segments)
+                    probe_wall_ms=self.probe_wall_ms, call_segments=self.call_segments)
 
     def resume(self, snap: dict | None) -> None:
         """Start from an earlier run's :meth:`snapshot` (None: from nothing — a first drafted probe). A run that
@@ -250,6 +257,7 @@ class SwitchPolicy:
         self.mode = snap["mode"]
         self.drafted_wall_ms, self.ar_wall_ms = snap.get("drafted_wall_ms"), snap.get("ar_wall_ms")
         self.segment_wall_ms, self.plain_wall_ms = snap.get("segment_wall_ms"), snap.get("plain_wall_ms")
+        self.probe_wall_ms = snap.get("probe_wall_ms")
         self.call_segments = snap.get("call_segments", 1)
         self.probing = False
 
@@ -274,13 +282,19 @@ class SwitchPolicy:
 
     def _fall_back(self) -> None:
         """Fallback segments until the next probe: a probe's cost ≤ ``probe_share`` of the time between two, times
-        the backoff. Its cost is its drafted cycles and, where timed, what running the rest of its call in
-        segments costs over ``generate``'s programs (the whole call's fallback steps at the difference)."""
+        the backoff. Its cost is its drafted cycles (or, where timed, its whole wall time) and, where timed, what
+        running the rest of its call in segments costs over ``generate``'s programs (the whole call's fallback
+        steps at the difference)."""
         probe_ms = self.probe_len * self.step_ms
         segment_ms = self.fallback_steps * self.ar_ms
-        if self.segment_wall_ms is not None and self.plain_wall_ms is not None and self.ar_wall_ms:
-            extra_wall = max(0.0, self.segment_wall_ms - self.plain_wall_ms) * self.fallback_steps * self.call_segments
-            probe_ms += extra_wall * self.ar_ms / self.ar_wall_ms  # wall ms in the table's units
+        if self.ar_wall_ms:
+            to_table = self.ar_ms / self.ar_wall_ms  # wall ms → the table's units
+            if self.probe_wall_ms is not None:
+                probe_ms = max(probe_ms, self.probe_wall_ms * to_table)
+            if self.segment_wall_ms is not None and self.plain_wall_ms is not None:
+                extra_wall = (max(0.0, self.segment_wall_ms - self.plain_wall_ms) * self.fallback_steps
+                              * self.call_segments)
+                probe_ms += extra_wall * to_table
         share = self.settings.probe_share
         self.until_probe = self.backoff * max(1, int(np.ceil(probe_ms / (share * segment_ms))))
 
@@ -404,17 +418,20 @@ class SwitchingDecoder(Decoder):
         self.segment: _Segment | None = None  # the segment under way (a call may end inside one)
         self.ar_steps = policy.fallback_steps
         self.ran_drafted = False  # this call ran the drafted program (warm from the next call on)
+        self.drafting = False  # the last segment of this call so far was drafted (the next drafted one is not cold)
 
     def __call__(self, state, max_cycles):
         left = int(np.asarray(max_cycles))
         if left <= 0:
             return self.job.programs.decode(self.job.params, state, np.int32(0))
         before = np.asarray(self._counts_program()(state))
+        self.drafting = False
         while True:
             if self.segment is None:
                 mode = self.policy.next_segment()
                 self.segment = _Segment(mode, before.shape[0], mode == DRAFT and self.policy.probing,
-                                        check=mode == AUTOREGRESSIVE and self.policy.checking)
+                                        check=mode == AUTOREGRESSIVE and self.policy.checking,
+                                        cold=mode == DRAFT and not self.drafting)
             seg = self.segment
             if seg.mode == AUTOREGRESSIVE:
                 length = self.policy.settings.ar_check_steps if seg.check else self.ar_steps
@@ -463,6 +480,7 @@ class SwitchingDecoder(Decoder):
         self.record.segments += 1
         self.record.switches += self.last_mode is not None and seg.mode != self.last_mode
         self.last_mode = seg.mode
+        self.drafting = seg.mode == DRAFT
         if seg.mode == AUTOREGRESSIVE:
             self.record.ar_steps += seg.ran
             self.record.row_ar_steps += int(seg.cycles.sum())
@@ -484,7 +502,7 @@ class SwitchingDecoder(Decoder):
         # shape would then start from).
         keep = ~done
         self.policy.drafted(np.where(keep, seg.tokens, 0), np.where(keep, seg.cycles, 0), left, step_ms, seg.wall_ms,
-                            np.where(keep, seg.squares, 0))
+                            np.where(keep, seg.squares, 0), cold=seg.cold)
         self.record.note(kind, seg.ran, seg.wall_ms, self.policy)
         self._remember()
 
@@ -533,8 +551,8 @@ class _Segment:
     """What one segment ran so far, summed over the calls it spans (rows refilled between two calls count from
     their refill: each call's counts are taken against its own start)."""
 
-    def __init__(self, mode: str, rows: int, probe: bool = False, check: bool = False):
-        self.mode, self.probe, self.check, self.ran = mode, probe, check, 0
+    def __init__(self, mode: str, rows: int, probe: bool = False, check: bool = False, cold: bool = False):
+        self.mode, self.probe, self.check, self.cold, self.ran = mode, probe, check, cold, 0
         self.seconds = 0.0  # wall time of its calls, each from dispatch to its counts on the host
         self.timed = True  # no call was its program's first run in this process
         self.tokens = np.zeros(rows, np.int64)

@@ -68,7 +68,7 @@ def test_fallback_switches_under_a_mesh(reference, monkeypatch):
             super().__init__(*args, **kw)
             self.rng = np.random.default_rng(0)
 
-        def drafted(self, *args):
+        def drafted(self, *args, **kw):
             pass
 
         def next_segment(self):
