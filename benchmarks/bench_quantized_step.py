@@ -20,7 +20,8 @@ GPU the dense quantized layers through XLA's own fused conversion and GEMM, MoE 
 kernel); ``off``: the quantized layers and MoE experts run the XLA references (A/B); ``on`` (and its older name
 ``float8``): int8 and float8 weights through the fused kernels, the dense layers' GPU kernel included
 (``quant_kernel_impls``); ``grouped``: ``on``, and a layer's q / k / v and an MLP's gate / up in one launch each
-(``quant_group_kernel``).
+(``quant_group_kernel``); ``blocked``: the defaults, and kernels of several row blocks (``fp8-block``) through the
+GPU kernel up to 64 tokens (``quant_kernel_blocked_max_tokens``).
 
 ``--sweep``: the quantized matmul alone on the shape's linear layers (Qwen3-8B: 4096 × 4096, 4096 × 1024,
 4096 × 12288, 12288 × 4096, 4096 × 151936) at T = 1, 16, 64 tokens (``--sweep-tokens``; schemes
@@ -293,11 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafter-layers", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20, help="steps per timed call")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls (median)")
-    ap.add_argument("--quant-kernel", choices=("default", "on", "off", "float8", "grouped"), default="default",
+    ap.add_argument("--quant-kernel", choices=("default", "on", "off", "float8", "grouped", "blocked"), default="default",
                     help="default: the library's; off: quantized layers (and MoE experts) run the XLA reference "
                          "(A/B against the fused kernels); on / float8: every fused kernel, the dense layers' GPU "
                          "kernel included (quant_kernel_impls); grouped: on, and a layer's q / k / v and gate / up "
-                         "each in one launch (quant_group_kernel)")
+                         "each in one launch (quant_group_kernel); blocked: the defaults, and kernels of several row "
+                         "blocks (fp8-block) through the GPU kernel up to 64 tokens (quant_kernel_blocked_max_tokens)")
     ap.add_argument("--drafter-quantization", action="store_true",
                     help="quantize the drafter's linear layers too, as the target's (load_pair's drafter_quantization)")
     ap.add_argument("--profile", action="store_true",
@@ -315,7 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     name, full, small = SHAPES[args.shape]
     cfg = small if args.small else full
     tuning = Tuning()
-    if args.quant_kernel != "default":
+    if args.quant_kernel == "blocked":
+        tuning = tuning.replace(quant_kernel_blocked_max_tokens=64)
+    elif args.quant_kernel != "default":
         tuning = tuning.replace(quant_kernel=args.quant_kernel != "off", quant_kernel_float8=args.quant_kernel != "off",
                                 quant_group_kernel=args.quant_kernel == "grouped",
                                 quant_kernel_impls=("cuda", "pallas"))

@@ -11,6 +11,7 @@ for platform "tpu" at the Qwen3-8B shapes; on a TPU it is also compiled and run 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -206,8 +207,8 @@ def test_quantized_lm_head_runs_the_kernel():
     _check(got, model.logits(h, Kernels("xla")), jnp.float32)
 
 
-def _runs_kernel(kernels: Kernels, t: int, kind: str = "int8", d: int = 64, e: int = 32) -> bool:
-    x, q, s, block = _inputs(0, t, d, e, Scheme(kind), jnp.float32)
+def _runs_kernel(kernels: Kernels, t: int, kind: str | Scheme = "int8", d: int = 64, e: int = 32) -> bool:
+    x, q, s, block = _inputs(0, t, d, e, kind if isinstance(kind, Scheme) else Scheme(kind), jnp.float32)
     jaxpr = jax.make_jaxpr(lambda x, q, s: op.quantized_matmul(x, q, s, block, kernels=kernels))(x, q, s)
     return "pallas_call" in str(jaxpr)
 
@@ -225,6 +226,12 @@ def test_dispatch():
     assert not _runs_kernel(Kernels("cuda", dataclasses.replace(GPU_ON, quant_kernel_float8=False)), 1, "fp8")
     float8 = Kernels("cuda", GPU_ON)
     assert _runs_kernel(float8, 1) and _runs_kernel(float8, 1, "fp8")
+    # kernels of several row blocks (fp8 in 128 × 128 blocks, as HF's) up to quant_kernel_blocked_max_tokens,
+    # whatever quant_kernel_impls says; a kernel of one row block (int8 per channel) as before
+    blocks = functools.partial(_runs_kernel, kind=Scheme("fp8", (128, 128)), d=256, e=128)
+    blocked = Kernels("cuda", KernelTuning(quant_kernel_blocked_max_tokens=16))
+    assert not blocks(Kernels("cuda"), 8)
+    assert blocks(blocked, 1) and blocks(blocked, 16) and not blocks(blocked, 17) and not _runs_kernel(blocked, 8)
     x, q, s, block = _inputs(2, 4, 64, 32, Scheme("fp8"), jnp.float32)
     got = jax.jit(lambda x, q, s: op.quantized_matmul(x, q, s, block, kernels=float8))(x, q, s)
     _check(got, op.reference(x, q, s, block, jnp.float32), jnp.float32)
