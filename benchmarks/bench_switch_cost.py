@@ -101,15 +101,16 @@ def main() -> int:
     for _ in range(args.calls):
         out = call()
         log = out.stats["fallback_log"]
-        rows.append([(e["segment"], e["steps"], e["wall_ms"]) for e in log])
+        rows.append([(e["segment"], e["steps"], e["wall_ms"], e.get("tiers")) for e in log])  # tiers: which branch
     print(f"batch {args.batch}: wall ms per step, {args.calls} calls (segment after what)")
     before = "prefill"
     summary = []
     for i, (kind, n) in enumerate(script):
         walls = [r[i][2] for r in rows if i < len(r)]
+        tiers = [r[i][3] for r in rows if i < len(r)]
         name = f"{'drafted' if kind == 'd' else 'fallback'} ×{n}"
         med = float(np.median([w for w in walls if w is not None])) if any(w is not None for w in walls) else None
-        summary.append(dict(segment=name, after=before, wall_ms_per_step=walls, median=med,
+        summary.append(dict(segment=name, after=before, wall_ms_per_step=walls, tiers=tiers, median=med,
                             median_segment_ms=None if med is None else med * n))
         print(f"  {name:14s} after {before:14s} " + "  ".join("  -   " if w is None else f"{w:6.2f}" for w in walls)
               + ("" if med is None else f"   (segment {med * n:7.1f} ms)"), flush=True)

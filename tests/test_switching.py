@@ -82,6 +82,14 @@ def check_log(stats: dict) -> list[dict]:
         == stats["ar_fallback_steps"]
     ran = [AUTOREGRESSIVE if e["segment"] == "check" else e["segment"].replace("probe", DRAFT) for e in log]
     assert sum(a != b for a, b in zip(ran, ran[1:])) == stats["fallback_switches"]
+    # a scheduled mode's drafted segments say which tiers their steps ran (steps on its own autoregressive tier,
+    # where offered, are not among them)
+    tiered = [e for e in log if "tiers" in e]
+    for e in tiered:
+        assert e["segment"] in (DRAFT, "probe") and stats["verify_mode"] != "static"
+        assert 0 < sum(e["tiers"].values()) <= e["steps"] and set(e["tiers"]) <= set(stats["tier_steps"])
+    if stats["verify_mode"] != "static" and sum(stats.get("tier_steps", {}).values()):
+        assert tiered
     return log
 
 

@@ -365,16 +365,22 @@ class Record:
     segments: int = 0
     log: list = dataclasses.field(default_factory=list)
 
-    def note(self, segment: str, steps: int, wall_ms: float | None, policy: "SwitchPolicy") -> None:
+    def note(self, segment: str, steps: int, wall_ms: float | None, policy: "SwitchPolicy",
+             tiers: dict[int, int] | None = None) -> None:
         """A segment ran: ``segment`` (``"draft"``, ``"probe"``, ``"autoregressive"``, ``"check"`` — the short
         timing segment — or ``"generate"``: a whole call on ``generate``'s programs), its ``steps`` and wall ms a
-        step (None: untimed); then the policy's running figures and the mode it chose for what follows."""
+        step (None: untimed), a drafted segment's ``tiers`` (a scheduled mode's steps per tier, by the tier's
+        verified tokens: which of the program's branches ran); then the policy's running figures and the mode it
+        chose for what follows."""
         if len(self.log) >= self.LOG_SEGMENTS:
             return
         value = policy.value() if policy.tau is not None and policy.step_ms else None
-        self.log.append(dict(segment=segment, steps=int(steps), wall_ms=_rounded(wall_ms), tau=_rounded(policy.tau),
-                             value=_rounded(value), ar_ms=_rounded(policy.ar_ms), step_ms=_rounded(policy.step_ms),
-                             then=policy.mode))
+        entry = dict(segment=segment, steps=int(steps), wall_ms=_rounded(wall_ms), tau=_rounded(policy.tau),
+                     value=_rounded(value), ar_ms=_rounded(policy.ar_ms), step_ms=_rounded(policy.step_ms),
+                     then=policy.mode)
+        if tiers:
+            entry["tiers"] = tiers
+        self.log.append(entry)
 
     def stats(self) -> dict:
         return {"ar_fallback_steps": self.ar_steps, "fallback_switches": self.switches,
@@ -489,9 +495,10 @@ class SwitchingDecoder(Decoder):
             self._remember()
             return
         kind = "probe" if seg.probe else DRAFT
+        ran_tiers = {int(t): int(c) for t, c in zip(self.job.spec.tiers, seg.tiers) if c}
         done = after[:, 2] > 0
         if done.all():  # the run is over: nothing left to decide, and its last cycles say little (below)
-            self.record.note(kind, seg.ran, seg.wall_ms, self.policy)
+            self.record.note(kind, seg.ran, seg.wall_ms, self.policy, ran_tiers)
             return
         left = np.where(done, 0, after[:, 3] - after[:, 1])
         fb = self.policy.fallback
@@ -503,7 +510,7 @@ class SwitchingDecoder(Decoder):
         keep = ~done
         self.policy.drafted(np.where(keep, seg.tokens, 0), np.where(keep, seg.cycles, 0), left, step_ms, seg.wall_ms,
                             np.where(keep, seg.squares, 0), cold=seg.cold)
-        self.record.note(kind, seg.ran, seg.wall_ms, self.policy)
+        self.record.note(kind, seg.ran, seg.wall_ms, self.policy, ran_tiers)
         self._remember()
 
     def _remember(self) -> None:
