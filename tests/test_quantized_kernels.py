@@ -83,17 +83,24 @@ def _matches_reference(kernel_module, case, interpret) -> None:
     _check(got, want, dtype)
 
 
-@pytest.mark.parametrize("rows,dtype,scaled", [(1, jnp.float32, False), (99, jnp.float32, False),
-                                               (128, jnp.float32, True), (64, jnp.bfloat16, True)])
-def test_reference_scales_the_kernel_only_past_the_partial_products_size(rows, dtype, scaled):
-    """Row blocks (HF's 128 × 128 FP8): the reference forms per-block partial products ``[nbi, N, E]`` while they are
-    the smaller temporary, and past ``N = D · itemsize / (4 · nbi)`` rows (300 · 4 / 12 = 100 in float32, 50 in
-    bfloat16) scales the kernel and runs one dot without a batch dimension. Either way: x @ dequantized W."""
-    x, q, s, block = _inputs(7, rows, 300, 200, Scheme("fp8", (128, 128)), dtype)
-    dots = [e for e in jax.make_jaxpr(lambda x: op.reference(x, q, s, block, dtype))(x).eqns
-            if e.primitive.name == "dot_general"]
-    assert [bool(e.params["dimension_numbers"][1][0]) for e in dots][:1] == [not scaled]  # batch dims: partials
-    w = np.asarray(q, np.float64) * np.repeat(np.repeat(np.asarray(s, np.float64), 128, 0), 128, 1)[:300, :200]
+@pytest.mark.parametrize("rows,e,dtype,path", [
+    (1, 200, jnp.float32, "partials"), (99, 200, jnp.float32, "partials"), (128, 200, jnp.float32, "kernel"),
+    (64, 200, jnp.bfloat16, "kernel"), (2, 256, jnp.bfloat16, "partials"), (16, 256, jnp.float32, "activations"),
+    (100, 256, jnp.bfloat16, "activations"), (128, 256, jnp.bfloat16, "kernel")])
+def test_reference_forms_the_smallest_temporary(rows, e, dtype, path):
+    """Row blocks (HF's 128 × 128 FP8; D = 300: 3 row blocks): the reference forms the smallest temporary — the
+    per-block partial products ``[nbi, N, E]`` (float32), the activations scaled per column block ``[nbo, N, D]``
+    (where column blocks divide E, E = 256: from 3 rows on, until N = bo = 128), or the scaled kernel ``[D, E]``
+    (past ``N = D · itemsize / (4 · nbi)`` rows for the partials: 100 in float32, 50 in bfloat16). Each:
+    x @ dequantized W."""
+    x, q, s, block = _inputs(7, rows, 300, e, Scheme("fp8", (128, 128)), dtype)
+    dots = [eq for eq in jax.make_jaxpr(lambda x: op.reference(x, q, s, block, dtype))(x).eqns
+            if eq.primitive.name == "dot_general"]
+    shapes = [v.aval.shape for v in dots[0].invars]
+    ran = ("kernel" if not dots[0].params["dimension_numbers"][1][0]
+           else "activations" if (e // 128, rows, 300) in shapes else "partials")
+    assert ran == path
+    w = np.asarray(q, np.float64) * np.repeat(np.repeat(np.asarray(s, np.float64), 128, 0), 128, 1)[:300, :e]
     want = np.asarray(x, np.float64) @ w
     _check(fast_jit(op.reference, block=block, out_dtype=dtype)(x, q, s), want, dtype)
 

@@ -8,14 +8,21 @@ applied to the products:
 
 * one block over the input rows (per output channel, or blocks of output columns): ``(x @ q) · scale`` —
   one dot, then a scale per output column;
-* several blocks over the input rows (group-wise int8, HF's 128 × 128 FP8 blocks): the input is cut into the
-  same row blocks, each block's partial product ``x_k @ q_k`` formed (float32), scaled by its block's row of
-  scales and summed — one batched dot and a ``[nbi, N, out]`` partial product instead of a kernel-sized
-  temporary, for as long as that is the smaller one: past ``N = in · itemsize / (4 · nbi)`` rows (64 for
-  128-row blocks in bfloat16 — a verify, a prefill, a large batch's step) the partial products outweigh a scaled
-  copy of the kernel and their thin (``block``-deep) dots run far below a GEMM's rate (benchmarks/README.md,
-  "Quantized targets"), so there the kernel is scaled in the activations' dtype (a temporary per layer) and
-  multiplied once.
+* several blocks over the input rows (group-wise int8, HF's 128 × 128 FP8 blocks): XLA fuses no scaling into its
+  GEMM (a scaled kernel is written out whole), so the reference forms whichever temporary is the smallest:
+
+  - the *partial products*: the input cut into the same row blocks, each block's ``x_k @ q_k`` formed
+    (float32), scaled by its block's row of scales and summed — ``[nbi, N, out]`` float32, ``block``-deep dots;
+  - the *scaled activations*, where the scales come in blocks of output columns that divide ``out``: per column
+    block ``c``, ``(x · s[:, c]) @ q[:, c]`` — the input scaled by that column block's scales (repeated over each
+    row block) in the activations' dtype, ``[nbo, N, in]``, then one batched dot of the full depth over the
+    kernel as stored: half the partial products' bytes in bfloat16, and a GEMM's rate. Not for one or two rows
+    (the one-token step, padded to two rows on GPUs, keeps the partial products it was timed with);
+  - the *scaled kernel*: ``[in, out]`` in the activations' dtype and one dot — the smallest past ``N = in ·
+    itemsize / (4 · nbi)`` rows for the partial products and past ``bo`` rows for the scaled activations (a
+    verify, a prefill).
+
+  (benchmarks/README.md, "Quantized targets".)
 
 Products accumulate in float32 and come back in ``out_dtype`` (the activations' dtype unless asked).
 """
@@ -92,7 +99,16 @@ def reference(x: Float[Array, "*b D"], q: jax.Array, scale: Float[Array, "nbi nb
         y = jnp.einsum("...d,de->...e", x, w, preferred_element_type=jnp.float32) * s[0]
         return y.astype(out_dtype)
     rows = x.reshape(-1, d)
-    if rows.shape[0] * nbi * 4 > d * jnp.dtype(x.dtype).itemsize:  # many rows: the scaled kernel is smaller
+    n, item = rows.shape[0], jnp.dtype(x.dtype).itemsize
+    nbo = scale.shape[1]
+    partial_bytes, kernel_bytes = n * nbi * e * 4, d * e * item  # the temporaries (module docstring)
+    acts_bytes = nbo * n * d * item if n > 2 and bo > 1 and e == nbo * bo else math.inf
+    if acts_bytes < min(partial_bytes, kernel_bytes):
+        scales = jnp.repeat(scale.astype(jnp.float32).T, bi, axis=1)[:, :d]  # [nbo, D]: a column block's, per row
+        xs = (rows.astype(jnp.float32)[None] * scales[:, None, :]).astype(x.dtype)  # [nbo, N, D]
+        y = jnp.einsum("cnd,dce->nce", xs, w.reshape(d, nbo, bo), preferred_element_type=jnp.float32)
+        return y.astype(out_dtype).reshape(*x.shape[:-1], e)
+    if kernel_bytes < partial_bytes:  # many rows: the scaled kernel is smaller
         scaled = (q.astype(jnp.float32) * jnp.repeat(s, bi, axis=0)[:d]).astype(x.dtype)  # [D, E]
         y = jnp.einsum("nd,de->ne", rows, scaled, preferred_element_type=jnp.float32)
         return y.astype(out_dtype).reshape(*x.shape[:-1], e)
