@@ -393,8 +393,9 @@ def test_a_cold_probe_costs_its_wall_and_times_no_step():
 
 
 def test_each_calls_first_drafted_segment_is_cold(tiny, monkeypatch):
-    """The decoder tells the policy which drafted segments were their call's first: after the prefill, and after
-    fallback segments; a drafted segment after a drafted one is not."""
+    """The decoder tells the policy which drafted segments came first after another program: after the prefill,
+    and after fallback segments; a drafted segment after a drafted one is not, nor is one that a stream's next
+    call continues on the state the last call returned."""
     target, prompts, ref = tiny
     seen = []
 
@@ -409,6 +410,15 @@ def test_each_calls_first_drafted_segment_is_cold(tiny, monkeypatch):
                                tuning=tuning(drafted_segment_cycles=1, probe_cycles=1, remember_acceptance=False))
     assert out.token_ids == ref.token_ids
     assert seen[:3] == [True, False, True]
+    seen.clear()
+    monkeypatch.setattr(Scripted, "modes", (DRAFT,) * 40)
+    stream = speculative_stream(target, right, prompts, 40, stop_token_ids=[7, 21], cost_table=table(3),
+                                segment_cycles=1, tuning=tuning(drafted_segment_cycles=1, probe_cycles=1,
+                                                                remember_acceptance=False))
+    for _ in stream:  # one cycle a call, one a segment: every drafted segment starts a call
+        pass
+    assert stream.output.token_ids == ref.token_ids
+    assert len(seen) > 3 and seen[0] and not any(seen[1:])
 
 
 def test_policy_decisions():

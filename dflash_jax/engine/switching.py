@@ -180,9 +180,9 @@ class SwitchPolicy:
         """A drafted segment: per row, the tokens it committed in its ``steps`` active steps and the budget it has
         ``left`` (0 once done); ``step_ms``: what a step of the segment cost by the table; ``wall_ms``: what one
         took here (None: not timed); ``squares``: per row, the sum over its steps of the squared tokens a step
-        (None: not observed — then chance is left out of a whole call's time); ``cold``: the segment was its
-        call's first drafted one (after the prefill or fallback segments), whose wall may hold more than its
-        steps: it then times a probe's cost, not a drafted step's."""
+        (None: not observed — then chance is left out of a whole call's time); ``cold``: the segment was the first
+        drafted one after another program ran (the prefill, a pool's refill, fallback segments), whose wall may
+        hold more than its steps: it then times a probe's cost, not a drafted step's."""
         ran = steps > 0
         if not ran.any():
             return
@@ -424,14 +424,18 @@ class SwitchingDecoder(Decoder):
         self.segment: _Segment | None = None  # the segment under way (a call may end inside one)
         self.ar_steps = policy.fallback_steps
         self.ran_drafted = False  # this call ran the drafted program (warm from the next call on)
-        self.drafting = False  # the last segment of this call so far was drafted (the next drafted one is not cold)
+        self.drafting = False  # the last segment run on this state was drafted (the next drafted one is not cold)
+        # id of the state the last call returned: a call on another (a prefill's, a pool's refill) starts cold; a
+        # stream's next call continues (an id, not a reference: the decoder must not keep a state's buffers alive)
+        self.returned: int | None = None
 
     def __call__(self, state, max_cycles):
         left = int(np.asarray(max_cycles))
         if left <= 0:
             return self.job.programs.decode(self.job.params, state, np.int32(0))
         before = np.asarray(self._counts_program()(state))
-        self.drafting = False
+        if id(state) != self.returned:
+            self.drafting = False
         while True:
             if self.segment is None:
                 mode = self.policy.next_segment()
@@ -463,6 +467,7 @@ class SwitchingDecoder(Decoder):
             if ran < n or left <= 0:
                 if self.ran_drafted:
                     progs.CACHE.warm.add(self.job.key)
+                self.returned = id(state)
                 return state, packed
 
     def skips_call(self, max_new: int) -> bool:
