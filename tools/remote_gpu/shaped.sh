@@ -16,7 +16,8 @@
 #   p03     8B shape, p = 0.3, at 64 and 16 rows with the same tables (~5 min)
 #   qblocked block-scaled fp8 through the GPU kernel up to 64 tokens (quant_kernel_blocked_max_tokens) at 1 / 16 / 64
 #           rows, against XLA's partial products (session 43: 4.735 / 6.559 / 16.490 ms) (~4 min)
-#   next    session 43's leftovers: auto at 128 rows p = 0.2 / 0.3 after the cold-probe rule, then qblocked (~9 min)
+#   next    session 43's leftovers: auto at 128 rows p = 0.2 / 0.3 after the cold-probe rule (their logs name each
+#           drafted segment's tiers), then block fp8 at 16 / 64 rows through XLA's scaled activations (~8 min)
 #   qgroup  the quantized kernels' GPU tests, then the 8B int8 AR step and cycle at 1 / 16 rows with q / k / v and
 #           gate / up each in one launch (quant_group_kernel) against one launch a layer (issue 56) (~6 min)
 #   one     when one call is all the session may get: the grouped kernel's GPU tests, the int8 AR step at batch 1
@@ -65,8 +66,8 @@ case "$1" in
               --quant-kernel blocked --out $OUT/qstep_8b_fp8_block_kernel.json 2>&1 | tail -n 5 ;;
   next) for p in 0.2 0.3; do timeout 160 python3 benchmarks/bench_compact_scaled.py --batches 128 --corrupt $p --modes auto \
           --repeats 2 $TABLES --out $OUT/p${p#0.}_b128.json 2>&1 | grep -v "^  [^(]" | tail -n 4; done
-        timeout 250 python3 benchmarks/bench_quantized_step.py --quantizations fp8-block --batches 1,16,64 \
-          --quant-kernel blocked --out $OUT/qstep_8b_fp8_block_kernel.json 2>&1 | tail -n 5 ;;
+        timeout 170 python3 benchmarks/bench_quantized_step.py --quantizations fp8-block --batches 16,64 \
+          --out $OUT/qstep_8b_fp8_block_acts.json 2>&1 | tail -n 4 ;;
   p03) timeout 570 python3 benchmarks/bench_compact_scaled.py --batches 64,16 --corrupt 0.3 --modes static,auto \
          --repeats 2 $TABLES --out $OUT/p03.json --plot $OUT/p03.png 2>&1 | grep -v "^  [^(]" | tail -n 20 ;;
   qgroup) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_quantized_kernels.py 2>&1 | tail -n 4
