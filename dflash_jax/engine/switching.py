@@ -130,8 +130,8 @@ class SwitchPolicy:
         # every step in segments, so it pays their difference too (:meth:`_fall_back`).
         self.segment_wall_ms: float | None = None
         self.plain_wall_ms: float | None = None
-        # Wall ms of a whole probe as timed here, running: a probe is a call's first drafted segment, and that can
-        # take several steps' time more than its steps (bench_switch_cost.py; benchmarks/README.md).
+        # Wall ms of a whole probe as timed here, running: a probe is the first drafted segment after another
+        # program ran, and that can take several steps' time more than its steps (benchmarks/README.md).
         self.probe_wall_ms: float | None = None
         self.call_segments = 1  # fallback segments in a call, as the last call asked (:meth:`skips_call`)
         self.checking = False  # the next autoregressive segment is a short timing check (drafting goes on after)
