@@ -60,8 +60,8 @@ class KernelTuning:
     quant_kernel_impls: tuple[str, ...] = ("pallas",)
     # Kernels of several row blocks (group-wise int8, HF's 128 × 128 FP8 blocks) through the GPU kernel for calls
     # of at most this many tokens, whatever ``quant_kernel_impls`` says (0: as any other kernel). XLA has no fused
-    # form for them: past one row it runs the reference's per-block partial products (an H100's 8B step at 16 /
-    # 64 rows: 2.7× / 5.9× its bytes floor, benchmarks/README.md, "Quantized targets"), where the kernel reads the
+    # form for them: the reference writes a temporary beside the weights (partial products or scaled activations:
+    # kernels/quantized.py; their cost in benchmarks/README.md, "Quantized targets"), where the kernel reads the
     # quantized bytes once and scales each 128-row step's product in registers. Off until the kernel is timed there.
     quant_kernel_blocked_max_tokens: int = 0
     # float8 weights through that kernel too (off: they take the XLA reference, int8 still the kernel). Its float8
