@@ -5,7 +5,10 @@ as the switching decoder times it (from its dispatch to its counts on the host).
 The policy (:class:`dflash_jax.engine.switching.SwitchPolicy`) reads these walls: a drafted segment that follows
 the fallback's program, or the call's prefill, may carry more than its steps (a first run after another program),
 and a probe of one step carries all of it. Here each segment of the script is timed in three warm calls, so that
-a segment's cost after a switch can be read against the same segment after one of its own kind.
+a segment's cost after a switch can be read against the same segment after one of its own kind. The untimed first
+call's segments are printed too, each drafted one with the tiers it ran for the first time in the process: a
+branch's first run may set up what later runs reuse (a CUDA graph), which a probe that reaches a tier the warm-up
+never ran would pay (benchmarks/journal/RESULTS.md, session 43).
 
     python benchmarks/bench_switch_cost.py --batch 128 --out /tmp/switch.json
     python benchmarks/bench_switch_cost.py --small --batch 8 --out /tmp/switch_small.json   # CPU smoke test
@@ -28,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_compact_scaled as shaped  # noqa: E402
 from common import random_target, source_commit  # noqa: E402
 from dflash_jax import costs, generate, speculative_generate  # noqa: E402
-from dflash_jax.engine import switching  # noqa: E402
+from dflash_jax.engine import programs as progs, switching  # noqa: E402
 
 # (segment, steps): d = drafted, a = the fallback's autoregressive program. Drafted after drafted, after the
 # fallback, after the prefill; the fallback after drafted and after itself.
@@ -96,12 +99,36 @@ def main() -> int:
         return speculative_generate(target, drafter, prompts, verify_mode="auto", cost_table=table, block_size=16,
                                     **kw)
 
-    call()
+    ran: set = set()  # the tiers (verified tokens) any drafted segment of this process has run
+
+    def logged(out) -> list:
+        entries = []
+        for e in out.stats["fallback_log"]:
+            tiers = e.get("tiers") or {}  # tiers: which branch
+            new = sorted(int(t) for t in tiers if int(t) not in ran)
+            ran.update(int(t) for t in tiers)
+            entries.append((e["segment"], e["steps"], e["wall_ms"], tiers, new))
+        return entries
+
+    class TimeEverything(set):
+        """The decoder times a program's segments from its second call in the process; here the first call's too."""
+
+        def __contains__(self, key) -> bool:
+            return True
+
+    progs.CACHE.warm = TimeEverything(progs.CACHE.warm)
+    first = logged(call())
+    print(f"batch {args.batch}, first call (its first drafted segment compiles): wall ms per step, tiers first run")
+    for kind, n, wall, tiers, new in first:
+        print(f"  {kind:14s} ×{n:<3d} " + ("  -   " if wall is None else f"{wall:8.2f}")
+              + (f"   tiers {dict(tiers)} new {new}" if tiers else ""), flush=True)
     rows = []
     for _ in range(args.calls):
-        out = call()
-        log = out.stats["fallback_log"]
-        rows.append([(e["segment"], e["steps"], e["wall_ms"], e.get("tiers")) for e in log])  # tiers: which branch
+        entries = logged(call())
+        rows.append([e[:4] for e in entries])
+        later = [(i, e[4]) for i, e in enumerate(entries) if e[4]]
+        if later:
+            print(f"  a timed call ran tiers for the first time: segment(s) {later}", flush=True)
     print(f"batch {args.batch}: wall ms per step, {args.calls} calls (segment after what)")
     before = "prefill"
     summary = []
@@ -119,7 +146,8 @@ def main() -> int:
     args.out.write_text(json.dumps(dict(date=time.strftime("%Y-%m-%d %H:%M"), commit=source_commit(),
                                         device=getattr(device, "device_kind", str(device)),
                                         platform=platform.platform(), batch=args.batch, small=args.small,
-                                        script=args.script, segments=summary, calls=rows), indent=1) + "\n")
+                                        script=args.script, segments=summary, calls=rows, first_call=first),
+                                   indent=1) + "\n")
     print(f"→ {args.out}")
     return 0
 
