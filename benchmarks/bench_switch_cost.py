@@ -32,6 +32,7 @@ import bench_compact_scaled as shaped  # noqa: E402
 from common import random_target, source_commit  # noqa: E402
 from dflash_jax import costs, generate, speculative_generate  # noqa: E402
 from dflash_jax.engine import programs as progs, switching  # noqa: E402
+from dflash_jax.tuning import Tuning  # noqa: E402
 
 # (segment, steps): d = drafted, a = the fallback's autoregressive program. Drafted after drafted, after the
 # fallback, after the prefill; the fallback after drafted and after itself.
@@ -78,6 +79,8 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=3, help="timed calls after an untimed one")
     ap.add_argument("--corrupt", type=float, default=0.3)
     ap.add_argument("--cost-table", type=Path, help="a costs file or bench_compact_scaled.py's JSON (else the batch's table is timed)")
+    ap.add_argument("--host-tier-switch", choices=["on", "off"], default="on",
+                    help="off: the compact tier switch as a CUDA-graph conditional node (Tuning.host_tier_switch)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     script = [(s[0], int(s[1:])) for s in args.script.split()]
@@ -95,9 +98,11 @@ def main() -> int:
     table = table or shaped.calibrate.measure(target, drafter, batches=(args.batch,), block_size=16, context=192,
                                               pair="shaped", time_static=True)
 
+    tuning = Tuning(host_tier_switch=args.host_tier_switch == "on")
+
     def call():
         return speculative_generate(target, drafter, prompts, verify_mode="auto", cost_table=table, block_size=16,
-                                    **kw)
+                                    tuning=tuning, **kw)
 
     ran: set = set()  # the tiers (verified tokens) any drafted segment of this process has run
 
@@ -146,7 +151,7 @@ def main() -> int:
     args.out.write_text(json.dumps(dict(date=time.strftime("%Y-%m-%d %H:%M"), commit=source_commit(),
                                         device=getattr(device, "device_kind", str(device)),
                                         platform=platform.platform(), batch=args.batch, small=args.small,
-                                        script=args.script, segments=summary, calls=rows, first_call=first),
+                                        script=args.script, host_tier_switch=args.host_tier_switch, segments=summary, calls=rows, first_call=first),
                                    indent=1) + "\n")
     print(f"→ {args.out}")
     return 0

@@ -19,7 +19,8 @@
 #   next    session 43's leftovers: auto at 128 rows p = 0.2 / 0.3 after the cold-probe rule (their logs name each
 #           drafted segment's tiers), then block fp8 at 16 / 64 rows through XLA's scaled activations (~8 min)
 #   tiers   does a tier's first run in the process cost a probe its 92 ms (session 43)? bench_switch_cost.py at 128
-#           rows p = 0.2 / 0.3, the untimed first call timed too, with each segment's tiers first run (~5 min)
+#           rows p = 0.2, the untimed first call timed too, with each segment's tiers first run; again with CUDA's
+#           lazy loading off and with the tier switch as a graph node (~8 min)
 #   qgroup  the quantized kernels' GPU tests, then the 8B int8 AR step and cycle at 1 / 16 rows with q / k / v and
 #           gate / up each in one launch (quant_group_kernel) against one launch a layer (issue 56) (~6 min)
 #   one     when one call is all the session may get: the grouped kernel's GPU tests, the int8 AR step at batch 1
@@ -70,8 +71,14 @@ case "$1" in
           --repeats 2 $TABLES --out $OUT/p${p#0.}_b128.json 2>&1 | grep -v "^  [^(]" | tail -n 4; done
         timeout 170 python3 benchmarks/bench_quantized_step.py --quantizations fp8-block --batches 16,64 \
           --out $OUT/qstep_8b_fp8_block_acts.json 2>&1 | tail -n 4 ;;
-  tiers) for p in 0.2 0.3; do timeout 250 python3 benchmarks/bench_switch_cost.py --batch 128 --corrupt $p $TABLES \
-           --out $OUT/switch_tiers_p${p#0.}_b128.json 2>&1 | tail -n 32; done ;;
+  tiers) # p = 0.2 as XLA runs it, then with CUDA's lazy loading off (a kernel's first launch loads it: a tier never
+         # run has hundreds), then with the tier switch as a conditional node (each branch a child of one graph)
+         timeout 200 python3 benchmarks/bench_switch_cost.py --batch 128 --corrupt 0.2 $TABLES \
+           --out $OUT/switch_tiers_b128.json 2>&1 | tail -n 28
+         CUDA_MODULE_LOADING=EAGER timeout 170 python3 benchmarks/bench_switch_cost.py --batch 128 --corrupt 0.2 $TABLES \
+           --out $OUT/switch_tiers_b128_eager.json 2>&1 | grep -A14 "first call"
+         timeout 170 python3 benchmarks/bench_switch_cost.py --batch 128 --corrupt 0.2 --host-tier-switch off \
+           $TABLES --out $OUT/switch_tiers_b128_node.json 2>&1 | grep -A14 "first call" ;;
   p03) timeout 570 python3 benchmarks/bench_compact_scaled.py --batches 64,16 --corrupt 0.3 --modes static,auto \
          --repeats 2 $TABLES --out $OUT/p03.json --plot $OUT/p03.png 2>&1 | grep -v "^  [^(]" | tail -n 20 ;;
   qgroup) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_quantized_kernels.py 2>&1 | tail -n 4
