@@ -71,14 +71,16 @@ case "$1" in
           --repeats 2 $TABLES --out $OUT/p${p#0.}_b128.json 2>&1 | grep -v "^  [^(]" | tail -n 4; done
         timeout 170 python3 benchmarks/bench_quantized_step.py --quantizations fp8-block --batches 16,64 \
           --out $OUT/qstep_8b_fp8_block_acts.json 2>&1 | tail -n 4 ;;
-  tiers) # p = 0.2 as XLA runs it, then with CUDA's lazy loading off (a kernel's first launch loads it: a tier never
+  tiers) # (the H100's tables on any GPU: the question is a first run's cost, not the schedule's)
+         H100T="--cost-table tools/remote_gpu/h100_8b_tables.json"
+         # p = 0.2 as XLA runs it, then with CUDA's lazy loading off (a kernel's first launch loads it: a tier never
          # run has hundreds), then with the tier switch as a conditional node (each branch a child of one graph)
-         timeout 200 python3 benchmarks/bench_switch_cost.py --batch 128 --corrupt 0.2 $TABLES \
+         timeout 200 python3 benchmarks/bench_switch_cost.py --batch 128 --corrupt 0.2 $H100T \
            --out $OUT/switch_tiers_b128.json 2>&1 | tail -n 28
-         CUDA_MODULE_LOADING=EAGER timeout 170 python3 benchmarks/bench_switch_cost.py --batch 128 --corrupt 0.2 $TABLES \
+         CUDA_MODULE_LOADING=EAGER timeout 170 python3 benchmarks/bench_switch_cost.py --batch 128 --corrupt 0.2 $H100T \
            --out $OUT/switch_tiers_b128_eager.json 2>&1 | grep -A14 "first call"
          timeout 170 python3 benchmarks/bench_switch_cost.py --batch 128 --corrupt 0.2 --host-tier-switch off \
-           $TABLES --out $OUT/switch_tiers_b128_node.json 2>&1 | grep -A14 "first call" ;;
+           $H100T --out $OUT/switch_tiers_b128_node.json 2>&1 | grep -A14 "first call" ;;
   p03) timeout 570 python3 benchmarks/bench_compact_scaled.py --batches 64,16 --corrupt 0.3 --modes static,auto \
          --repeats 2 $TABLES --out $OUT/p03.json --plot $OUT/p03.png 2>&1 | grep -v "^  [^(]" | tail -n 20 ;;
   qgroup) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_quantized_kernels.py 2>&1 | tail -n 4
