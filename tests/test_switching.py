@@ -357,7 +357,8 @@ def test_a_probe_call_pays_its_segments():
     come further apart (here 47 fallback segments instead of 7)."""
     def segments_to_probe(segment_wall_ms: float) -> int:
         p = SwitchPolicy(FB)
-        assert not p.skips_call(2)  # calls of 2 fallback segments' steps; the first drafts
+        p.begin_call(2)  # calls of 2 fallback segments' steps; the first drafts
+        assert not p.skips_call(2) and p.call_segments == 2
         p.skipped(2, 1.0)  # generate's programs: 1 ms a step
         p.fell_back(segment_wall_ms)
         for tau in (3, 1, 1):

@@ -346,7 +346,7 @@ def collect(job: Job, packed, stats: dict | None = None) -> GenerationOutput:
 
 def run(job: Job) -> GenerationOutput:
     """Run prefill and decode with a sync between them (for the timing stats) and collect."""
-    if job.drafter is not None and job.decoder.skips_call(int(job.host.max_new.max())):
+    if job.drafter is not None and job.decoder.begin_call(int(job.host.max_new.max())):
         return _run_autoregressive(job)
     t1 = time.perf_counter()
     state, packed = job.programs.prefill(*job.pre_args)
@@ -367,7 +367,7 @@ def run(job: Job) -> GenerationOutput:
 
 def _run_autoregressive(job: Job) -> GenerationOutput:
     """A speculative call its fallback would run on autoregressive steps from start to end
-    (:meth:`dflash_jax.engine.switching.Decoder.skips_call`), run by ``generate``'s own programs: its output
+    (:meth:`dflash_jax.engine.switching.Decoder.begin_call`), run by ``generate``'s own programs: its output
     is ``generate``'s, its stats say how many steps fell back."""
     ar = prepare(job.target, None, job.ids, job.settings.autoregressive())
     out = run(ar)

@@ -133,7 +133,7 @@ class SwitchPolicy:
         # Wall ms of a whole probe as timed here, running: a probe is the first drafted segment after another
         # program ran, and that can take several steps' time more than its steps (benchmarks/README.md).
         self.probe_wall_ms: float | None = None
-        self.call_segments = 1  # fallback segments in a call, as the last call asked (:meth:`skips_call`)
+        self.call_segments = 1  # fallback segments in a call, as the last call began (:meth:`begin_call`)
         self.checking = False  # the next autoregressive segment is a short timing check (drafting goes on after)
         self.mode = DRAFT if fallback.can_pay else AUTOREGRESSIVE
         self.backoff = 1  # grows while probes lose
@@ -261,6 +261,11 @@ class SwitchPolicy:
         self.call_segments = snap.get("call_segments", 1)
         self.probing = False
 
+    def begin_call(self, segments: int) -> None:
+        """A call of at most ``segments`` fallback segments' steps begins: a probe within it would run the whole
+        call in segments, which :meth:`_fall_back` charges to the probe."""
+        self.call_segments = max(1, segments)
+
     def skips_call(self, segments: int) -> bool:
         """Whether a whole call of at most ``segments`` fallback segments should run without drafting at all:
         no drafted step can pay at this batch, or the policy is on the fallback (from earlier runs of the shape)
@@ -268,7 +273,6 @@ class SwitchPolicy:
         writes the drafter's context, which only a drafted segment would read."""
         if not self.fallback.can_pay:
             return True
-        self.call_segments = max(1, segments)
         return self.mode == AUTOREGRESSIVE and not self.probing and self.until_probe >= segments
 
     def skipped(self, segments: int, wall_ms: float | None = None) -> None:
@@ -404,9 +408,9 @@ class Decoder:
     def compile(self) -> None:
         """Compile now whatever a run may use later (a batch run compiles every program before its first batch)."""
 
-    def skips_call(self, max_new: int) -> bool:
-        """Whether this whole call should run ``generate``'s programs instead (:meth:`SwitchPolicy.skips_call`),
-        its rows committing at most ``max_new`` tokens each."""
+    def begin_call(self, max_new: int) -> bool:
+        """A call begins whose rows commit at most ``max_new`` tokens each: whether it should run ``generate``'s
+        programs instead (:meth:`SwitchPolicy.skips_call`)."""
         return False
 
     def skipped(self, steps: int, row_steps: int, seconds: float) -> None:
@@ -470,8 +474,10 @@ class SwitchingDecoder(Decoder):
                 self.returned = id(state)
                 return state, packed
 
-    def skips_call(self, max_new: int) -> bool:
-        return self.policy.skips_call(-(-max_new // self.ar_steps))
+    def begin_call(self, max_new: int) -> bool:
+        segments = -(-max_new // self.ar_steps)
+        self.policy.begin_call(segments)
+        return self.policy.skips_call(segments)
 
     def skipped(self, steps: int, row_steps: int, seconds: float) -> None:
         segments = -(-steps // self.ar_steps)
