@@ -21,6 +21,7 @@
 #   tiers   does a tier's first run in the process cost a probe its 92 ms (session 43)? bench_switch_cost.py at 128
 #           rows p = 0.2, the untimed first call timed too, with each segment's tiers first run; again with CUDA's
 #           lazy loading off and with the tier switch as a graph node (~8 min)
+#   qacts   next's second half alone: block fp8 at 16 / 64 rows through XLA's scaled activations (~3 min)
 #   qgroup  the quantized kernels' GPU tests, then the 8B int8 AR step and cycle at 1 / 16 rows with q / k / v and
 #           gate / up each in one launch (quant_group_kernel) against one launch a layer (issue 56) (~6 min)
 #   one     when one call is all the session may get: the grouped kernel's GPU tests, the int8 AR step at batch 1
@@ -67,6 +68,8 @@ case "$1" in
              --out $OUT/qstep_8b_fp8_block.json 2>&1 | tail -n 4 ;;
   qblocked) timeout 250 python3 benchmarks/bench_quantized_step.py --quantizations fp8-block --batches 1,16,64 \
               --quant-kernel blocked --out $OUT/qstep_8b_fp8_block_kernel.json 2>&1 | tail -n 5 ;;
+  qacts) timeout 170 python3 benchmarks/bench_quantized_step.py --quantizations fp8-block --batches 16,64 \
+          --out $OUT/qstep_8b_fp8_block_acts.json 2>&1 | tail -n 4 ;;
   next) for p in 0.2 0.3; do timeout 160 python3 benchmarks/bench_compact_scaled.py --batches 128 --corrupt $p --modes auto \
           --repeats 2 $TABLES --out $OUT/p${p#0.}_b128.json 2>&1 | grep -v "^  [^(]" | tail -n 4; done
         timeout 170 python3 benchmarks/bench_quantized_step.py --quantizations fp8-block --batches 16,64 \
