@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--drafter-layers", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20, help="steps per timed call")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls (median)")
-    ap.add_argument("--quant-kernel", choices=("default", "on", "off", "float8", "grouped", "blocked"), default="default",
+    ap.add_argument("--quant-kernel", choices=("default", "on", "off", "float8", "grouped", "blocked"),
+                    default="default",
                     help="default: the library's; off: quantized layers (and MoE experts) run the XLA reference "
                          "(A/B against the fused kernels); on / float8: every fused kernel, the dense layers' GPU "
                          "kernel included (quant_kernel_impls); grouped: on, and a layer's q / k / v and gate / up "

@@ -6,9 +6,9 @@ The policy (:class:`dflash_jax.engine.switching.SwitchPolicy`) reads these walls
 the fallback's program, or the call's prefill, may carry more than its steps (a first run after another program),
 and a probe of one step carries all of it. Here each segment of the script is timed in three warm calls, so that
 a segment's cost after a switch can be read against the same segment after one of its own kind. The untimed first
-call's segments are printed too, each drafted one with the tiers it ran for the first time in the process: a
-branch's first run may set up what later runs reuse (a CUDA graph), which a probe that reaches a tier the warm-up
-never ran would pay (benchmarks/journal/RESULTS.md, session 43).
+call's segments are timed and printed too, each drafted one with the tiers it ran for the first time in the
+process: on the 8B shape a tier's first run cost nothing extra, the drafted program's first run after the
+fallback's first run ~50 ms (benchmarks/journal/RESULTS.md, session 44).
 
     python benchmarks/bench_switch_cost.py --batch 128 --out /tmp/switch.json
     python benchmarks/bench_switch_cost.py --small --batch 8 --out /tmp/switch_small.json   # CPU smoke test
@@ -78,7 +78,8 @@ def main() -> int:
                                                      "(a8: the short check segment; a32: the fallback's)")
     ap.add_argument("--calls", type=int, default=3, help="timed calls after an untimed one")
     ap.add_argument("--corrupt", type=float, default=0.3)
-    ap.add_argument("--cost-table", type=Path, help="a costs file or bench_compact_scaled.py's JSON (else the batch's table is timed)")
+    ap.add_argument("--cost-table", type=Path,
+                    help="a costs file or bench_compact_scaled.py's JSON (else the batch's table is timed)")
     ap.add_argument("--host-tier-switch", choices=["on", "off"], default="on",
                     help="off: the compact tier switch as a CUDA-graph conditional node (Tuning.host_tier_switch)")
     ap.add_argument("--out", type=Path, required=True)
@@ -151,8 +152,8 @@ def main() -> int:
     args.out.write_text(json.dumps(dict(date=time.strftime("%Y-%m-%d %H:%M"), commit=source_commit(),
                                         device=getattr(device, "device_kind", str(device)),
                                         platform=platform.platform(), batch=args.batch, small=args.small,
-                                        script=args.script, host_tier_switch=args.host_tier_switch, segments=summary, calls=rows, first_call=first),
-                                   indent=1) + "\n")
+                                        script=args.script, host_tier_switch=args.host_tier_switch,
+                                        segments=summary, calls=rows, first_call=first), indent=1) + "\n")
     print(f"→ {args.out}")
     return 0
 

@@ -72,8 +72,7 @@ case "$1" in
           --out $OUT/qstep_8b_fp8_block_acts.json 2>&1 | tail -n 4 ;;
   next) for p in 0.2 0.3; do timeout 160 python3 benchmarks/bench_compact_scaled.py --batches 128 --corrupt $p --modes auto \
           --repeats 2 $TABLES --out $OUT/p${p#0.}_b128.json 2>&1 | grep -v "^  [^(]" | tail -n 4; done
-        timeout 170 python3 benchmarks/bench_quantized_step.py --quantizations fp8-block --batches 16,64 \
-          --out $OUT/qstep_8b_fp8_block_acts.json 2>&1 | tail -n 4 ;;
+        bash "$0" qacts ;;
   tiers) # (the H100's tables on any GPU: the question is a first run's cost, not the schedule's)
          H100T="--cost-table tools/remote_gpu/h100_8b_tables.json"
          # p = 0.2 as XLA runs it, then with CUDA's lazy loading off (a kernel's first launch loads it: a tier never
