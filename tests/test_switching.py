@@ -331,6 +331,22 @@ def test_a_table_timed_elsewhere_is_checked_here():
     assert not r.checking and r.value() == pytest.approx(1.5)
 
 
+def test_only_generates_own_step_raises_the_autoregressive_cost():
+    """Timed dearer than the table, a fallback segment's step does not make drafting look better (the table
+    decides, and the batch falls back); ``generate``'s own step, timed in a call that skipped drafting, does."""
+    p = SwitchPolicy(FB)
+    p.drafted(*segment(1.8), 2.0, wall_ms=2.0)  # 0.9× AR by the table (kept, within leave_optimism: checked)
+    assert p.mode == DRAFT and p.checking
+    p.fell_back(3.3)  # the fallback segment's step timed 3.3× the table's: drafting would read 3.0×
+    assert p.ar_ms == pytest.approx(1.0) and p.value() == pytest.approx(0.9)
+    p.skipped(2, wall_ms=3.3)  # a whole call on generate's programs: the step is that dear here
+    assert p.ar_ms == pytest.approx(3.3) and p.value() == pytest.approx(1.8 * 3.3 / 2.0)
+    q = SwitchPolicy(FB)
+    q.skipped(1, wall_ms=0.5)
+    q.drafted(*segment(3), 2.0, wall_ms=2.0)  # 1.5× by the table, but generate's step is half the table's
+    assert q.ar_ms == pytest.approx(0.5) and q.mode == AUTOREGRESSIVE
+
+
 @pytest.mark.parametrize("rows", [3, 32])
 def test_probes_are_shorter_where_the_batch_observes_enough_rows(tiny, rows):
     """A first drafted segment (a probe) runs ``probe_cycles`` cycles at a few rows, and one where the batch gives

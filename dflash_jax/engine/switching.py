@@ -144,13 +144,22 @@ class SwitchPolicy:
     @property
     def ar_ms(self) -> float:
         """An autoregressive step's cost in the table's drafted-step units: the table's own, or — once both
-        kinds of segment were timed here and the ratio timed is off the table's by more than
-        ``timing_trust`` — the drafted cost times the ratio timed."""
+        kinds of step were timed here and the ratio timed is off the table's by more than ``timing_trust`` — the
+        drafted cost times the ratio timed. Cheaper than the table says: by any autoregressive step timed
+        (drafting then pays less). Dearer: only by ``generate``'s own step, timed in whole calls that skipped
+        drafting — falling back leads to those calls, and a fallback segment's step can be timed dearer than
+        theirs (its host return, its context write, a program's early runs), which once kept a batch drafting at
+        a loss (benchmarks/README.md, "Large batches")."""
         table = self.fallback.ar_ms
         if self.ar_wall_ms is None or self.drafted_wall_ms is None or self.step_ms is None:
             return table
-        timed = self.step_ms * self.ar_wall_ms / self.drafted_wall_ms
-        return timed if max(timed / table, table / timed) > self.settings.timing_trust else table
+        trust, per_wall = self.settings.timing_trust, self.step_ms / self.drafted_wall_ms
+        cheapest = min(w for w in (self.ar_wall_ms, self.plain_wall_ms) if w is not None) * per_wall
+        if cheapest * trust < table:
+            return cheapest
+        if self.plain_wall_ms is not None and self.plain_wall_ms * per_wall > table * trust:
+            return self.plain_wall_ms * per_wall
+        return table
 
     @property
     def row_tau(self) -> np.ndarray:
