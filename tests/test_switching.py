@@ -307,6 +307,16 @@ def test_a_snapshot_resumes_the_policy():
     r = SwitchPolicy(FB)
     r.resume(None)  # nothing observed: a probe first
     assert r.next_segment() == DRAFT and r.probing
+    d = SwitchPolicy(FB)  # drafting that clearly pays: segments double, and a later run starts at that length
+    for _ in range(4):
+        d.drafted(*segment(3), 2.0)
+    assert d.mode == DRAFT and d.cycles == 2 * 2 ** 4
+    e = SwitchPolicy(FB)
+    e.resume(d.snapshot())
+    assert e.cycles == d.cycles and not e.probing and e.next_segment() == DRAFT
+    f = SwitchPolicy(FB)  # a run that ended on the fallback: its next drafted segment is a probe-sized one
+    f.resume(dict(d.snapshot(), mode=AUTOREGRESSIVE))
+    assert f.mode == AUTOREGRESSIVE and f.cycles == f.probe_cycles
 
 
 def test_a_table_timed_elsewhere_is_checked_here():

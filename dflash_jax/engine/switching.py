@@ -247,13 +247,13 @@ class SwitchPolicy:
 
     def snapshot(self) -> dict:
         """What a later run of the same batch shape starts from (:meth:`resume`): the batch's running τ and
-        drafted step cost, the mode, the probes' backoff and countdown. Rows' own figures are left out: a later
-        run's rows hold other text."""
+        drafted step cost, the mode, the probes' backoff and countdown, the drafted segments' length. Rows' own
+        figures are left out: a later run's rows hold other text."""
         return dict(tau=self.tau, seen=self.seen, var=self.var, step_ms=self.step_ms, mode=self.mode,
                     backoff=self.backoff, until_probe=self.until_probe, drafted_wall_ms=self.drafted_wall_ms,
                     ar_wall_ms=self.ar_wall_ms,
                     segment_wall_ms=self.segment_wall_ms, plain_wall_ms=self.plain_wall_ms,
-                    probe_wall_ms=self.probe_wall_ms, call_segments=self.call_segments)
+                    probe_wall_ms=self.probe_wall_ms, call_segments=self.call_segments, cycles=self.cycles)
 
     def resume(self, snap: dict | None) -> None:
         """Start from an earlier run's :meth:`snapshot` (None: from nothing — a first drafted probe). A run that
@@ -269,6 +269,11 @@ class SwitchPolicy:
         self.probe_wall_ms = snap.get("probe_wall_ms")
         self.call_segments = snap.get("call_segments", 1)
         self.probing = False
+        # Drafting that clearly paid goes on in segments as long as the earlier run's last: each segment ends with
+        # a return to the host, and on a launch-bound pair the doubling from probe_cycles again (2, 4, 8, 16 cycles)
+        # cost a call at 16 rows several ms a return (benchmarks/README.md, "Large batches").
+        if self.mode == DRAFT:
+            self.cycles = max(self.probe_cycles, min(snap.get("cycles", self.probe_cycles), self.max_cycles))
 
     def begin_call(self, segments: int) -> None:
         """A call of at most ``segments`` fallback segments' steps begins: a probe within it would run the whole
