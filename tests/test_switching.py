@@ -342,8 +342,9 @@ def test_a_table_timed_elsewhere_is_checked_here():
 
 
 def test_only_generates_own_step_raises_the_autoregressive_cost():
-    """Timed dearer than the table, a fallback segment's step does not make drafting look better (the table
-    decides, and the batch falls back); ``generate``'s own step, timed in a call that skipped drafting, does."""
+    """Timed dearer than the table, a fallback segment's step does not make drafting look better (the table's
+    cost stays); ``generate``'s own step, timed in a call that skipped drafting, does — and where it is cheaper
+    than the table's, drafting that the table says pays is left."""
     p = SwitchPolicy(FB)
     p.drafted(*segment(1.8), 2.0, wall_ms=2.0)  # 0.9× AR by the table (kept, within leave_optimism: checked)
     assert p.mode == DRAFT and p.checking
