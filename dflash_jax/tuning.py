@@ -59,11 +59,15 @@ class KernelTuning:
     # GPUs too.
     quant_kernel_impls: tuple[str, ...] = ("pallas",)
     # Kernels of several row blocks (group-wise int8, HF's 128 × 128 FP8 blocks) through the GPU kernel for calls
-    # of at most this many tokens, whatever ``quant_kernel_impls`` says (0: as any other kernel). XLA has no fused
-    # form for them: the reference writes a temporary beside the weights (partial products or scaled activations:
-    # kernels/quantized.py; their cost in benchmarks/README.md, "Quantized targets"), where the kernel reads the
-    # quantized bytes once and scales each 128-row step's product in registers. Off until the kernel is timed there.
-    quant_kernel_blocked_max_tokens: int = 0
+    # of ``quant_kernel_blocked_min_tokens`` to ``quant_kernel_blocked_max_tokens`` tokens, whatever
+    # ``quant_kernel_impls`` says (max 0: as any other kernel). XLA has no fused form for them: the reference writes
+    # a temporary beside the weights (partial products or scaled activations: kernels/quantized.py), where the
+    # kernel reads the quantized bytes once and scales each 128-row step's product in registers. The bounds are
+    # where it was timed the faster on the 8B shape's block fp8 (16 and 64 rows; benchmarks/README.md, "Quantized
+    # targets"): from 3 tokens, where the reference leaves its partial products for the scaled activations (one
+    # row, padded to two on GPUs, was faster through the partial products), to 64.
+    quant_kernel_blocked_min_tokens: int = 3
+    quant_kernel_blocked_max_tokens: int = 64
     # float8 weights through that kernel too (off: they take the XLA reference, int8 still the kernel). Its float8
     # tiles match the reference in the GPU tests (tests/test_quantized_kernels.py, test_moe_kernels.py, run on a
     # GPU); the TPU kernel's in interpret mode only. Both switches also govern quantized MoE experts in the

@@ -233,12 +233,15 @@ def test_dispatch():
     assert not _runs_kernel(Kernels("cuda", dataclasses.replace(GPU_ON, quant_kernel_float8=False)), 1, "fp8")
     float8 = Kernels("cuda", GPU_ON)
     assert _runs_kernel(float8, 1) and _runs_kernel(float8, 1, "fp8")
-    # kernels of several row blocks (fp8 in 128 × 128 blocks, as HF's) up to quant_kernel_blocked_max_tokens,
-    # whatever quant_kernel_impls says; a kernel of one row block (int8 per channel) as before
+    # kernels of several row blocks (fp8 in 128 × 128 blocks, as HF's) from quant_kernel_blocked_min_tokens (3:
+    # one or two rows keep the reference's partial products) to _max_tokens (64), whatever quant_kernel_impls says;
+    # a kernel of one row block (int8 per channel) as before
     blocks = functools.partial(_runs_kernel, kind=Scheme("fp8", (128, 128)), d=256, e=128)
-    blocked = Kernels("cuda", KernelTuning(quant_kernel_blocked_max_tokens=16))
-    assert not blocks(Kernels("cuda"), 8)
+    assert not blocks(Kernels("cuda"), 1) and not blocks(Kernels("cuda"), 2) and not blocks(Kernels("cuda"), 65)
+    assert blocks(Kernels("cuda"), 3) and blocks(Kernels("cuda"), 64) and not _runs_kernel(Kernels("cuda"), 8)
+    blocked = Kernels("cuda", KernelTuning(quant_kernel_blocked_min_tokens=1, quant_kernel_blocked_max_tokens=16))
     assert blocks(blocked, 1) and blocks(blocked, 16) and not blocks(blocked, 17) and not _runs_kernel(blocked, 8)
+    assert not blocks(Kernels("cuda", KernelTuning(quant_kernel_blocked_max_tokens=0)), 8)
     x, q, s, block = _inputs(2, 4, 64, 32, Scheme("fp8"), jnp.float32)
     got = jax.jit(lambda x, q, s: op.quantized_matmul(x, q, s, block, kernels=float8))(x, q, s)
     _check(got, op.reference(x, q, s, block, jnp.float32), jnp.float32)

@@ -330,20 +330,21 @@ def quantized_matmuls(x: jax.Array, qs: tuple[jax.Array, ...], scales: tuple[jax
 def _refusal(x, q, scale, block, kernels: Kernels, interpret: bool) -> str | None:
     """Why the dispatch's entries run the reference for this kernel: "" where not worth a log line (not among
     ``kernels.tuning.quant_kernel_impls``, more tokens than ``quant_kernel_max_tokens`` — unless a kernel of
-    several row blocks within ``quant_kernel_blocked_max_tokens`` — float8 weights with ``quant_kernel_float8``
-    off), a reason
+    several row blocks within ``quant_kernel_blocked_min_tokens`` … ``_max_tokens`` — float8 weights with
+    ``quant_kernel_float8`` off), a reason
     (shapes the kernel does not take, or under a mesh: the op does not know how its kernel is split, and a custom
     call over sharded operands would gather them), or None."""
     t = 1
     for n in x.shape[:-1]:
         t *= n
-    if scale.shape[0] > 1 and t <= kernels.tuning.quant_kernel_blocked_max_tokens:
+    tuning = kernels.tuning
+    if scale.shape[0] > 1 and tuning.quant_kernel_blocked_min_tokens <= t <= tuning.quant_kernel_blocked_max_tokens:
         pass  # several row blocks: XLA has no fused form (KernelTuning.quant_kernel_blocked_max_tokens)
-    elif "cuda" not in kernels.tuning.quant_kernel_impls:
+    elif "cuda" not in tuning.quant_kernel_impls:
         return ""  # XLA's own fused conversion and GEMM (KernelTuning.quant_kernel_impls)
-    elif t > kernels.tuning.quant_kernel_max_tokens:
+    elif t > tuning.quant_kernel_max_tokens:
         return ""  # prefill: the XLA path
-    if jnp.dtype(q.dtype) == jnp.float8_e4m3fn and not kernels.tuning.quant_kernel_float8:
+    if jnp.dtype(q.dtype) == jnp.float8_e4m3fn and not tuning.quant_kernel_float8:
         return ""  # turned off by the caller
     return "under a device mesh" if mesh_sizes() else unsupported_reason(x, q, scale, block, interpret=interpret)
 
