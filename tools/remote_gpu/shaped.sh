@@ -21,6 +21,7 @@
 #   tiers   does a tier's first run in the process cost a probe its 92 ms (session 43)? bench_switch_cost.py at 128
 #           rows p = 0.2, the untimed first call timed too, with each segment's tiers first run; again with CUDA's
 #           lazy loading off and with the tier switch as a graph node (~8 min)
+#   qdefault block fp8 at 1 / 16 / 64 rows with the defaults (the GPU kernel from 3 to 64 tokens) (~4 min)
 #   qacts   next's second half alone: block fp8 at 16 / 64 rows through XLA's scaled activations (~3 min)
 #   qgroup  the quantized kernels' GPU tests, then the 8B int8 AR step and cycle at 1 / 16 rows with q / k / v and
 #           gate / up each in one launch (quant_group_kernel) against one launch a layer (issue 56) (~6 min)
@@ -50,7 +51,7 @@ case "$1" in
          timeout 180 python3 benchmarks/bench_quantized_step.py --quantizations int8 --batches 1 --drafter-quantization \
            --out $OUT/qstep_8b_int8_drafter_int8.json 2>&1 | tail -n 3 ;;
   qmoe) # JAX takes 75 % of a GPU's memory by default: the bf16 experts alone are 61 GB (session 42 ran out of memory)
-        for q in int8 bf16; do XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 270 python3 benchmarks/bench_quantized_step.py \
+        for q in ${QMOE:-int8 bf16}; do XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout ${QMOE_S:-270} python3 benchmarks/bench_quantized_step.py \
           --shape moe --quantizations $q --batches 1,16 --out $OUT/qstep_moe_$q.json 2>&1 | tail -n 4; done ;;
   topk) timeout 300 python3 benchmarks/bench_top_k.py --rows 16 --vocabs 151936,49152 --dtypes bfloat16 --chunks 8192 \
           --out $OUT/top_k.json 2>&1 | grep -E "^head" | tail -n 12 ;;
@@ -68,6 +69,8 @@ case "$1" in
              --out $OUT/qstep_8b_fp8_block.json 2>&1 | tail -n 4 ;;
   qblocked) timeout 250 python3 benchmarks/bench_quantized_step.py --quantizations fp8-block --batches 1,16,64 \
               --quant-kernel blocked --out $OUT/qstep_8b_fp8_block_kernel.json 2>&1 | tail -n 5 ;;
+  qdefault) timeout 250 python3 benchmarks/bench_quantized_step.py --quantizations fp8-block --batches 1,16,64 \
+              --out $OUT/qstep_8b_fp8_block_default.json 2>&1 | tail -n 5 ;;
   qacts) timeout 170 python3 benchmarks/bench_quantized_step.py --quantizations fp8-block --batches 16,64 \
           --out $OUT/qstep_8b_fp8_block_acts.json 2>&1 | tail -n 4 ;;
   next) for p in 0.2 0.3; do timeout 160 python3 benchmarks/bench_compact_scaled.py --batches 128 --corrupt $p --modes auto \
@@ -104,5 +107,5 @@ case "$1" in
   qsweep1) timeout 570 python3 benchmarks/bench_quantized_step.py --sweep --sweep-tokens 1 --sweep-schemes int8 \
             --repeats 3 --out $OUT/qsweep1.json 2>&1 | tail -n 80 ;;
   qsweep) timeout 570 python3 benchmarks/bench_quantized_step.py --sweep --out $OUT/qsweep.json 2>&1 | tail -n 40 ;;
-  *) echo "usage: $0 recheck|short|kinds|kinds64|qnext|qmoe|pick|topk|p02|p03|qgroup|one|mini|micro|qsweep1|qsweep" >&2; exit 2 ;;
+  *) echo "usage: $0 recheck|short|kinds|kinds64|qnext|qdefault|qacts|qblocked|qmoe|pick|topk|p02|p03|qgroup|one|mini|micro|qsweep1|qsweep" >&2; exit 2 ;;
 esac
