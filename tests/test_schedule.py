@@ -796,6 +796,11 @@ def test_cost_table_interpolation_and_files(tmp_path):
         assert sorted(table.static_ms) == sorted(table.step_ms) == [1, 4, 16, 32, 64, 128]
     assert costs.pick(dspark, "gpu", h100).device == h100 and costs.pick(dspark, "gpu", "NVIDIA A100").device \
         == "NVIDIA H200" and costs.pick(dspark, "cpu", h100) is None
+    # The DFlash2 pair ships the H200 rows timed before its session-46 bench (1 / 16 / 64 rows; others
+    # interpolated, or scaled past 64).
+    dflash2 = costs.load_tables(costs.tables_path(load_pair_config("smollm2-135m-dflash2").path))
+    assert sorted(dflash2) == ["gpu"] and dflash2["gpu"].pair == "smollm2-135m-dflash2"
+    assert sorted(dflash2["gpu"].step_ms) == sorted(dflash2["gpu"].ar_ms) == [1, 16, 64]
 
 
 def test_a_costs_file_keeps_each_device_s_table(tmp_path, monkeypatch, caplog):
