@@ -48,6 +48,10 @@ class KernelTuning:
     moe_kernels_on: tuple[str, ...] = ("gpu", "tpu")
     moe_kernel_max_tokens: int = 64
     moe_grouped_on: tuple[str, ...] = ()
+    # Quantized experts past the kernel (a wide verify, a prefill) run every expert, this many bytes of converted
+    # weights at a time (kernels/moe.py, experts_dense_quantized; 0: one expert a step). One expert a step ran
+    # the Qwen3-30B-A3B shape's 16-row block-fp8 cycle at 177 ms (H200; benchmarks/README.md, "Quantized targets").
+    moe_dense_quantized_step_bytes: int = 256 << 20
     # Quantized linear layers: the fused dequantize-and-multiply kernel (TPU; GPU where ``quant_kernel_impls`` says)
     # for calls of at most ``quant_kernel_max_tokens`` tokens (more: the XLA reference, e.g. verify and prefill,
     # where XLA fuses the conversion into its GEMM; docs/usage.md, "Quantized targets"). The TPU kernel is untimed.

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -419,7 +420,7 @@ def test_sampled_decoding_on_an_int8_target_matches_its_distribution():
 def test_quantized_experts_match_the_dequantized_experts(scheme):
     """The routed experts' jnp forms on int8 / fp8 experts (per-expert scales; blocks over the input rows with
     partial blocks at the edges) equal the float forms on the dequantized weights: the gathered form (decode)
-    and every expert one at a time (beyond), which never converts the whole stack."""
+    and every expert a few at a time (beyond), which never converts more than ``step_bytes`` of the stack."""
     from dflash_jax.kernels import moe
 
     rng = np.random.default_rng(3)
@@ -439,8 +440,14 @@ def test_quantized_experts_match_the_dequantized_experts(scheme):
     values = (stacks["gate"][0], stacks["up"][0], stacks["down"][0])
     got = moe.experts_gathered(x, weights, idx, *values, quant=scales)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
-    got = moe.experts_dense_quantized(x, weights, idx, *values, quant=scales)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+    per_expert = (2 * d * f + f * d) * 4  # float32 activations: the converted values' bytes
+    for step_bytes in (0, 2 * per_expert, 3 * per_expert, 4 * per_expert):  # 1, 2, 2, 4 experts a step
+        got = moe.experts_dense_quantized(x, weights, idx, *values, quant=scales, step_bytes=step_bytes)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
+    # G experts a step: a scan of E / G steps (G the largest divisor of E that fits step_bytes)
+    jaxpr = str(jax.make_jaxpr(lambda x: moe.experts_dense_quantized(x, weights, idx, *values, quant=scales,
+                                                                     step_bytes=3 * per_expert))(x))
+    assert "length=2" in jaxpr
 
 
 # --------------------------------------------------------------------------------------------------

@@ -500,9 +500,9 @@ def _quantized_entry(x, weights, idx, gate, up, down, *, biases, act, kernels: K
     * the quantized-kernel knobs say no: ``kernels.tuning.quant_kernel`` off, or float8 values with
       ``quant_kernel_float8`` off (the knobs of :mod:`dflash_jax.cuda.quantized`, one switch for both kernels);
     * the call has more (token, expert) pairs than there are experts: :func:`dflash_jax.kernels.moe.experts_auto`
-      then runs every expert once (``experts_dense_quantized``), reading fewer weights than the pairs would; a
-      call that large is a prefill or a wide verify, compute-bound, where converting one expert's values at a
-      time costs little next to its products;
+      then runs every expert once (``experts_dense_quantized``, a few experts a loop step), reading fewer weights
+      than the pairs would (a prefill or a wide verify: E / K times the routed arithmetic, so the next lever for
+      verify-sized calls is a kernel that reads each expert once for all its pairs);
     * under a device mesh (the scales' sharding over the experts' hidden is not split here);
     * :func:`unsupported_reason` names a reason."""
     tuning = kernels.tuning
