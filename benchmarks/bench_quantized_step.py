@@ -22,7 +22,9 @@ GPU the dense quantized layers through XLA's own fused conversion and GEMM, kern
 (``quant_kernel_impls``); ``grouped``: ``on``, and a layer's q / k / v and an MLP's gate / up in one launch each
 (``quant_group_kernel``); ``blocked``: the defaults, and kernels of several row blocks through the GPU kernel at
 every size up to 64 tokens, one token included (``quant_kernel_blocked_min_tokens=1``); ``xla-blocked``: the
-defaults, and kernels of several row blocks through the XLA reference at every size (the A/B of the default).
+defaults, and kernels of several row blocks through the XLA reference at every size (the A/B of the default);
+``moe-sorted``: the defaults, and quantized experts past E (token, expert) pairs (a wide verify, a prefill) through
+the sorted grouped-expert GPU kernels instead of every expert a few at a time (``moe_quantized_sorted``).
 
 ``--sweep``: the quantized matmul alone on the shape's linear layers (Qwen3-8B: 4096 × 4096, 4096 × 1024,
 4096 × 12288, 12288 × 4096, 4096 × 151936) at T = 1, 16, 64 tokens (``--sweep-tokens``; schemes
@@ -296,14 +298,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="steps per timed call")
     ap.add_argument("--repeats", type=int, default=5, help="timed calls (median)")
     ap.add_argument("--quant-kernel", choices=("default", "on", "off", "float8", "grouped", "blocked",
-                                                   "xla-blocked"),
+                                                   "xla-blocked", "moe-sorted"),
                     default="default",
                     help="default: the library's; off: quantized layers (and MoE experts) run the XLA reference "
                          "(A/B against the fused kernels); on / float8: every fused kernel, the dense layers' GPU "
                          "kernel included (quant_kernel_impls); grouped: on, and a layer's q / k / v and gate / up "
                          "each in one launch (quant_group_kernel); blocked: the defaults, and kernels of several row "
                          "blocks (fp8-block) through the GPU kernel at 1 to 64 tokens; xla-blocked: those through "
-                         "the XLA reference at every size")
+                         "the XLA reference at every size; moe-sorted: the defaults, and quantized experts past E "
+                         "pairs through the sorted grouped-expert kernels (moe_quantized_sorted)")
     ap.add_argument("--drafter-quantization", action="store_true",
                     help="quantize the drafter's linear layers too, as the target's (load_pair's drafter_quantization)")
     ap.add_argument("--profile", action="store_true",
@@ -325,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         tuning = tuning.replace(quant_kernel_blocked_min_tokens=1, quant_kernel_blocked_max_tokens=64)
     elif args.quant_kernel == "xla-blocked":
         tuning = tuning.replace(quant_kernel_blocked_max_tokens=0)
+    elif args.quant_kernel == "moe-sorted":
+        tuning = tuning.replace(moe_quantized_sorted=True)
     elif args.quant_kernel != "default":
         tuning = tuning.replace(quant_kernel=args.quant_kernel != "off", quant_kernel_float8=args.quant_kernel != "off",
                                 quant_group_kernel=args.quant_kernel == "grouped",

@@ -52,6 +52,9 @@ class KernelTuning:
     # weights at a time (kernels/moe.py, experts_dense_quantized; 0: one expert a step). One expert a step ran
     # the Qwen3-30B-A3B shape's 16-row block-fp8 cycle at 177 ms (H200; benchmarks/README.md, "Quantized targets").
     moe_dense_quantized_step_bytes: int = 256 << 20
+    # Instead, such calls through the sorted grouped-expert GPU kernels (cuda/moe.py: each routed expert read once
+    # for all its pairs, any token count). Off until timed on a GPU.
+    moe_quantized_sorted: bool = False
     # Quantized linear layers: the fused dequantize-and-multiply kernel (TPU; GPU where ``quant_kernel_impls`` says)
     # for calls of at most ``quant_kernel_max_tokens`` tokens (more: the XLA reference, e.g. verify and prefill,
     # where XLA fuses the conversion into its GEMM; docs/usage.md, "Quantized targets"). The TPU kernel is untimed.

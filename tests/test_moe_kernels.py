@@ -262,6 +262,29 @@ def test_pair_kernel_quantized_matches_reference(case):
     np.testing.assert_allclose(out, ref, atol=tol, rtol=0)
 
 
+@pytest.mark.parametrize("case", QUANT_CASES[1:], ids=lambda c: f"t{len(c[0])}-{c[4]}-{np.dtype(c[6]).name}")
+def test_sorted_kernel_quantized_matches_reference(case):
+    """The sorted (grouped by expert) kernels on quantized experts — the form of calls past E pairs — against
+    experts_gathered's quantized reference: tensor-core dots of converted tiles, per-step and once-per-sum scales,
+    D splits, ragged float8 tiles; six tokens (12 pairs over 4 experts: each routed expert read once for several)."""
+    idx, e, d, f, gate_up, down, dtype, kw = case
+    idx = np.concatenate([np.asarray(idx)] * 2)[:6] if len(idx) > 1 else np.array([[2, 1], [1, 2], [2, 1]] * 2)
+    x, w, idx, values, clean, poisoned, _, blocks = _quant_inputs(len(idx) + 40, idx, e, d, f, dtype, gate_up, down)
+    why = cuda_moe.unsupported_reason(x, w, idx, *values, quant=moe.ExpertScales(*poisoned, *blocks),
+                                      interpret=CUDA_INTERPRET, **kw)
+    if why is not None and "sm_89" in why:
+        pytest.skip(why)
+    assert why is None
+    run = fast_jit(lambda x, w, idx, vals, clean, poisoned: (
+        moe.experts_gathered(x, w, idx, *vals, quant=moe.ExpertScales(*clean, *blocks)),
+        cuda_moe.grouped_experts(x, w, idx, *vals, quant=moe.ExpertScales(*poisoned, *blocks),
+                                 interpret=CUDA_INTERPRET, **kw)))
+    ref, out = (np.asarray(o, np.float32) for o in run(x, w, idx, values, clean, poisoned))
+    assert np.isfinite(out).all(), "non-finite output (an unrouted expert's scales were read)"
+    tol = (2e-5 if dtype == jnp.float32 else 3e-2) * max(1.0, np.abs(ref).max())
+    np.testing.assert_allclose(out, ref, atol=tol, rtol=0)
+
+
 def test_quantized_experts_dispatch(monkeypatch):
     """experts_auto under impl "cuda" (interpret mode) hands quantized experts to the pair kernels at decode
     sizes — float8 only with quant_kernel_float8 on — and keeps the reference past N·K > E; gpt-oss's biases
@@ -290,6 +313,14 @@ def test_quantized_experts_dispatch(monkeypatch):
     jax.eval_shape(auto(dict(quant_kernel_float8=True)), jnp.concatenate([x] * 3), jnp.concatenate([w] * 3), wide,
                    values, clean)
     assert calls == [True]
+    # moe_quantized_sorted: such calls through the sorted kernels, past moe_kernel_max_tokens too
+    sorted_calls = []
+    real_sorted = cuda_moe.sorted_experts
+    monkeypatch.setattr(cuda_moe, "sorted_experts",
+                        lambda *a, **kw: sorted_calls.append(kw["quant"] is not None) or real_sorted(*a, **kw))
+    on = dict(quant_kernel_float8=True, moe_quantized_sorted=True, moe_kernel_max_tokens=2)
+    jax.eval_shape(auto(on), jnp.concatenate([x] * 3), jnp.concatenate([w] * 3), wide, values, clean)
+    assert calls == [True] and sorted_calls == [True]
 
 
 def test_quantized_unsupported_reasons():
@@ -313,10 +344,12 @@ def test_quantized_unsupported_reasons():
 @pytest.mark.parametrize("n, scheme, shape", [
     (1, Scheme("fp8", (128, 128)), {}), (4, Scheme("int8"), {}), (1, Scheme("int8", (128, 1)), {}),
     (1, Scheme("fp8", (128, 128)), dict(e=8, d=200, f=72)),  # ragged float8 tiles: loads without a fill value
+    (32, Scheme("fp8", (128, 128)), {}), (32, Scheme("int8"), {}),  # 256 pairs > 128 experts: the sorted kernels
 ])
-def test_quantized_pair_kernels_lower_for_gpu(n, scheme, shape):
-    """Qwen3-30B-A3B's experts (E=128, D=2048, F=768, top-8), quantized, lower to Triton IR: float8 and int8
-    loads (ragged float8 tiles on a small shape), scalar and per-column scale loads. Interpret mode checks none
+def test_quantized_kernels_lower_for_gpu(n, scheme, shape):
+    """Qwen3-30B-A3B's experts (E=128, D=2048, F=768, top-8), quantized, lower to Triton IR through the pair
+    kernels (up to E pairs) and the sorted ones (more): float8 and int8 loads (ragged float8 tiles on a small
+    shape), scalar and per-column scale loads, converted tiles in tensor-core dots. Interpret mode checks none
     of this."""
     x, w, idx, gate, up, down = _shapes(n, jnp.bfloat16, False, **shape)
     e, d, f = gate.shape
@@ -329,3 +362,4 @@ def test_quantized_pair_kernels_lower_for_gpu(n, scheme, shape):
     text = jax.jit(call).trace(x, w, idx, q(gate), q(up), q(down), *quant[:3]).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "__gpu$xla.gpu.triton" in text
+    assert ("dflash_moe_pair_gate_up" if n * idx.shape[1] <= e else "dflash_moe_gate_up") in text

@@ -39,9 +39,10 @@ decode sizes); no program touches an unrouted expert. Defaults (64-wide blocks, 
 reasoned, not swept: ``benchmarks/bench_moe.py --sweep`` times alternatives.
 
 Quantized experts (``quant``, :class:`dflash_jax.kernels.moe.ExpertScales`: int8 / float8_e4m3fn values, each
-expert's float32 block scales ``[E, nbi, nbo]``) run :func:`pair_experts` at any token count its entry hands it:
-the entry (:func:`experts_kernel`) takes calls of at most E (token, expert) pairs, which read no more weight sets
-than there are experts; larger calls keep the references (prefill: compute-bound, every expert read once). The
+expert's float32 block scales ``[E, nbi, nbo]``) run :func:`pair_experts` for calls of at most E (token, expert)
+pairs, which read no more weight sets than there are experts; larger calls (a wide verify, a prefill) keep the
+references unless ``KernelTuning.moe_quantized_sorted`` sends them to :func:`sorted_experts`, whose tiles load the
+values as stored and convert them in registers for the tensor-core dot. The
 pair kernels then load each routed expert's tiles as stored (1 byte a value), convert them to float32 in
 registers (exact) and never write a dequantized expert; scales as :mod:`dflash_jax.cuda.quantized` applies them
 (shared: :class:`dflash_jax.cuda.quantized.Scaling`): per loop step when the expert's input rows (D for gate/up,
@@ -93,6 +94,8 @@ class _Config:
     num_warps: int
     num_stages: int
     ieee_f32: bool
+    gate_up: Scaling | None = None  # quantized experts: how gate/up's [D, F] values meet their scales
+    down: Scaling | None = None  # ... and down's [F, D]
 
 
 def _block(size: int | None, default: int, extent: int) -> int:
@@ -112,15 +115,29 @@ def _d_splits(num_splits: int | None, per_sm: int, programs: int, d: int, block_
     return cdiv(d, chunk), chunk
 
 
+def _sorted_tiles(d: int, f: int, quant: ExpertScales | None, block_f, block_d, block_n, block_k
+                  ) -> tuple[int, int, int, int]:
+    """(block_f, block_d, block_n, block_k) of the sorted kernels: 64 by default, powers of two ≥ 16 no wider
+    than needed; for quantized experts each tile inside one scale block where the scales have several (as
+    :func:`_pair_tiles`)."""
+    bf, bd, bn, bk = _block(block_f, 64, f), _block(block_d, 64, d), _block(block_n, 64, d), _block(block_k, 64, f)
+    if quant is not None:
+        bd, bf = fit_scale_blocks(d, quant.gate_up_block, bd, bf)
+        bk, bn = fit_scale_blocks(f, quant.down_block, bk, bn)
+    return bf, bd, bn, bk
+
+
 def _make_config(n: int, groups: int, d: int, f: int, dtype, *, block_f, block_d, num_splits, block_n, block_k,
-                 num_warps, num_stages, programs_per_sm: int = 0) -> _Config:
+                 num_warps, num_stages, programs_per_sm: int = 0, quant: ExpertScales | None = None,
+                 q_dtypes: tuple = ()) -> _Config:
     rows = min(max(next_pow2(n), 16), 64)
-    bf, bd = _block(block_f, 64, f), _block(block_d, 64, d)
+    bf, bd, bn, bk = _sorted_tiles(d, f, quant, block_f, block_d, block_n, block_k)
     splits, chunk = _d_splits(num_splits, programs_per_sm, groups * cdiv(f, bf), d, bd)
-    return _Config(rows=rows, block_f=bf, block_d=bd, splits=splits, chunk_d=chunk,
-                   block_n=_block(block_n, 64, d), block_k=_block(block_k, 64, f), num_warps=num_warps or 4,
-                   num_stages=num_stages or 3,
-                   ieee_f32=jnp.dtype(dtype) == jnp.float32 and highest_precision_requested())
+    scaling = {} if quant is None else dict(gate_up=Scaling.of(d, quant.gate_up_block, q_dtypes[0]),
+                                            down=Scaling.of(f, quant.down_block, q_dtypes[1]))
+    return _Config(rows=rows, block_f=bf, block_d=bd, splits=splits, chunk_d=chunk, block_n=bn, block_k=bk,
+                   num_warps=num_warps or 4, num_stages=num_stages or 3,
+                   ieee_f32=jnp.dtype(dtype) == jnp.float32 and highest_precision_requested(), **scaling)
 
 
 def _dot(a: jax.Array, b: jax.Array, c: _Config) -> jax.Array:
@@ -153,16 +170,19 @@ def _over_row_tiles(start, count, rows: int, tile: Callable) -> None:
     lax.fori_loop(0, lax.div(count + rows - 1, rows), body, None)  # no carry: Triton cannot yield literals
 
 
-def _gate_up_kernel(expert_ref, start_ref, count_ref, xs_ref, gate_ref, up_ref, pg_ref, pu_ref, *, c: _Config,
-                    d: int, f: int):
-    # expert/start/count [G]; xs [P, D]; gate/up [E, D, F]; pg/pu [splits, P, F] float32.
+def _gate_up_kernel(expert_ref, start_ref, count_ref, xs_ref, gate_ref, up_ref, *refs, c: _Config, d: int, f: int):
+    # expert/start/count [G]; xs [P, D]; gate/up [E, D, F]; [quantized: their scales [E, nbi, nbo] float32];
+    # pg/pu [splits, P, F] float32.
     # Program ids are read outside the pl.when body (interpret mode cannot lower them inside a cond).
+    *scale_refs, pg_ref, pu_ref = refs
+    q = c.gate_up
     g, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     e, count = expert_ref[g], count_ref[g]
     f0 = j * c.block_f
     fmask = _tail_mask(f0, c.block_f, f)
     d_lo = s * c.chunk_d
     steps = lax.div(jnp.minimum(c.chunk_d, d - d_lo) + c.block_d - 1, c.block_d)
+    scale = lambda part, s_ref, kb: q.scaled(part, s_ref, (e,), kb, f0, c.block_f, fmask)  # noqa: E731
 
     def tile(r0, rmask):
         def step(i, acc):
@@ -171,12 +191,19 @@ def _gate_up_kernel(expert_ref, start_ref, count_ref, xs_ref, gate_ref, up_ref, 
             x = _load(xs_ref.at[pl.ds(r0, c.rows), pl.ds(d0, c.block_d)],
                       _and(rmask[:, None], None if dmask is None else dmask[None, :]))
             wmask = _and(None if dmask is None else dmask[:, None], None if fmask is None else fmask[None, :])
-            wg = _load(gate_ref.at[e, pl.ds(d0, c.block_d), pl.ds(f0, c.block_f)], wmask)
-            wu = _load(up_ref.at[e, pl.ds(d0, c.block_d), pl.ds(f0, c.block_f)], wmask)
-            return acc[0] + _dot(x, wg, c), acc[1] + _dot(x, wu, c)
+            out = []
+            for a, ref, s_ref in zip(acc, (gate_ref, up_ref), scale_refs or (None, None)):
+                tile_ref = ref.at[e, pl.ds(d0, c.block_d), pl.ds(f0, c.block_f)]
+                # quantized: the values as stored, converted in registers (exact) for the tensor-core dot
+                w = _load(tile_ref, wmask) if q is None else q.weights(tile_ref, wmask, xs_ref.dtype)
+                part = _dot(x, w, c)
+                out.append(a + (scale(part, s_ref, d0 // q.bi) if q is not None and q.per_step else part))
+            return tuple(out)
 
         zero = jnp.zeros((c.rows, c.block_f), jnp.float32)
         acc_g, acc_u = lax.fori_loop(0, steps, step, (zero, zero))
+        if q is not None and not q.per_step:  # one row block: the scales once (linear over the D splits)
+            acc_g, acc_u = (scale(a, s_ref, jnp.int32(0)) for a, s_ref in zip((acc_g, acc_u), scale_refs))
         omask = _and(rmask[:, None], None if fmask is None else fmask[None, :])
         plgpu.store(pg_ref.at[s, pl.ds(r0, c.rows), pl.ds(f0, c.block_f)], acc_g, mask=omask)
         plgpu.store(pu_ref.at[s, pl.ds(r0, c.rows), pl.ds(f0, c.block_f)], acc_u, mask=omask)
@@ -188,12 +215,16 @@ def _gate_up_kernel(expert_ref, start_ref, count_ref, xs_ref, gate_ref, up_ref, 
 
 def _down_kernel(expert_ref, start_ref, count_ref, pg_ref, pu_ref, down_ref, *refs, c: _Config, d: int, f: int,
                  act: Callable, has_bias: bool):
-    # pg/pu [splits, P, F] float32; down [E, F, D]; [bias_g, bias_u [E, F], bias_d [E, D]]; ys [P, D].
-    *bias_refs, ys_ref = refs
+    # pg/pu [splits, P, F] float32; down [E, F, D]; [quantized: its scales [E, nbi, nbo] float32]; [bias_g, bias_u
+    # [E, F], bias_d [E, D]]; ys [P, D].
+    *refs, ys_ref = refs
+    q = c.down
+    s_ref, bias_refs = (refs[0], refs[1:]) if q is not None else (None, refs)
     g, j = pl.program_id(0), pl.program_id(1)
     e, count = expert_ref[g], count_ref[g]
     d0 = j * c.block_n
     dmask = _tail_mask(d0, c.block_n, d)
+    scale = lambda part, kb: q.scaled(part, s_ref, (e,), kb, d0, c.block_n, dmask)  # noqa: E731
 
     def tile(r0, rmask):
         def step(i, acc):
@@ -208,12 +239,16 @@ def _down_kernel(expert_ref, start_ref, count_ref, pg_ref, pu_ref, down_ref, *re
                 hu = hu + _load(bias_refs[1].at[e, pl.ds(k0, c.block_k)], kmask).astype(jnp.float32)[None, :]
             # Columns past F hold act(0, 0) (0 for SwiGLU and gpt-oss's), padding rows are never stored,
             # and the matching down rows load as 0: nothing out of bounds reaches an output.
-            h = act(hg, hu).astype(down_ref.dtype)
+            # (quantized: the hidden in x's dtype, as the reference's, against the values converted to it)
+            h = act(hg, hu).astype(down_ref.dtype if q is None else ys_ref.dtype)
             wmask = _and(None if kmask is None else kmask[:, None], None if dmask is None else dmask[None, :])
-            w = _load(down_ref.at[e, pl.ds(k0, c.block_k), pl.ds(d0, c.block_n)], wmask)
-            return acc + _dot(h, w, c)
+            tile_ref = down_ref.at[e, pl.ds(k0, c.block_k), pl.ds(d0, c.block_n)]
+            part = _dot(h, _load(tile_ref, wmask) if q is None else q.weights(tile_ref, wmask, ys_ref.dtype), c)
+            return acc + (scale(part, k0 // q.bi) if q is not None and q.per_step else part)
 
         acc = lax.fori_loop(0, cdiv(f, c.block_k), step, jnp.zeros((c.rows, c.block_n), jnp.float32))
+        if q is not None and not q.per_step:
+            acc = scale(acc, jnp.int32(0))
         if has_bias:
             acc = acc + _load(bias_refs[2].at[e, pl.ds(d0, c.block_n)], dmask).astype(jnp.float32)[None, :]
         plgpu.store(ys_ref.at[pl.ds(r0, c.rows), pl.ds(d0, c.block_n)], acc.astype(ys_ref.dtype),
@@ -423,7 +458,8 @@ def unsupported_reason(x, weights, idx, gate, up, down, *, biases: Biases | None
         want = (e, cdiv(rows, block[0]), cdiv(cols, block[1]))
         if tuple(scale.shape) != want:
             return f"{name} scales {tuple(scale.shape)} do not fit [{rows}, {cols}] values in blocks of {block}"
-    bf, bd, bn, bk = _pair_tiles(d, f, quant, block_f, block_d, block_n, block_k)
+    tiles = _pair_tiles if math.prod(idx.shape) <= e else _sorted_tiles  # the form grouped_experts runs
+    bf, bd, bn, bk = tiles(d, f, quant, block_f, block_d, block_n, block_k)
     return (weight_reason(gate.dtype, quant.gate_up_block, bd, bf, interpret=interpret)
             or weight_reason(down.dtype, quant.down_block, bk, bn, interpret=interpret))
 
@@ -433,33 +469,41 @@ def grouped_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.
                     quant: ExpertScales | None = None, **tuning) -> jax.Array:
     """The routed experts' MLP of :func:`dflash_jax.kernels.moe.experts_gathered`, reading only routed experts'
     weights: :func:`pair_experts` for calls of at most :data:`PAIR_MAX_TOKENS` tokens and for quantized experts
-    (``quant``; module docstring), else :func:`sorted_experts` (the pairs grouped by expert). Not jitted itself
-    (``act`` may be a fresh closure each call): call it inside a jitted program. ``tuning``: the chosen
-    function's keywords."""
-    if quant is not None:
-        return pair_experts(x, weights, idx, gate, up, down, biases=biases, act=act, quant=quant, **tuning)
+    (``quant``; module docstring) of at most E pairs, else :func:`sorted_experts` (the pairs grouped by expert). Not
+    jitted itself (``act`` may be a fresh closure each call): call it inside a jitted program. ``tuning``: the
+    chosen function's keywords."""
+    if quant is not None:  # pairs up to E: one program a pair (measured); more: each expert read once
+        impl = pair_experts if math.prod(idx.shape) <= gate.shape[0] else sorted_experts
+        return impl(x, weights, idx, gate, up, down, biases=biases, act=act, quant=quant, **tuning)
     impl = pair_experts if idx.shape[0] <= PAIR_MAX_TOKENS else sorted_experts
     return impl(x, weights, idx, gate, up, down, biases=biases, act=act, **tuning)
 
 
 def sorted_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.Array, up: jax.Array,
                    down: jax.Array, *, biases: Biases | None = None, act: Callable = swiglu,
-                   block_f: int | None = None, block_d: int | None = None, num_splits: int | None = None,
-                   block_n: int | None = None, block_k: int | None = None, num_warps: int | None = None,
-                   num_stages: int | None = None, interpret: bool = False, programs_per_sm: int = 0) -> jax.Array:
+                   quant: ExpertScales | None = None, block_f: int | None = None, block_d: int | None = None,
+                   num_splits: int | None = None, block_n: int | None = None, block_k: int | None = None,
+                   num_warps: int | None = None, num_stages: int | None = None, interpret: bool = False,
+                   programs_per_sm: int = 0) -> jax.Array:
     """The routed experts grouped by expert (module docstring): each routed expert's weights read once, however
     many tokens routed to it. Not jitted itself (``act`` may be a fresh closure each call): call it inside a
     jitted program. Tuning (static): ``block_f``/``block_d``/``num_splits`` of the gate/up kernel,
     ``block_n``/``block_k`` of the down kernel (powers of two ≥ 16; default 64, splits for ~4 programs per
     SM), ``num_warps`` (4), ``num_stages`` (3); ``programs_per_sm``: D splits of the gate/up kernel for
-    about that many programs per SM when ``num_splits`` is None (0: none)."""
+    about that many programs per SM when ``num_splits`` is None (0: none).
+
+    ``quant``: quantized experts (module docstring): each tile loaded as stored, converted to x's dtype in
+    registers for the tensor-core dot, the products scaled per loop step where the expert's input rows have
+    several row blocks (tiles narrowed inside the scale blocks), else once."""
     n, k = idx.shape
     e, d, f = gate.shape
     p = n * k
     groups = min(e, p)
     c = _make_config(n, groups, d, f, x.dtype, block_f=block_f, block_d=block_d, num_splits=num_splits,
                      block_n=block_n, block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                     programs_per_sm=programs_per_sm)
+                     programs_per_sm=programs_per_sm, quant=quant, q_dtypes=(gate.dtype, down.dtype))
+    gu_scales, d_scales = ((), ()) if quant is None else (
+        (quant.gate.astype(jnp.float32), quant.up.astype(jnp.float32)), (quant.down.astype(jnp.float32),))
     grp = group_pairs(idx, e)
     xs = jnp.zeros((p, d), x.dtype).at[grp.pos].set(jnp.repeat(x, k, axis=0))  # pair rows in expert order
     meta = (grp.expert, grp.start, grp.count)
@@ -468,12 +512,12 @@ def sorted_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.A
     pg, pu = pl.pallas_call(
         functools.partial(_gate_up_kernel, c=c, d=d, f=f), out_shape=[partial, partial],
         grid=(groups, cdiv(f, c.block_f), c.splits), compiler_params=params, interpret=interpret,
-        name="dflash_moe_gate_up")(*meta, xs, gate, up)
+        name="dflash_moe_gate_up")(*meta, xs, gate, up, *gu_scales)
     ys = pl.pallas_call(
         functools.partial(_down_kernel, c=c, d=d, f=f, act=act, has_bias=biases is not None),
         out_shape=jax.ShapeDtypeStruct((p, d), x.dtype), grid=(groups, cdiv(d, c.block_n)),
         compiler_params=params, interpret=interpret, name="dflash_moe_down")(
-        *meta, pg, pu, down, *(biases or ()))
+        *meta, pg, pu, down, *d_scales, *(biases or ()))
     return combine(ys[grp.pos].reshape(n, k, d), weights)
 
 
@@ -499,16 +543,16 @@ def _quantized_entry(x, weights, idx, gate, up, down, *, biases, act, kernels: K
 
     * the quantized-kernel knobs say no: ``kernels.tuning.quant_kernel`` off, or float8 values with
       ``quant_kernel_float8`` off (the knobs of :mod:`dflash_jax.cuda.quantized`, one switch for both kernels);
-    * the call has more (token, expert) pairs than there are experts: :func:`dflash_jax.kernels.moe.experts_auto`
-      then runs every expert once (``experts_dense_quantized``, a few experts a loop step), reading fewer weights
-      than the pairs would (a prefill or a wide verify: E / K times the routed arithmetic, so the next lever for
-      verify-sized calls is a kernel that reads each expert once for all its pairs);
+    * the call has more (token, expert) pairs than there are experts and ``moe_quantized_sorted`` is off:
+      :func:`dflash_jax.kernels.moe.experts_auto` then runs every expert once (``experts_dense_quantized``, a
+      few experts a loop step: E / K times the routed arithmetic). On, :func:`sorted_experts` reads each routed
+      expert once for all its pairs (off until timed on a GPU);
     * under a device mesh (the scales' sharding over the experts' hidden is not split here);
     * :func:`unsupported_reason` names a reason."""
     tuning = kernels.tuning
     if not tuning.quant_kernel or (jnp.dtype(gate.dtype) == jnp.float8_e4m3fn and not tuning.quant_kernel_float8):
         return None  # turned off by the caller: not worth a log line
-    if math.prod(idx.shape) > gate.shape[0]:
+    if math.prod(idx.shape) > gate.shape[0] and not tuning.moe_quantized_sorted:
         return None  # prefill-sized: the reference (docstring), not worth a log line either
     why = "under a device mesh" if mesh_sizes() else unsupported_reason(
         x, weights, idx, gate, up, down, biases=biases, quant=quant, interpret=interpret)

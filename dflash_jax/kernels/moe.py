@@ -32,8 +32,9 @@ with its own float32 block scales (``[E, nbi, nbo]``, the layout of :mod:`dflash
 :func:`experts_gathered` gathers the routed experts' quantized values (1 byte a weight) and scales the partial
 products as :func:`dflash_jax.kernels.quantized.reference` does; beyond decode sizes :func:`experts_auto` runs
 every expert, a few at a time (:func:`experts_dense_quantized`: at most ``moe_dense_quantized_step_bytes`` of
-converted values at a time, never the whole float stack). The GPU kernel (:mod:`dflash_jax.cuda.moe`) takes quantized experts at decode sizes; the TPU
-kernel declines them (the references run).
+converted values at a time, never the whole float stack). The GPU kernel (:mod:`dflash_jax.cuda.moe`) takes
+quantized experts at decode sizes, and larger calls with ``moe_quantized_sorted``; the TPU kernel declines them
+(the references run).
 """
 
 from __future__ import annotations
@@ -295,8 +296,8 @@ def per_shard(fn: Callable, args: tuple, sizes: dict[str, int]) -> jax.Array:
                          check_vma=False)(*args)
 
 
-def kernel_unsupported_reason(kernels: Kernels, x, weights, idx, gate, up, down, *, biases: Biases | None = None
-                              ) -> str | None:
+def kernel_unsupported_reason(kernels: Kernels, x, weights, idx, gate, up, down, *, biases: Biases | None = None,
+                              quantized: bool = False) -> str | None:
     """Why :func:`experts_auto` does not hand these arguments to a kernel at all under ``kernels`` (None: the
     kernel of ``kernels.impl`` is asked, which may still decline: its own rules, a mesh the arguments do not
     split over, a failed compile). Arrays or ShapeDtypeStructs."""
@@ -305,7 +306,7 @@ def kernel_unsupported_reason(kernels: Kernels, x, weights, idx, gate, up, down,
         return f"no MoE kernel for attention_impl={kernels.impl!r}"
     if backend not in tuning.moe_kernels_on and not tuning.interpret:
         return f"backend {backend!r} not in moe_kernels_on = {tuning.moe_kernels_on}"
-    if x.shape[0] > tuning.moe_kernel_max_tokens:
+    if x.shape[0] > tuning.moe_kernel_max_tokens and not (quantized and tuning.moe_quantized_sorted):
         return f"{x.shape[0]} tokens > moe_kernel_max_tokens = {tuning.moe_kernel_max_tokens}"
     return None
 
@@ -340,7 +341,8 @@ def experts_auto(x, weights, idx, gate, up, down, *, kernels: Kernels = Kernels(
     prefill and wide verify batches run every expert (on a GPU: at 1 token gathering takes a twelfth of the
     dense time, at 16 tokens still ~13 % less).
     """
-    if kernel_unsupported_reason(kernels, x, weights, idx, gate, up, down, biases=kw.get("biases")) is None:
+    if kernel_unsupported_reason(kernels, x, weights, idx, gate, up, down, biases=kw.get("biases"),
+                                 quantized=kw.get("quant") is not None) is None:
         out = kernel("moe_experts", kernels)(x, weights, idx, gate, up, down, kernels=kernels, **kw)
         if out is not None:
             return out

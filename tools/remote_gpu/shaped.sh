@@ -22,6 +22,8 @@
 #           rows p = 0.2, the untimed first call timed too, with each segment's tiers first run; again with CUDA's
 #           lazy loading off and with the tier switch as a graph node (~8 min)
 #   qdefault block fp8 at 1 / 16 / 64 rows with the defaults (the GPU kernel from 3 to 64 tokens) (~4 min)
+#   qmoesorted the MoE shape's block-fp8 AR step and cycle at 16 rows, quantized experts past E pairs through the
+#           sorted kernels against the default (every expert a few at a time; H200: the bf16 stack fits) (~8 min)
 #   qacts   next's second half alone: block fp8 at 16 / 64 rows through XLA's scaled activations (~3 min)
 #   qgroup  the quantized kernels' GPU tests, then the 8B int8 AR step and cycle at 1 / 16 rows with q / k / v and
 #           gate / up each in one launch (quant_group_kernel) against one launch a layer (issue 56) (~6 min)
@@ -71,6 +73,10 @@ case "$1" in
               --quant-kernel blocked --out $OUT/qstep_8b_fp8_block_kernel.json 2>&1 | tail -n 5 ;;
   qdefault) timeout 250 python3 benchmarks/bench_quantized_step.py --quantizations fp8-block --batches 1,16,64 \
               --out $OUT/qstep_8b_fp8_block_default.json 2>&1 | tail -n 5 ;;
+  qmoesorted) # the MoE shape's block-fp8 verify through the sorted kernels (moe_quantized_sorted) against the default
+        for k in moe-sorted default; do XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 270 python3 \
+          benchmarks/bench_quantized_step.py --shape moe --quantizations fp8-block --batches 16 --quant-kernel $k \
+          --out $OUT/qstep_moe_fp8_block_$k.json 2>&1 | tail -n 3; done ;;
   qacts) timeout 170 python3 benchmarks/bench_quantized_step.py --quantizations fp8-block --batches 16,64 \
           --out $OUT/qstep_8b_fp8_block_acts.json 2>&1 | tail -n 4 ;;
   next) for p in 0.2 0.3; do timeout 160 python3 benchmarks/bench_compact_scaled.py --batches 128 --corrupt $p --modes auto \
@@ -107,5 +113,5 @@ case "$1" in
   qsweep1) timeout 570 python3 benchmarks/bench_quantized_step.py --sweep --sweep-tokens 1 --sweep-schemes int8 \
             --repeats 3 --out $OUT/qsweep1.json 2>&1 | tail -n 80 ;;
   qsweep) timeout 570 python3 benchmarks/bench_quantized_step.py --sweep --out $OUT/qsweep.json 2>&1 | tail -n 40 ;;
-  *) echo "usage: $0 recheck|short|kinds|kinds64|qnext|qdefault|qacts|qblocked|qmoe|pick|topk|p02|p03|qgroup|one|mini|micro|qsweep1|qsweep" >&2; exit 2 ;;
+  *) echo "usage: $0 recheck|short|kinds|kinds64|qnext|qdefault|qmoesorted|qacts|qblocked|qmoe|pick|topk|p02|p03|qgroup|one|mini|micro|qsweep1|qsweep" >&2; exit 2 ;;
 esac
