@@ -2,12 +2,13 @@ r"""What a user gets with the defaults, at every batch: ``speculative_generate``
 fallback to autoregressive steps) against ``generate`` on an embedded pair, whole calls, the project's own mixed
 prompts (``data/latency_prompts.json``: HumanEval, MT-Bench and general chat, cycled to fill the batch).
 
-Per batch: one untimed call of each, then ``--rounds`` rounds that time AR and speculative back to back (the
-fastest of the rounds is kept for each: this is how the issue's table was taken, and a shared machine's noise
-only ever adds time). Records tokens/s of both, their ratio, and of the fastest speculative call τ, the verify
-mode auto ran, the steps that fell back (and every call's seconds and segment log; a round that compiled is rerun),
-and whether the tokens equal AR's (bf16 on a GPU: a verify of several tokens may round differently from one step,
-so a few rows can differ; float32 is token-identical, tests/test_switching.py).
+Batch 1 runs the set's first ``--single-prompts`` prompts (8), one call each, as one round (a single prompt's τ is
+one text's); larger batches one call. Per batch: one untimed round of each, then ``--rounds`` rounds that time AR
+and speculative back to back (the fastest of the rounds is kept for each: this is how the issue's table was taken,
+and a shared machine's noise only ever adds time). Records tokens/s of both, their ratio, and of the fastest
+speculative call τ, the verify mode auto ran, the steps that fell back (and every call's seconds and segment log; a
+round that compiled is rerun), and whether the tokens equal AR's (bf16 on a GPU: a verify of several tokens may
+round differently from one step, so a few rows can differ; float32 is token-identical, tests/test_switching.py).
 
     # GPU (bf16), both pairs
     python benchmarks/bench_defaults.py --pair smollm2-135m --batches 1,16,64,128 --dtype bfloat16 --out $OUT/dflash.json
@@ -40,21 +41,38 @@ from dflash_jax.engine import programs  # noqa: E402
 PROMPTS = Path(__file__).parent / "data" / "latency_prompts.json"
 
 
-def batch_case(target, drafter, prompts: list[list[int]], max_new: int, rounds: int) -> dict:
-    """The fastest of ``rounds`` timed calls of each, and the stats of that fastest speculative call (whether it
-    drafted, probed or fell back); every call's seconds and segment log too, since which call held a probe moves
-    the ratio. A round whose speculative call compiled a program (the fallback's, first needed after the untimed
-    call) does not count, and another round is run in its place (at most two more)."""
+def _merged(outs: list) -> dict:
+    """One round's speculative calls (a batch, or batch 1's prompts one call each) as one: τ weighted by cycles,
+    the steps and segments of every call."""
+    cycles = [o.stats["cycles"] for o in outs]
+    fallback = [o.stats.get("ar_fallback_steps") for o in outs]
+    logs = [o.stats.get("fallback_log") for o in outs]
+    return dict(tau=sum(o.tau * c for o, c in zip(outs, cycles)) / max(1, sum(cycles)),
+                verify_mode="/".join(sorted({o.stats["verify_mode"] for o in outs})),
+                ar_fallback_steps=None if all(f is None for f in fallback) else sum(f or 0 for f in fallback),
+                fallback_switches=outs[-1].stats.get("fallback_switches") if len(outs) == 1 else None,
+                cycles=sum(cycles),
+                fallback_log=logs[0] if len(outs) == 1 else (None if all(g is None for g in logs) else
+                                                            [s for g in logs for s in (g or [])]))
+
+
+def batch_case(target, drafter, batches: list[list[list[int]]], max_new: int, rounds: int) -> dict:
+    """The fastest of ``rounds`` timed rounds of each — a round runs ``batches`` one call each (one batch, or batch
+    1's prompts one at a time) — and the stats of that fastest speculative round (whether it drafted, probed or
+    fell back); every round's seconds and segment log too, since which call held a probe moves the ratio. A round
+    whose speculative calls compiled a program (the fallback's, first needed after the untimed round) does not
+    count, and another round is run in its place (at most two more)."""
     kw = dict(max_new_tokens=max_new)
-    generate(target, prompts, **kw)  # compiles; its time is not counted
-    speculative_generate(target, drafter, prompts, **kw)
+    for prompts in batches:  # compiles; its time is not counted
+        generate(target, prompts, **kw)
+        speculative_generate(target, drafter, prompts, **kw)
     ar_calls, sp_calls, compiled = [], [], []
     while len(ar_calls) - sum(compiled) < rounds and len(ar_calls) < rounds + 2:
         t0 = time.perf_counter()
-        ar = generate(target, prompts, **kw)
+        ar = [generate(target, prompts, **kw) for prompts in batches]
         t1 = time.perf_counter()
         before = programs.compile_count()
-        sp = speculative_generate(target, drafter, prompts, **kw)
+        sp = [speculative_generate(target, drafter, prompts, **kw) for prompts in batches]
         t2 = time.perf_counter()
         compiled.append(programs.compile_count() != before)
         ar_calls.append((t1 - t0, ar))
@@ -62,18 +80,19 @@ def batch_case(target, drafter, prompts: list[list[int]], max_new: int, rounds: 
     counted = [i for i, c in enumerate(compiled) if not c] or list(range(len(compiled)))
     best_ar, ar = min((ar_calls[i] for i in counted), key=lambda c: c[0])
     best_sp, sp = min((sp_calls[i] for i in counted), key=lambda c: c[0])
-    n_ar, n_sp = sum(map(len, ar.token_ids)), sum(map(len, sp.token_ids))
-    same = sum(a == b for a, b in zip(ar.token_ids, sp.token_ids)) / len(prompts)
+    ar_rows = [r for o in ar for r in o.token_ids]
+    sp_rows = [r for o in sp for r in o.token_ids]
+    n_ar, n_sp = sum(map(len, ar_rows)), sum(map(len, sp_rows))
+    same = sum(a == b for a, b in zip(ar_rows, sp_rows)) / len(ar_rows)
+    merged = [_merged(c[1]) for c in sp_calls]
     return dict(ar_tokens_per_s=n_ar / best_ar, speculative_tokens_per_s=n_sp / best_sp,
-                ratio=(n_sp / best_sp) / (n_ar / best_ar), ar_s=best_ar, speculative_s=best_sp, tau=sp.tau,
-                verify_mode=sp.stats["verify_mode"], ar_fallback_steps=sp.stats.get("ar_fallback_steps"),
-                fallback_switches=sp.stats.get("fallback_switches"), cycles=sp.stats["cycles"],
-                fallback_log=sp.stats.get("fallback_log"),
+                ratio=(n_sp / best_sp) / (n_ar / best_ar), ar_s=best_ar, speculative_s=best_sp,
+                calls_per_round=len(batches), **_merged(sp),
                 rows_identical_to_ar=same, ar_calls_s=[c[0] for c in ar_calls],
                 speculative_calls_s=[c[0] for c in sp_calls],
-                speculative_calls_fallback_steps=[c[1].stats.get("ar_fallback_steps") for c in sp_calls],
+                speculative_calls_fallback_steps=[m["ar_fallback_steps"] for m in merged],
                 speculative_calls_compiled=compiled,
-                speculative_calls_fallback_logs=[c[1].stats.get("fallback_log") for c in sp_calls])
+                speculative_calls_fallback_logs=[m["fallback_log"] for m in merged])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default=None, help="the pair's compute dtype (default: the pair's own)")
     ap.add_argument("--limit", type=int, default=None, help="use only the first N prompts of the set")
+    ap.add_argument("--single-prompts", type=int, default=8,
+                    help="batch 1 runs the set's first N prompts, one call each, per round (a single prompt's τ "
+                         "is one text's)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     target, drafter = load_pair(args.pair, **({"dtype": args.dtype} if args.dtype else {}))
@@ -93,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                   device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
                   host=platform.node(), pair=args.pair, max_new=args.max_new, prompts=len(ids), batches={})
     for b in (int(x) for x in args.batches.split(",")):
-        prompts = [ids[i % len(ids)] for i in range(b)]
-        case = batch_case(target, drafter, prompts, args.max_new, args.rounds)
+        batches = ([[p] for p in ids[: args.single_prompts]] if b == 1 else
+                   [[ids[i % len(ids)] for i in range(b)]])
+        case = batch_case(target, drafter, batches, args.max_new, args.rounds)
         result["batches"][str(b)] = case
         args.out.write_text(json.dumps(result, indent=1))
         fell_back = ("fallback not armed" if case["ar_fallback_steps"] is None else
