@@ -35,7 +35,7 @@ import jax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import source_commit  # noqa: E402
-from dflash_jax import generate, load_pair, speculative_generate  # noqa: E402
+from dflash_jax import costs, generate, load_pair, speculative_generate  # noqa: E402
 from dflash_jax.engine import programs  # noqa: E402
 
 PROMPTS = Path(__file__).parent / "data" / "latency_prompts.json"
@@ -111,9 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     target, drafter = load_pair(args.pair, **({"dtype": args.dtype} if args.dtype else {}))
     ids = [p["ids"] for p in json.loads(PROMPTS.read_text())][: args.limit]
     commit = source_commit()
+    table = costs.resolve(None, jax.default_backend(), drafter.cost_tables)  # what auto schedules with
     result = dict(command=" ".join(sys.argv), date=datetime.date.today().isoformat(), commit=commit,
                   device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
-                  host=platform.node(), pair=args.pair, max_new=args.max_new, prompts=len(ids), batches={})
+                  host=platform.node(), pair=args.pair, max_new=args.max_new, prompts=len(ids),
+                  cost_table=dict(pair=table.pair, device=table.device, created=table.created,
+                                  batches=sorted(table.step_ms)), batches={})
     for b in (int(x) for x in args.batches.split(",")):
         batches = ([[p] for p in ids[: args.single_prompts]] if b == 1 else
                    [[ids[i % len(ids)] for i in range(b)]])
