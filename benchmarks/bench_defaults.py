@@ -56,13 +56,15 @@ def _merged(outs: list) -> dict:
                                                             [s for g in logs for s in (g or [])]))
 
 
-def batch_case(target, drafter, batches: list[list[list[int]]], max_new: int, rounds: int) -> dict:
+def batch_case(target, drafter, batches: list[list[list[int]]], max_new: int, rounds: int,
+               stop: bool = True) -> dict:
     """The fastest of ``rounds`` timed rounds of each — a round runs ``batches`` one call each (one batch, or batch
     1's prompts one at a time) — and the stats of that fastest speculative round (whether it drafted, probed or
     fell back); every round's seconds and segment log too, since which call held a probe moves the ratio. A round
     whose speculative calls compiled a program (the fallback's, first needed after the untimed round) does not
-    count, and another round is run in its place (at most two more)."""
-    kw = dict(max_new_tokens=max_new)
+    count, and another round is run in its place (at most two more). ``stop`` off: no row ends at an end-of-text
+    token (``stop_token_ids=[]``), so every row of both sides makes ``max_new`` tokens."""
+    kw = dict(max_new_tokens=max_new, **({} if stop else dict(stop_token_ids=[])))
     for prompts in batches:  # compiles; its time is not counted
         generate(target, prompts, **kw)
         speculative_generate(target, drafter, prompts, **kw)
@@ -106,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--single-prompts", type=int, default=8,
                     help="batch 1 runs the set's first N prompts, one call each, per round (a single prompt's τ "
                          "is one text's)")
+    ap.add_argument("--no-stop", action="store_true",
+                    help="no row ends at an end-of-text token: every row makes --max-new tokens on both sides, so "
+                         "pairs compare on equal lengths (bf16 rows leave generate's text and stop elsewhere)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     target, drafter = load_pair(args.pair, **({"dtype": args.dtype} if args.dtype else {}))
@@ -120,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     for b in (int(x) for x in args.batches.split(",")):
         batches = ([[p] for p in ids[: args.single_prompts]] if b == 1 else
                    [[ids[i % len(ids)] for i in range(b)]])
-        case = batch_case(target, drafter, batches, args.max_new, args.rounds)
+        case = batch_case(target, drafter, batches, args.max_new, args.rounds, stop=not args.no_stop)
         result["batches"][str(b)] = case
         args.out.write_text(json.dumps(result, indent=1))
         fell_back = ("fallback not armed" if case["ar_fallback_steps"] is None else
