@@ -43,17 +43,16 @@ PROMPTS = Path(__file__).parent / "data" / "latency_prompts.json"
 
 def _merged(outs: list) -> dict:
     """One round's speculative calls (a batch, or batch 1's prompts one call each) as one: τ weighted by cycles,
-    the steps and segments of every call."""
+    the steps, switches and segments of every call (None where no call reports them)."""
+    def summed(key, empty):
+        parts = [o.stats.get(key) for o in outs]
+        return None if all(v is None for v in parts) else sum((v or empty for v in parts), empty)
+
     cycles = [o.stats["cycles"] for o in outs]
-    fallback = [o.stats.get("ar_fallback_steps") for o in outs]
-    logs = [o.stats.get("fallback_log") for o in outs]
     return dict(tau=sum(o.tau * c for o, c in zip(outs, cycles)) / max(1, sum(cycles)),
                 verify_mode="/".join(sorted({o.stats["verify_mode"] for o in outs})),
-                ar_fallback_steps=None if all(f is None for f in fallback) else sum(f or 0 for f in fallback),
-                fallback_switches=outs[-1].stats.get("fallback_switches") if len(outs) == 1 else None,
-                cycles=sum(cycles),
-                fallback_log=logs[0] if len(outs) == 1 else (None if all(g is None for g in logs) else
-                                                            [s for g in logs for s in (g or [])]))
+                ar_fallback_steps=summed("ar_fallback_steps", 0), fallback_switches=summed("fallback_switches", 0),
+                cycles=sum(cycles), fallback_log=summed("fallback_log", []))
 
 
 def batch_case(target, drafter, batches: list[list[list[int]]], max_new: int, rounds: int,

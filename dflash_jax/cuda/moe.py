@@ -282,6 +282,12 @@ class _PairConfig:
     down: Scaling | None = None  # ... and down's [F, D]
 
 
+def _pair_form(idx, num_experts: int) -> bool:
+    """Whether quantized experts run :func:`pair_experts` (at most E (token, expert) pairs, which read no more
+    weight sets than there are experts) rather than :func:`sorted_experts`. Arrays or ShapeDtypeStructs."""
+    return math.prod(idx.shape) <= num_experts
+
+
 def _pair_tiles(d: int, f: int, quant: ExpertScales | None, block_f, block_d, block_n, block_k
                 ) -> tuple[int, int, int, int]:
     """(block_f, block_d, block_n, block_k) of the pair kernels: the defaults (32-wide F blocks, 128 D rows, 64
@@ -458,7 +464,7 @@ def unsupported_reason(x, weights, idx, gate, up, down, *, biases: Biases | None
         want = (e, cdiv(rows, block[0]), cdiv(cols, block[1]))
         if tuple(scale.shape) != want:
             return f"{name} scales {tuple(scale.shape)} do not fit [{rows}, {cols}] values in blocks of {block}"
-    tiles = _pair_tiles if math.prod(idx.shape) <= e else _sorted_tiles  # the form grouped_experts runs
+    tiles = _pair_tiles if _pair_form(idx, e) else _sorted_tiles  # the form grouped_experts runs
     bf, bd, bn, bk = tiles(d, f, quant, block_f, block_d, block_n, block_k)
     return (weight_reason(gate.dtype, quant.gate_up_block, bd, bf, interpret=interpret)
             or weight_reason(down.dtype, quant.down_block, bk, bn, interpret=interpret))
@@ -473,7 +479,7 @@ def grouped_experts(x: jax.Array, weights: jax.Array, idx: jax.Array, gate: jax.
     jitted itself (``act`` may be a fresh closure each call): call it inside a jitted program. ``tuning``: the
     chosen function's keywords."""
     if quant is not None:  # pairs up to E: one program a pair (measured); more: each expert read once
-        impl = pair_experts if math.prod(idx.shape) <= gate.shape[0] else sorted_experts
+        impl = pair_experts if _pair_form(idx, gate.shape[0]) else sorted_experts
         return impl(x, weights, idx, gate, up, down, biases=biases, act=act, quant=quant, **tuning)
     impl = pair_experts if idx.shape[0] <= PAIR_MAX_TOKENS else sorted_experts
     return impl(x, weights, idx, gate, up, down, biases=biases, act=act, **tuning)
@@ -552,7 +558,7 @@ def _quantized_entry(x, weights, idx, gate, up, down, *, biases, act, kernels: K
     tuning = kernels.tuning
     if not tuning.quant_kernel or (jnp.dtype(gate.dtype) == jnp.float8_e4m3fn and not tuning.quant_kernel_float8):
         return None  # turned off by the caller: not worth a log line
-    if math.prod(idx.shape) > gate.shape[0] and not tuning.moe_quantized_sorted:
+    if not _pair_form(idx, gate.shape[0]) and not tuning.moe_quantized_sorted:
         return None  # prefill-sized: the reference (docstring), not worth a log line either
     why = "under a device mesh" if mesh_sizes() else unsupported_reason(
         x, weights, idx, gate, up, down, biases=biases, quant=quant, interpret=interpret)
