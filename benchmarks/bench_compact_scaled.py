@@ -23,11 +23,12 @@ verify of several tokens may round differently from one step, so a few rows can 
 token-identical, tests/test_schedule.py). ``--plot`` draws the throughput–latency curve of every mode and AR:
 tokens/s against per-row ms per token (1000 × batch ÷ tokens/s), log-log, each point labelled by its batch.
 
-    # GPU: the Qwen3-8B shape at p = 0.2, the Qwen3-30B-A3B shape at p = 0.3
+    # GPU: the Qwen3-8B shape at p = 0.2
     python benchmarks/bench_compact_scaled.py --batches 1,4,16,32,64,128 --corrupt 0.2 --out $OUT/8b.json \
         --plot $OUT/8b.png
-    python benchmarks/bench_compact_scaled.py --shape moe --batches 1,4,16,32,64,128 --corrupt 0.3 --out $OUT/moe.json \
-        --plot $OUT/moe.png
+    # the Qwen3-30B-A3B shape at both rates, each batch's AR reference and table shared: moe_p0.3.json, moe_p0.2.json
+    python benchmarks/bench_compact_scaled.py --shape moe --batches 1,4,16,32,64,128 --corrupt 0.3,0.2 \
+        --out $OUT/moe.json --plot $OUT/moe.png
     # CPU smoke tests (tiny shapes)
     python benchmarks/bench_compact_scaled.py --small --batches 2,4 --repeats 1 --out /tmp/s8b.json --plot /tmp/s8b.png
     python benchmarks/bench_compact_scaled.py --small --shape moe --batches 2,4 --repeats 1 --out /tmp/smoe.json \
@@ -188,25 +189,35 @@ def earlier_table(paths: list[Path], batch: int) -> costs.CostTable | None:
     return None
 
 
-def batch_case(target, batch: int, args, table_files: list[Path]) -> dict:
+def batch_case(target, batch: int, args, table_files: list[Path]) -> dict[float, dict]:
+    """Every rate of ``args.corrupts`` at ``batch`` rows: the AR reference and the cost table once (the drafter's
+    cost does not depend on its acceptance), then each rate's modes → {rate: that rate's JSON case}."""
     rng = np.random.default_rng(batch)
     prompts = rng.integers(0, target.config.vocab_size, (batch, args.prompt_len)).tolist()
     kw = dict(max_new_tokens=args.max_new, stop_token_ids=[], tuning=args.tuning)
     ar, ar_s = timed(lambda: generate(target, prompts, **kw), args.repeats)
-    drafter = known_drafter(target, prompts, ar.token_ids, layers=args.drafter_layers, block=args.block_size,
-                            corrupt=args.corrupt, trained_widths=args.trained_widths)
+    drafters = {p: known_drafter(target, prompts, ar.token_ids, layers=args.drafter_layers, block=args.block_size,
+                                 corrupt=p, trained_widths=args.trained_widths) for p in args.corrupts}
     t0 = time.perf_counter()
     table = earlier_table(table_files, batch)
     if table is None:
-        table = calibrate.measure(target, drafter, batches=(batch,), block_size=args.block_size,
+        table = calibrate.measure(target, drafters[args.corrupts[0]], batches=(batch,), block_size=args.block_size,
                                   context=args.prompt_len + args.max_new // 2, pair=f"{args.shape_name}-shaped",
                                   progress=lambda line: print("  " + line, flush=True), tuning=args.tuning,
                                   time_static="auto" in args.modes)  # auto reads it, as users' tables have it
     calibrate_s = time.perf_counter() - t0
     tokens = sum(map(len, ar.token_ids))
+    print(f"batch {batch:4d} ar       {tokens / ar_s:9.1f} tok/s", flush=True)
+    return {p: rate_case(target, batch, args, prompts, ar, ar_s, p, drafter, table, calibrate_s)
+            for p, drafter in drafters.items()}
+
+
+def rate_case(target, batch, args, prompts, ar, ar_s, corrupt, drafter, table, calibrate_s) -> dict:
+    """Rate ``corrupt``'s modes at ``batch`` rows against the AR reference ``ar`` (``ar_s`` seconds a call)."""
+    kw = dict(max_new_tokens=args.max_new, stop_token_ids=[], tuning=args.tuning)
+    tokens = sum(map(len, ar.token_ids))
     out = dict(ar=dict(tokens_per_s=tokens / ar_s, wall_s=ar_s), cost_table=table.to_json(),
                calibrate_s=calibrate_s)
-    print(f"batch {batch:4d} ar       {tokens / ar_s:9.1f} tok/s", flush=True)
     for mode in args.modes:
         # compact without the static column: its own tiers always (static runs beside it), not static's program
         mode_table = dataclasses.replace(table, static_ms={}) if mode == "compact" else table
@@ -223,7 +234,7 @@ def batch_case(target, batch: int, args, table_files: list[Path]) -> dict:
                          fallback_log=res.stats.get("fallback_log"))
         fell_back = (f", {res.stats['ar_fallback_steps']} of {res.stats['cycles']} steps fallen back"
                      if res.stats.get("ar_fallback_steps") is not None else "")
-        print(f"batch {batch:4d} {mode:8s} {n / wall:9.1f} tok/s  τ {res.tau:.2f}  "
+        print(f"batch {batch:4d} p {corrupt} {mode:8s} {n / wall:9.1f} tok/s  τ {res.tau:.2f}  "
               f"{out[mode]['verified_per_token']:.2f} verified per token  ({res.stats['verify_mode']}{fell_back})",
               flush=True)
         if res.stats.get("fallback_log"):
@@ -235,11 +246,11 @@ def batch_case(target, batch: int, args, table_files: list[Path]) -> dict:
     for mode in args.modes:
         out[f"{mode}_vs_ar"] = out[mode]["tokens_per_s"] / out["ar"]["tokens_per_s"]
         ratios.append(f"{mode} ÷ AR {out[f'{mode}_vs_ar']:.2f}")
-    if args.corrupt > 0 and table.step_ms.get(batch):  # what the table allows (tools/table_ceiling.py)
-        out["ceiling"] = table_ceiling.ceiling(table, batch, args.corrupt, args.max_new)
+    if corrupt > 0 and table.step_ms.get(batch):  # what the table allows (tools/table_ceiling.py)
+        out["ceiling"] = table_ceiling.ceiling(table, batch, corrupt, args.max_new)
         ratios.append(f"table's whole-call ceiling {out['ceiling']['best_whole_call_ratio']:.2f} "
                       f"(width {out['ceiling']['best_width']})")
-    print(f"batch {batch:4d} " + ", ".join(ratios), flush=True)
+    print(f"batch {batch:4d} p {corrupt} " + ", ".join(ratios), flush=True)
     return out
 
 
@@ -301,7 +312,9 @@ def main() -> int:
     ap.add_argument("--max-new", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--drafter-layers", type=int, default=5)
-    ap.add_argument("--corrupt", type=float, default=0.3, help="probability that a draft is made wrong")
+    ap.add_argument("--corrupt", default="0.3",
+                    help="probability that a draft is made wrong; several, comma-separated, share each batch's AR "
+                         "reference and table, each rate written to its own JSON (--out's name + _p<rate>)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--flat-logits", action="store_true",
@@ -337,17 +350,22 @@ def main() -> int:
     target = random_target(cfg, jnp.dtype(args.dtype))
     if not args.flat_logits:
         make_predictable(target)
+    args.corrupts = tuple(float(p) for p in args.corrupt.split(","))
     device = jax.devices()[0]
-    result = dict(date=time.strftime("%Y-%m-%d %H:%M"), device=getattr(device, "device_kind", str(device)),
-                  platform=platform.platform(), dtype=args.dtype, shape=args.shape_name, modes=list(args.modes),
-                  commit=source_commit(),
-                  args={k: str(v) for k, v in vars(args).items()}, batches={})
+    outs = {p: args.out if len(args.corrupts) == 1 else args.out.with_name(f"{args.out.stem}_p{p}{args.out.suffix}")
+            for p in args.corrupts}
+    results = {p: dict(date=time.strftime("%Y-%m-%d %H:%M"), device=getattr(device, "device_kind", str(device)),
+                       platform=platform.platform(), dtype=args.dtype, shape=args.shape_name, modes=list(args.modes),
+                       commit=source_commit(), args={**{k: str(v) for k, v in vars(args).items()}, "corrupt": str(p)},
+                       batches={})
+               for p in args.corrupts}
     for batch in (int(b) for b in args.batches.split(",")):
-        result["batches"][batch] = batch_case(target, batch, args, args.cost_table)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-        if args.plot:
-            plot(result, args.plot)
-    print(f"→ {args.out}" + (f", {args.plot}" if args.plot else ""))
+        for p, case in batch_case(target, batch, args, args.cost_table).items():
+            results[p]["batches"][batch] = case
+            outs[p].write_text(json.dumps(results[p], indent=1) + "\n")
+            if args.plot:
+                plot(results[p], args.plot if len(outs) == 1 else args.plot.with_name(f"{args.plot.stem}_p{p}.png"))
+    print("→ " + ", ".join(map(str, outs.values())) + (" and their plots" if args.plot else ""))
     return 0
 
 

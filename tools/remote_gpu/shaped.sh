@@ -24,6 +24,9 @@
 #   qdefault block fp8 at 1 / 16 / 64 rows with the defaults (the GPU kernel from 3 to 64 tokens) (~4 min)
 #   qmoesorted the MoE shape's block-fp8 AR step and cycle at 16 rows, quantized experts past E pairs through the
 #           sorted kernels against the default (every expert a few at a time; H200: the bf16 stack fits) (~8 min)
+#   qab     the block-fp8 default against XLA's scaled activations at 16 / 64 rows on one card (~6 min)
+#   p02big  8B shape, p = 0.2, static and auto at 64 and 256 rows (\${P02_B}, \${P02_S}) (~9 min)
+#   moesweep the MoE shape (bf16), p = 0.3 and 0.2, static and auto at \${MOE_B} rows (default 16) (~8 min a batch?)
 #   qacts   next's second half alone: block fp8 at 16 / 64 rows through XLA's scaled activations (~3 min)
 #   qgroup  the quantized kernels' GPU tests, then the 8B int8 AR step and cycle at 1 / 16 rows with q / k / v and
 #           gate / up each in one launch (quant_group_kernel) against one launch a layer (issue 56) (~6 min)
@@ -77,6 +80,17 @@ case "$1" in
         for k in moe-sorted default; do XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout 270 python3 \
           benchmarks/bench_quantized_step.py --shape moe --quantizations fp8-block --batches 16 --quant-kernel $k \
           --out $OUT/qstep_moe_fp8_block_$k.json 2>&1 | tail -n 3; done ;;
+  qab) # the block-fp8 default's A/B on one card: the GPU kernel (3–64 tokens) against XLA's scaled activations
+       for k in default xla-blocked; do timeout 200 python3 benchmarks/bench_quantized_step.py --quantizations fp8-block \
+         --batches 16,64 --quant-kernel $k --out $OUT/qstep_8b_fp8_block_$k.json 2>&1 | tail -n 3; done ;;
+  p02big) # p = 0.2 at 64 rows (the H100's table) and 256 rows (timed here), auto and static
+       timeout ${P02_S:-560} python3 benchmarks/bench_compact_scaled.py --batches ${P02_B:-64,256} --corrupt 0.2 \
+         --modes static,auto --repeats 2 $TABLES --out $OUT/p02big.json --plot $OUT/p02big.png 2>&1 | grep -v "^  [^(]" | tail -n 16 ;;
+  moesweep) # the Qwen3-30B-A3B shape in bf16 (H200: 95 % of its memory to JAX), p = 0.3 and 0.2 sharing each batch's
+       # AR reference and table; each batch's JSONs written as it ends (one batch ≈ one call)
+       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout ${MOE_S:-570} python3 benchmarks/bench_compact_scaled.py --shape moe \
+         --batches ${MOE_B:-16} --corrupt 0.3,0.2 --modes static,auto --repeats 2 --out $OUT/moe_b${MOE_B:-16}.json \
+         --plot $OUT/moe_b${MOE_B:-16}.png 2>&1 | grep -v "^  [^(]" | tail -n 16 ;;
   qacts) timeout 170 python3 benchmarks/bench_quantized_step.py --quantizations fp8-block --batches 16,64 \
           --out $OUT/qstep_8b_fp8_block_acts.json 2>&1 | tail -n 4 ;;
   next) for p in 0.2 0.3; do timeout 160 python3 benchmarks/bench_compact_scaled.py --batches 128 --corrupt $p --modes auto \
@@ -113,5 +127,5 @@ case "$1" in
   qsweep1) timeout 570 python3 benchmarks/bench_quantized_step.py --sweep --sweep-tokens 1 --sweep-schemes int8 \
             --repeats 3 --out $OUT/qsweep1.json 2>&1 | tail -n 80 ;;
   qsweep) timeout 570 python3 benchmarks/bench_quantized_step.py --sweep --out $OUT/qsweep.json 2>&1 | tail -n 40 ;;
-  *) echo "usage: $0 recheck|short|kinds|kinds64|qnext|qdefault|qmoesorted|qacts|qblocked|qmoe|pick|topk|p02|p03|qgroup|one|mini|micro|qsweep1|qsweep" >&2; exit 2 ;;
+  *) echo "usage: $0 recheck|short|kinds|kinds64|qnext|qdefault|qmoesorted|qab|p02big|moesweep|qacts|qblocked|qmoe|pick|topk|p02|p03|qgroup|one|mini|micro|qsweep1|qsweep" >&2; exit 2 ;;
 esac
