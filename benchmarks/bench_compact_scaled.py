@@ -317,6 +317,10 @@ def main() -> int:
                          "reference and table, each rate written to its own JSON (--out's name + _p<rate>)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", choices=("none", "int8", "fp8", "fp8-block"), default="none",
+                    help="the target's linear layers, LM head and routed experts quantized on the device "
+                         "(bench_quantized_step.py's schemes; the drafter stays in --dtype). With --corrupt 1: "
+                         "what a user gets at τ = 1 on a quantized target (issue 56's cycle at τ = 1)")
     ap.add_argument("--flat-logits", action="store_true",
                     help="keep the random target as drawn (bf16 rounding then leads rows away from AR's text)")
     ap.add_argument("--tier-draft-span", default="none",
@@ -350,6 +354,11 @@ def main() -> int:
     target = random_target(cfg, jnp.dtype(args.dtype))
     if not args.flat_logits:
         make_predictable(target)
+    if args.quantization != "none":  # after make_predictable: the AR reference is the quantized target's own text
+        from bench_quantized_step import SCHEMES, quantize_model
+
+        quantize_model(target.model, SCHEMES[args.quantization])
+        args.shape_name += f"-{args.quantization}"
     args.corrupts = tuple(float(p) for p in args.corrupt.split(","))
     device = jax.devices()[0]
     outs = {p: args.out if len(args.corrupts) == 1 else args.out.with_name(f"{args.out.stem}_p{p}{args.out.suffix}")

@@ -21,6 +21,7 @@
 #   tiers   does a tier's first run in the process cost a probe its 92 ms (session 43)? bench_switch_cost.py at 128
 #           rows p = 0.2, the untimed first call timed too, with each segment's tiers first run; again with CUDA's
 #           lazy loading off and with the tier switch as a graph node (~8 min)
+#   qtau1   the int8 8B shape at τ = 1 (p = 1) and p = 0.3, static and auto at 1 / 16 rows (\${QTAU1_Q}) (~9 min)
 #   graphs  the tiers phase's first call with XLA's command buffers (CUDA graphs) off, then on (~6 min)
 #   qdefault block fp8 at 1 / 16 / 64 rows with the defaults (the GPU kernel from 3 to 64 tokens) (~4 min)
 #   qmoesorted the MoE shape's block-fp8 AR step and cycle at 16 rows, quantized experts past E pairs through the
@@ -107,6 +108,10 @@ case "$1" in
            --out $OUT/switch_tiers_b128_eager.json 2>&1 | grep -A14 "first call"
          timeout 170 python3 benchmarks/bench_switch_cost.py --batch 128 --corrupt 0.2 --host-tier-switch off \
            $H100T --out $OUT/switch_tiers_b128_node.json 2>&1 | grep -A14 "first call" ;;
+  qtau1) # issue 56's cycle at τ = 1 as users get it: the int8 8B shape, auto (and static) at p = 1 (every draft
+        # wrong) and p = 0.3, 1 and 16 rows, each batch's table timed in the run
+        timeout ${QTAU1_S:-560} python3 benchmarks/bench_compact_scaled.py --quantization ${QTAU1_Q:-int8} --batches 1,16 \
+          --corrupt 1.0,0.3 --modes static,auto --repeats 3 --out $OUT/qtau1.json 2>&1 | grep -v "^  [^(]" | tail -n 16 ;;
   graphs) # is the drafted program's first run after the fallback's (79 ms for a 27 ms step, session 44) CUDA graphs
          # being recorded and instantiated? the tiers phase's first call with XLA's command buffers off, then on
          H100T="--cost-table tools/remote_gpu/h100_8b_tables.json"
@@ -135,5 +140,5 @@ case "$1" in
   qsweep1) timeout 570 python3 benchmarks/bench_quantized_step.py --sweep --sweep-tokens 1 --sweep-schemes int8 \
             --repeats 3 --out $OUT/qsweep1.json 2>&1 | tail -n 80 ;;
   qsweep) timeout 570 python3 benchmarks/bench_quantized_step.py --sweep --out $OUT/qsweep.json 2>&1 | tail -n 40 ;;
-  *) echo "usage: $0 recheck|short|kinds|kinds64|qnext|qdefault|qmoesorted|qab|p02big|moesweep|graphs|qacts|qblocked|qmoe|pick|topk|p02|p03|qgroup|one|mini|micro|qsweep1|qsweep" >&2; exit 2 ;;
+  *) echo "usage: $0 recheck|short|kinds|kinds64|qnext|qdefault|qmoesorted|qab|p02big|moesweep|graphs|qtau1|qacts|qblocked|qmoe|pick|topk|p02|p03|qgroup|one|mini|micro|qsweep1|qsweep" >&2; exit 2 ;;
 esac
