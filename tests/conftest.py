@@ -416,9 +416,9 @@ def smollm2():
 def smollm2_drafter(smollm2):
     """The shipped SmolLM2 drafter, for the session's SmolLM2 target."""
     from dflash_jax import load_drafter
-    from dflash_jax.loading import _ASSETS
+    from dflash_jax.loading import shipped_drafter_dir
 
-    return load_drafter(_ASSETS / "smollm2-135m-dflash", smollm2)
+    return load_drafter(shipped_drafter_dir("embedded:smollm2-135m-dflash"), smollm2)
 
 
 def hf_greedy_tokens(hf_model, prompts: list[list[int]], new: int) -> list[list[int]]:
