@@ -845,6 +845,27 @@ def test_calibrate_command_writes_a_table_and_its_plot(tmp_path, capsys):
     assert "wrote the cpu table" in capsys.readouterr().out
 
 
+def test_a_step_is_timed_without_its_calls_own_cost():
+    """calibrate times a step as the slope of a call's time over its steps: a call that costs 3 ms of its own
+    (a GPU's dispatch and wait) plus 1 ms a step reads 1 ms a step, not 1.5 (3 ms over 6 steps); a pair of calls
+    that noise makes look equal still reads a fifth of the longer call's mean step, never 0."""
+    now = [0.0]
+
+    def clock():
+        return now[0]
+
+    def program(call_s, step_s):
+        def fn(params, state, index, n):
+            now[0] += call_s + int(n) * step_s
+            return state + 1
+        return fn
+
+    ms, state = calibrate._timed(program(3e-3, 1e-3), None, np.int32(0), 0, repeats=18, clock=clock)
+    assert ms == pytest.approx(1.0) and int(state) == 1 + 2 * calibrate.ROUNDS  # a warm-up, then 2 calls a round
+    ms, _ = calibrate._timed(program(3e-3, 0.0), None, np.int32(0), 0, repeats=18, clock=clock)
+    assert ms == pytest.approx(0.2 * 3.0 / 12)
+
+
 def test_an_interrupted_calibration_keeps_the_batches_it_timed(tmp_path, monkeypatch):
     """Each batch's row is in the costs file as soon as it is timed: a calibration stopped during its second batch
     leaves the first (and the rows an earlier run of the same measurement timed)."""
