@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     cal.add_argument("--batches", default="1,4,16,32,64,128", help="comma-separated batch sizes to time")
     cal.add_argument("--context", type=int, default=256, help="tokens in each row's cache while timing")
     cal.add_argument("--repeats", type=int, default=20,
-                     help="per tier, 3 calls of repeats/3 timed steps and 3 of twice that; a step costs the slope "
+                     help="per tier, 3 calls of 2·(repeats/3) timed steps and 3 of none; a step costs the slope "
                           "between their medians (a call's own cost left out)")
     cal.add_argument("--block-size", type=int, help="default: the drafter's trained verify width")
     cal.add_argument("--out", help="costs file to write (default: configs/<pair>.costs.json, one table per backend "

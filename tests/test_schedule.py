@@ -847,8 +847,8 @@ def test_calibrate_command_writes_a_table_and_its_plot(tmp_path, capsys):
 
 def test_a_step_is_timed_without_its_calls_own_cost():
     """calibrate times a step as the slope of a call's time over its steps: a call that costs 3 ms of its own
-    (a GPU's dispatch and wait) plus 1 ms a step reads 1 ms a step, not 1.5 (3 ms over 6 steps); a pair of calls
-    that noise makes look equal still reads a fifth of the longer call's mean step, never 0."""
+    (a GPU's dispatch and wait) plus 1 ms a step reads 1 ms a step, not 1.25 (3 ms over 12 steps); calls that
+    noise makes look equal still read a fifth of the long call's mean step, never 0."""
     now = [0.0]
 
     def clock():

@@ -37,8 +37,8 @@ def measure(target, drafter, *, batches=(1, 4, 16, 32, 64, 128), block_size: int
     as in the decode loop) that runs the step in a ``lax.while_loop``, as decoding does: one call's dispatch
     and the host's wait are spread over its steps instead of added to each (on a GPU they are a large part of
     a small model's step, and timing one step per call flattened the table); a step's time is the slope of a
-    call's time over its steps (:func:`_timed`: calls of ``repeats // ROUNDS`` steps and of twice that, ``ROUNDS``
-    each after one warm-up), so that the call's own cost is left out. ``progress``: called
+    call's time over its steps (:func:`_timed`: calls of no step and of ``2 · (repeats // ROUNDS)`` steps,
+    ``ROUNDS`` each after one warm-up), so that the call's own cost is left out. ``progress``: called
     with a line per batch; ``time_static=False`` leaves the static step out (one program less to compile);
     ``tuning``: the programs' knobs (default ``Tuning()``)."""
     target, drafter = as_target(target), as_drafter(drafter)
@@ -148,20 +148,22 @@ def _step_program(job, step):
 
 
 def _timed(fn, params, state, index: int, repeats: int, clock=time.perf_counter):
-    """(ms a step of program index ``index``, the state after). Each of ``ROUNDS`` rounds times a call of
-    n = ``repeats // ROUNDS`` steps and one of 2n; a step costs the slope between the two calls' median times.
-    A call's own cost — its dispatch, the while loop's entry, the host's wait — is paid once, not per step: on a
-    GPU it is a few ms, as much as a small model's step, and spread over a few steps it added the same to every
-    entry, the cheap autoregressive step's most, so that drafting read cheaper against it than it is
-    (benchmarks/journal/RESULTS.md, session 47). The slope is kept at no less than a fifth of the longer call's
-    mean step, so that a noisy pair of calls cannot make a step free. ``clock``: seconds (tests)."""
-    n = max(1, repeats // ROUNDS)
+    """(ms a step of program index ``index``, the state after). Each of ``ROUNDS`` rounds times a call that runs no
+    step and one of 2n steps (n = ``repeats // ROUNDS``); a step costs the slope between the two calls' median
+    times. A call's own cost — its dispatch, the while loop's entry, the host's wait — is paid once, not per step:
+    on a GPU it is a few ms, as much as a small model's step, and spread over a few steps it added the same to
+    every entry, the cheap autoregressive step's most, so that drafting read cheaper against it than it is
+    (benchmarks/journal/RESULTS.md, session 47). The call without steps is short and steady, so the slope reads
+    about as steadily as a call's mean step and more so than the slope between calls of n and 2n steps
+    (``benchmarks/tools/calibrate_timing.py``). It is kept at no less than a fifth of the long call's mean step,
+    so that a noisy pair of calls cannot make a step free. ``clock``: seconds (tests)."""
+    steps = 2 * max(1, repeats // ROUNDS)
     state = jax.block_until_ready(fn(params, state, np.int32(index), np.int32(1)))
-    times: dict[int, list[float]] = {n: [], 2 * n: []}
+    times: dict[int, list[float]] = {0: [], steps: []}
     for _ in range(ROUNDS):
-        for steps in times:
+        for n in times:
             t0 = clock()
-            state = jax.block_until_ready(fn(params, state, np.int32(index), np.int32(steps)))
-            times[steps].append(clock() - t0)
-    short, long = float(np.median(times[n])), float(np.median(times[2 * n]))
-    return 1e3 * max((long - short) / n, 0.2 * long / (2 * n)), state
+            state = jax.block_until_ready(fn(params, state, np.int32(index), np.int32(n)))
+            times[n].append(clock() - t0)
+    empty, full = float(np.median(times[0])), float(np.median(times[steps]))
+    return 1e3 * max((full - empty) / steps, 0.2 * full / steps), state
