@@ -58,7 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))  # table_ceiling
 
 import table_ceiling  # noqa: E402
-from common import QWEN3_8B, QWEN3_30B_A3B, fallback_log_line, random_target, source_commit  # noqa: E402
+from common import (QWEN3_8B, QWEN3_30B_A3B, SCHEMES, fallback_log_line, quantize_model,  # noqa: E402
+                    random_target, source_commit)
 from dflash_jax import costs, generate, random_drafter, speculative_generate  # noqa: E402
 from dflash_jax.config import model_config_from_hf  # noqa: E402
 from dflash_jax.engine import calibrate  # noqa: E402
@@ -319,7 +320,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", choices=("none", "int8", "fp8", "fp8-block"), default="none",
                     help="the target's linear layers, LM head and routed experts quantized on the device "
-                         "(bench_quantized_step.py's schemes; the drafter stays in --dtype). With --corrupt 1: "
+                         "(common.SCHEMES, as bench_quantized_step.py; the drafter stays in --dtype). With --corrupt 1: "
                          "what a user gets at τ = 1 on a quantized target (issue 56's cycle at τ = 1)")
     ap.add_argument("--flat-logits", action="store_true",
                     help="keep the random target as drawn (bf16 rounding then leads rows away from AR's text)")
@@ -355,8 +356,6 @@ def main() -> int:
     if not args.flat_logits:
         make_predictable(target)
     if args.quantization != "none":  # after make_predictable: the AR reference is the quantized target's own text
-        from bench_quantized_step import SCHEMES, quantize_model
-
         quantize_model(target.model, SCHEMES[args.quantization])
         args.shape_name += f"-{args.quantization}"
     args.corrupts = tuple(float(p) for p in args.corrupt.split(","))

@@ -70,18 +70,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ (common,
 sys.path.insert(0, str(Path(__file__).resolve().parent / "tools"))  # step_parts
 
 from bench_compact_scaled import CPU_FAST_COMPILE, SHAPES  # noqa: E402
-from common import device_profile, print_profile, random_target, source_commit  # noqa: E402
+from common import (SCHEMES, device_profile, print_profile, quantize_model, quantize_on_device,  # noqa: E402
+                    random_target, source_commit)
 from step_parts import device_rates, parts, program, timed  # noqa: E402
 from dflash_jax import random_drafter  # noqa: E402
 from dflash_jax.cuda import quantized as cuda_quantized  # noqa: E402
 from dflash_jax.engine import job as jobs  # noqa: E402
 from dflash_jax.kernels.quantized import reference as quantized_reference  # noqa: E402
-from dflash_jax.models.layers import quantizable  # noqa: E402
-from dflash_jax.models.moe import PROJECTIONS, quantizable_experts  # noqa: E402
-from dflash_jax.quant import Scheme, param_bytes  # noqa: E402
+from dflash_jax.quant import param_bytes  # noqa: E402
 from dflash_jax.tuning import Tuning  # noqa: E402
 
-SCHEMES = {"bf16": None, "int8": Scheme("int8"), "fp8": Scheme("fp8"), "fp8-block": Scheme("fp8", (128, 128))}
 LAYERS_8B = ((4096, 4096), (4096, 1024), (4096, 12288), (12288, 4096), (4096, 151936))
 SWEEP = ({}, dict(block_e=128), dict(block_e=32), dict(block_e=16), dict(block_d=256), dict(block_d=512),
          dict(num_warps=8), dict(num_stages=3), dict(num_splits=1), dict(programs_per_sm=2), dict(programs_per_sm=8),
@@ -96,36 +94,6 @@ SWEEP = ({}, dict(block_e=128), dict(block_e=32), dict(block_e=16), dict(block_d
          dict(block_e=256, block_d=32), dict(block_e=256, block_d=64, num_warps=8),
          dict(block_e=512, block_d=16, num_warps=8), dict(block_e=256, block_d=32, programs_per_sm=8))
 SWEEP_BYTES = 320e6  # the copies of a swept matrix together: well past an H100's / H200's 50 MB L2
-
-
-@functools.partial(jax.jit, static_argnums=(1,))
-def quantize_on_device(w: jax.Array, scheme: Scheme) -> tuple[jax.Array, jax.Array]:
-    """``w [..., in, out]`` → (values, float32 scales ``[..., nbi, nbo]``): :func:`dflash_jax.quant.quantize`'s
-    rule (symmetric, each block's largest magnitude to the format's largest value), on the device."""
-    d_in, d_out = w.shape[-2:]
-    (bi, bo), (nbi, nbo) = scheme.blocks(d_in, d_out), scheme.scale_shape(d_in, d_out)
-    lead = w.shape[:-2]
-    pad = [(0, 0)] * len(lead) + [(0, nbi * bi - d_in), (0, nbo * bo - d_out)]
-    blocks = jnp.pad(w.astype(jnp.float32), pad).reshape(*lead, nbi, bi, nbo, bo)
-    amax = jnp.max(jnp.abs(blocks), axis=(-3, -1))
-    scale = jnp.where(amax > 0, amax / scheme.qmax, 1.0)
-    x = jnp.clip(blocks / scale[..., :, None, :, None], -scheme.qmax, scheme.qmax)
-    x = jnp.rint(x) if scheme.kind == "int8" else x
-    q = x.astype(scheme.dtype).reshape(*lead, nbi * bi, nbo * bo)[..., :d_in, :d_out]
-    return q, scale
-
-
-def quantize_model(model, scheme: Scheme) -> None:
-    """Every linear layer (the LM head included) and the routed experts of ``model`` (a model or one of its layers)
-    quantized in place; those already quantized are left as they are."""
-    for _, dense in quantizable(model):
-        if dense.quant is None:
-            q, s = quantize_on_device(dense.kernel[...], scheme)
-            dense.set_quantized(scheme, q, s)
-    for _, experts in quantizable_experts(model):
-        if experts.quant is None:
-            experts.set_quantized(scheme, {p: quantize_on_device(getattr(experts, p)[...], scheme)
-                                           for p in PROJECTIONS})
 
 
 def step_bytes(model, tokens: int) -> float:

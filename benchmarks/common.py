@@ -4,6 +4,7 @@ bandwidth probes and warm-up, switches that turn compact's GPU kernels off for A
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
@@ -18,6 +19,9 @@ from flax import nnx
 from dflash_jax import families
 from dflash_jax.config import ModelConfig, RopeConfig
 from dflash_jax.loading import Target
+from dflash_jax.models.layers import quantizable
+from dflash_jax.models.moe import PROJECTIONS, quantizable_experts
+from dflash_jax.quant import Scheme
 
 QWEN3_8B = ModelConfig(family="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
                        num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
@@ -58,6 +62,40 @@ def source_commit() -> str:
         return "unknown"
     changed = [line for line in status if not (line.startswith("D  ") and (root / line[3:]).exists())]
     return (head + ("+changes" if changed else "")) if head else "unknown"
+
+
+# The quantized schemes of the shaped benchmarks, by their command-line names (bf16: none)
+SCHEMES = {"bf16": None, "int8": Scheme("int8"), "fp8": Scheme("fp8"), "fp8-block": Scheme("fp8", (128, 128))}
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def quantize_on_device(w: jax.Array, scheme: Scheme) -> tuple[jax.Array, jax.Array]:
+    """``w [..., in, out]`` → (values, float32 scales ``[..., nbi, nbo]``): :func:`dflash_jax.quant.quantize`'s
+    rule (symmetric, each block's largest magnitude to the format's largest value), on the device."""
+    d_in, d_out = w.shape[-2:]
+    (bi, bo), (nbi, nbo) = scheme.blocks(d_in, d_out), scheme.scale_shape(d_in, d_out)
+    lead = w.shape[:-2]
+    pad = [(0, 0)] * len(lead) + [(0, nbi * bi - d_in), (0, nbo * bo - d_out)]
+    blocks = jnp.pad(w.astype(jnp.float32), pad).reshape(*lead, nbi, bi, nbo, bo)
+    amax = jnp.max(jnp.abs(blocks), axis=(-3, -1))
+    scale = jnp.where(amax > 0, amax / scheme.qmax, 1.0)
+    x = jnp.clip(blocks / scale[..., :, None, :, None], -scheme.qmax, scheme.qmax)
+    x = jnp.rint(x) if scheme.kind == "int8" else x
+    q = x.astype(scheme.dtype).reshape(*lead, nbi * bi, nbo * bo)[..., :d_in, :d_out]
+    return q, scale
+
+
+def quantize_model(model, scheme: Scheme) -> None:
+    """Every linear layer (the LM head included) and the routed experts of ``model`` (a model or one of its layers)
+    quantized in place; those already quantized are left as they are."""
+    for _, dense in quantizable(model):
+        if dense.quant is None:
+            q, s = quantize_on_device(dense.kernel[...], scheme)
+            dense.set_quantized(scheme, q, s)
+    for _, experts in quantizable_experts(model):
+        if experts.quant is None:
+            experts.set_quantized(scheme, {p: quantize_on_device(getattr(experts, p)[...], scheme)
+                                           for p in PROJECTIONS})
 
 
 def random_target(cfg: ModelConfig, dtype, seed: int = 0, after_layer=None) -> Target:

@@ -153,7 +153,7 @@ def _timed(fn, params, state, index: int, repeats: int, clock=time.perf_counter)
     times. A call's own cost — its dispatch, the while loop's entry, the host's wait — is paid once, not per step:
     on a GPU it is a few ms, as much as a small model's step, and spread over a few steps it added the same to
     every entry, the cheap autoregressive step's most, so that drafting read cheaper against it than it is
-    (benchmarks/journal/RESULTS.md, session 47). The call without steps is short and steady, so the slope reads
+    (benchmarks/README.md, "Large batches"). The call without steps is short and steady, so the slope reads
     about as steadily as a call's mean step and more so than the slope between calls of n and 2n steps
     (``benchmarks/tools/calibrate_timing.py``). It is kept at no less than a fifth of the long call's mean step,
     so that a noisy pair of calls cannot make a step free. ``clock``: seconds (tests)."""

@@ -214,7 +214,7 @@ def experts_dense_quantized(x: Float[Array, "N D"], weights: Float[Array, "N K"]
     reference` of an expert's values and scales, so at most G experts' values are ever converted; the weighted
     outputs summed in float32. G is the largest divisor of E whose experts' converted weights fit ``step_bytes``
     (at least 1; 0: one expert a step). One expert a step made a 16-row verify of the Qwen3-30B-A3B shape 6,144
-    loop iterations of small dots (its cycle: 177 ms on an H200, benchmarks/README.md)."""
+    loop iterations of small dots (benchmarks/README.md, "Quantized targets")."""
     e = gate.shape[0]
     dense_w = jnp.sum(jax.nn.one_hot(idx, e, dtype=x.dtype) * weights[..., None], axis=1)  # [N, E]
     bias = biases if biases is not None else (jnp.zeros(gate.shape[::2], x.dtype),) * 2 + (
