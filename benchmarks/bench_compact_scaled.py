@@ -320,8 +320,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--quantization", choices=("none", "int8", "fp8", "fp8-block"), default="none",
                     help="the target's linear layers, LM head and routed experts quantized on the device "
-                         "(common.SCHEMES, as bench_quantized_step.py; the drafter stays in --dtype). With --corrupt 1: "
-                         "what a user gets at τ = 1 on a quantized target (issue 56's cycle at τ = 1)")
+                         "(common.SCHEMES, as bench_quantized_step.py; the drafter stays in --dtype). With "
+                         "--corrupt 1: what a user gets at τ = 1 on a quantized target (issue 56's cycle at τ = 1)")
     ap.add_argument("--flat-logits", action="store_true",
                     help="keep the random target as drawn (bf16 rounding then leads rows away from AR's text)")
     ap.add_argument("--tier-draft-span", default="none",
