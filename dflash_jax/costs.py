@@ -75,8 +75,9 @@ class CostTable:
 
     def fallback_cost(self, batch: int) -> float | None:
         """Milliseconds of a plain autoregressive step of ``batch`` rows: :attr:`fallback_ms`, else the scheduler's
-        step without drafting (None: neither in the table)."""
-        return _column(self.fallback_ms, batch) if self.fallback_ms else self.ar_cost(batch)
+        step without drafting (None: neither in the table). Each measured batch gives its own (a table that a
+        calibration of some batches was merged into times the plain step at those only), interpolated between."""
+        return _column({**self.ar_ms, **self.fallback_ms}, batch)
 
     def explain(self, batch: int) -> str | None:
         """Why speculative decoding does or does not pay at ``batch`` rows on the machine measured, from the

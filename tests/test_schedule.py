@@ -776,6 +776,12 @@ def test_cost_table_interpolation_and_files(tmp_path):
     merged = costs.load_tables(path)["gpu"]
     assert merged.ar_ms == {1: 0.4, 4: 0.8} and merged.static_ms == {1: 0.55, 4: 1.1}
     assert costs.save_table(path, dataclasses.replace(more, context=256)).step_ms == more.step_ms
+    # A plain step timed at batch 4 only, merged into batches that timed the scheduler's step without drafting:
+    # each batch keeps its own measurement (batch 1's is not batch 4's carried down).
+    plain = dataclasses.replace(more, fallback_ms={4: 0.6}).merged_into(gpu)
+    assert plain.fallback_cost(4) == 0.6 and plain.fallback_cost(1) == 0.4
+    assert plain.fallback_cost(2) == pytest.approx(0.5)  # halfway in log₂ batch
+    assert gpu.fallback_cost(1) == 0.4 and table.fallback_cost(1) is None
     assert costs.resolve(str(path), "gpu").device == "H200"
     with pytest.raises(costs.CostTableError, match="no table for the tpu backend"):
         costs.resolve(str(path), "tpu")
