@@ -467,6 +467,38 @@ def test_policy_decisions():
     assert p.mode == DRAFT and p.next_segment() == DRAFT and p.backoff == 1 and not p.probing
 
 
+def test_a_segment_that_would_leave_a_short_tail_runs_until_the_rows_are_done(tiny):
+    """The rows' budgets nearly spent within one more drafted segment: that segment runs until they are, instead of
+    ending a few steps short and leaving a tail segment (its return to the host) — same tokens, one segment fewer."""
+    target, prompts, _ = tiny
+    ref = generate(target, prompts, max_new_tokens=50, stop_token_ids=[])
+    right = oracle_drafter(target, prompts, ref.token_ids, block_size=L, corrupt=0.0)  # τ = L throughout
+    logs = {}
+    for finish_within in (SwitchTuning().finish_within, -1.0):  # (-1: never run past the running length)
+        t = tuning(drafted_segment_cycles=4, remember_acceptance=False).replace(
+            switching=SwitchTuning(finish_within=finish_within))
+        out = speculative_generate(target, right, prompts, 50, stop_token_ids=[], cost_table=table(3), tuning=t)
+        assert out.token_ids == ref.token_ids
+        logs[finish_within] = [e["steps"] for e in check_log(out.stats) if e["segment"] in (DRAFT, "probe")]
+    extended, plain = logs.values()
+    assert len(extended) == len(plain) - 1 and sum(extended) == sum(plain)
+    assert extended[-1] > 4 >= max(plain) and plain[-1] < 4  # the tail held in a longer last segment
+
+
+def test_segment_cycles_follow_the_rows_budgets():
+    p = SwitchPolicy(FB, max_cycles=8)
+    assert p.segment_cycles(np.array([40, 10])) == p.cycles  # nothing observed yet
+    p.drafted(*segment(4), 2.0)
+    assert p.cycles == 4
+    assert p.segment_cycles(np.array([40, 0])) == 4  # 10 steps needed: more than 1.5 segments
+    assert p.segment_cycles(np.array([24, 3])) == 8  # 6 steps, read at 3 tokens a step: 8 cycles
+    assert p.segment_cycles(np.array([8, 0])) == 4  # within the running length: unchanged
+    assert p.segment_cycles(np.zeros(2, int)) == 4
+    pool = SwitchPolicy(FB, pooled=True, max_cycles=8)  # a pool's rows are refilled: its budgets end nothing
+    pool.drafted(*segment(4), 2.0)
+    assert pool.segment_cycles(np.array([24, 3])) == pool.cycles == 4
+
+
 def test_a_few_unlucky_cycles_do_not_end_drafting():
     """One row, two cycles that accepted nothing: 0.5× by the point estimate, but 1.5 standard errors up (τ̂ / √2
     each) it could pay: drafting goes on; twenty such cycles end it."""

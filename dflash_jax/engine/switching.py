@@ -184,6 +184,20 @@ class SwitchPolicy:
             steps = expected_slowest(left / tau, np.sqrt(left * self.var / tau ** 3))
         return up * (left.max() * ar_ms) / (steps * self.step_ms)
 
+    def segment_cycles(self, left: np.ndarray) -> int:
+        """A drafted segment's cycles, given each row's budget ``left`` [B] (tokens; 0: done) as it starts: the
+        running length (:attr:`cycles`), or where the rows are expected to spend their budgets within
+        ``finish_within`` segments more, enough for them to (their slowest row's luck allowed for by reading the
+        batch's τ a quarter low): a segment ends with a return to the host, and the call's last one would
+        otherwise often be a few steps (``SwitchTuning.finish_within``). Not for probes, nor in a pool."""
+        active = left > 0
+        if self.pooled or self.tau is None or not active.any():
+            return self.cycles
+        need = float(left[active].max()) / self.tau
+        if need > (1.0 + self.settings.finish_within) * self.cycles:
+            return self.cycles
+        return max(self.cycles, int(np.ceil(need / 0.75)))
+
     def drafted(self, tokens: np.ndarray, steps: np.ndarray, left: np.ndarray, step_ms: float,
                 wall_ms: float | None = None, squares: np.ndarray | None = None, cold: bool = False) -> None:
         """A drafted segment: per row, the tokens it committed in its ``steps`` active steps and the budget it has
@@ -460,11 +474,15 @@ class SwitchingDecoder(Decoder):
                 self.segment = _Segment(mode, before.shape[0], mode == DRAFT and self.policy.probing,
                                         check=mode == AUTOREGRESSIVE and self.policy.checking,
                                         cold=mode == DRAFT and not self.drafting)
+                seg = self.segment
+                if seg.mode == AUTOREGRESSIVE:
+                    seg.length = self.policy.settings.ar_check_steps if seg.check else self.ar_steps
+                elif seg.probe:
+                    seg.length = self.policy.probe_len
+                else:
+                    seg.length = self.policy.segment_cycles(_budget_left(before))
             seg = self.segment
-            if seg.mode == AUTOREGRESSIVE:
-                length = self.policy.settings.ar_check_steps if seg.check else self.ar_steps
-            else:
-                length = self.policy.probe_len if seg.probe else self.policy.cycles
+            length = seg.length
             n = min(left, length - seg.ran)
             program = self.job.programs.decode if seg.mode == DRAFT else self._fallback_program()
             key = self.job.key + ((seg.mode, self.ar_steps) if seg.mode == AUTOREGRESSIVE else ())
@@ -525,7 +543,7 @@ class SwitchingDecoder(Decoder):
         if done.all():  # the run is over: nothing left to decide, and its last cycles say little (below)
             self.record.note(kind, seg.ran, seg.wall_ms, self.policy, ran_tiers)
             return
-        left = np.where(done, 0, after[:, 3] - after[:, 1])
+        left = _budget_left(after)
         fb = self.policy.fallback
         tiers = seg.tiers
         step_ms = float(tiers @ np.asarray(fb.drafted_ms) / tiers.sum()) if tiers.sum() else fb.drafted_ms[-1]
@@ -585,6 +603,7 @@ class _Segment:
 
     def __init__(self, mode: str, rows: int, probe: bool = False, check: bool = False, cold: bool = False):
         self.mode, self.probe, self.check, self.cold, self.ran = mode, probe, check, cold, 0
+        self.length = 0  # the loop iterations it runs at most, fixed as it starts
         self.seconds = 0.0  # wall time of its calls, each from dispatch to its counts on the host
         self.timed = True  # no call was its program's first run in this process
         self.tokens = np.zeros(rows, np.int64)
@@ -608,6 +627,11 @@ class _Segment:
         tiers = (after[0, 5:] - before[0, 5:]).astype(np.float64)  # steps per tier (scheduled modes)
         self.tiers = tiers if not self.tiers.size else self.tiers + tiers
         return ran
+
+
+def _budget_left(counts: np.ndarray) -> np.ndarray:
+    """[B] tokens each row may still commit, from :func:`_counts`'s columns (0: done)."""
+    return np.where(counts[:, 2] > 0, 0, counts[:, 3] - counts[:, 1])
 
 
 def _counts(state: DecodeState) -> jax.Array:
