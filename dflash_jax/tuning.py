@@ -172,10 +172,11 @@ class SwitchTuning:
     # little. (Drafted segments while it is not yet clear that drafting pays keep ``probe_cycles``: each ends with
     # a return to the host.)
     probe_row_steps: int = 32
-    # A drafted segment that would leave the rows' budgets needing at most this many segments' cycles more (at the
-    # batch's running τ) runs until they are spent instead: each segment ends with a return to the host (a few ms
-    # on a GPU, where a call's last segment was often a few steps: benchmarks/README.md, "Large batches"), and the
-    # loop returns anyway once every row is done. Not in a pool (its rows are refilled).
+    # While drafting clearly pays, a drafted segment that would leave the rows' budgets needing at most this many
+    # segments' cycles more (at the batch's running τ) runs until they are spent instead: each segment ends with a
+    # return to the host (a few ms on a GPU, where a call's last segment was often a few steps:
+    # benchmarks/README.md, "Large batches"), and the loop returns anyway once every row is done. Not in a pool
+    # (its rows are refilled).
     finish_within: float = 0.5
     # A row's own τ counts against the batch's as if the batch's had been seen over this many of its steps.
     row_prior_steps: int = 16

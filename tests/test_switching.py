@@ -494,6 +494,8 @@ def test_segment_cycles_follow_the_rows_budgets():
     assert p.segment_cycles(np.array([24, 3])) == 8  # 6 steps, read at 3 tokens a step: 8 cycles
     assert p.segment_cycles(np.array([8, 0])) == 4  # within the running length: unchanged
     assert p.segment_cycles(np.zeros(2, int)) == 4
+    p.drafted(*segment(0.2), 2.0)  # τ now 2.1 (running): 1.05× AR, not clearly (1.5 standard errors down)
+    assert p.mode == DRAFT and p.cycles == 2 and p.segment_cycles(np.array([5, 1])) == 2  # (clearly: 4)
     pool = SwitchPolicy(FB, pooled=True, max_cycles=8)  # a pool's rows are refilled: its budgets end nothing
     pool.drafted(*segment(4), 2.0)
     assert pool.segment_cycles(np.array([24, 3])) == pool.cycles == 4

@@ -186,13 +186,17 @@ class SwitchPolicy:
 
     def segment_cycles(self, left: np.ndarray) -> int:
         """A drafted segment's cycles, given each row's budget ``left`` [B] (tokens; 0: done) as it starts: the
-        running length (:attr:`cycles`), or where the rows are expected to spend their budgets within
-        ``finish_within`` segments more, enough for them to (their slowest row's luck allowed for by reading the
-        batch's τ a quarter low): a segment ends with a return to the host, and the call's last one would
-        otherwise often be a few steps (``SwitchTuning.finish_within``). Not for probes, nor in a pool."""
+        running length (:attr:`cycles`), or — while drafting clearly pays (as for doubling the length) and the rows
+        are expected to spend their budgets within ``finish_within`` segments more — enough for them to (their
+        slowest row's luck allowed for by reading the batch's τ a quarter low): a segment ends with a return to the
+        host, and the call's last one would otherwise often be a few steps (``SwitchTuning.finish_within``). Not
+        for probes, nor in a pool."""
         active = left > 0
-        if self.pooled or self.tau is None or not active.any():
+        if self.pooled or self.tau is None or self.mode != DRAFT or not active.any():
             return self.cycles
+        cfg = self.settings
+        if self.value(optimism=-cfg.leave_optimism) < 1.0 + cfg.leave_margin:
+            return self.cycles  # near break-even: keep deciding at the running length
         need = float(left[active].max()) / self.tau
         if need > (1.0 + self.settings.finish_within) * self.cycles:
             return self.cycles
