@@ -198,7 +198,7 @@ class SwitchPolicy:
         if self.value(optimism=-cfg.leave_optimism) < 1.0 + cfg.leave_margin:
             return self.cycles  # near break-even: keep deciding at the running length
         need = float(left[active].max()) / self.tau
-        if need > (1.0 + self.settings.finish_within) * self.cycles:
+        if need > (1.0 + cfg.finish_within) * self.cycles:
             return self.cycles
         return max(self.cycles, int(np.ceil(need / 0.75)))
 
