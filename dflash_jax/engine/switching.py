@@ -474,17 +474,7 @@ class SwitchingDecoder(Decoder):
             self.drafting = False
         while True:
             if self.segment is None:
-                mode = self.policy.next_segment()
-                self.segment = _Segment(mode, before.shape[0], mode == DRAFT and self.policy.probing,
-                                        check=mode == AUTOREGRESSIVE and self.policy.checking,
-                                        cold=mode == DRAFT and not self.drafting)
-                seg = self.segment
-                if seg.mode == AUTOREGRESSIVE:
-                    seg.length = self.policy.settings.ar_check_steps if seg.check else self.ar_steps
-                elif seg.probe:
-                    seg.length = self.policy.probe_len
-                else:
-                    seg.length = self.policy.segment_cycles(_budget_left(before))
+                self.segment = self._start_segment(before)
             seg = self.segment
             length = seg.length
             n = min(left, length - seg.ran)
@@ -509,6 +499,18 @@ class SwitchingDecoder(Decoder):
                     progs.CACHE.warm.add(self.job.key)
                 self.returned = id(state)
                 return state, packed
+
+    def _start_segment(self, counts: np.ndarray) -> "_Segment":
+        """The next segment, as the policy chooses it, with its length fixed (``counts``: :func:`_counts` now)."""
+        policy = self.policy
+        mode = policy.next_segment()
+        seg = _Segment(mode, counts.shape[0], mode == DRAFT and policy.probing,
+                       check=mode == AUTOREGRESSIVE and policy.checking, cold=mode == DRAFT and not self.drafting)
+        if mode == AUTOREGRESSIVE:
+            seg.length = policy.settings.ar_check_steps if seg.check else self.ar_steps
+        else:
+            seg.length = policy.probe_len if seg.probe else policy.segment_cycles(_budget_left(counts))
+        return seg
 
     def begin_call(self, max_new: int) -> bool:
         segments = -(-max_new // self.ar_steps)
